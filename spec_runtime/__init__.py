@@ -1,0 +1,35 @@
+"""specedge runtime: exact speculative decoding on exported graphs.
+
+Imports numpy (and, when a bundle is loaded, onnxruntime and tokenizers) only: it never imports
+torch or transformers, and does nothing at import time beyond defining names.
+"""
+
+from .drafts import ModelDraft, NgramDraft
+from .engine import CacheCapacityError, Engine
+from .generator import GenerationResult, Generator
+from .sampling import NonFiniteLogitsError, SamplingParams, sample, verify, warp
+from .stats import expected_speedup, expected_tokens_per_round
+
+__all__ = [
+    "CacheCapacityError",
+    "Engine",
+    "GenerationResult",
+    "Generator",
+    "ModelDraft",
+    "NgramDraft",
+    "NonFiniteLogitsError",
+    "SamplingParams",
+    "expected_speedup",
+    "expected_tokens_per_round",
+    "load",
+    "sample",
+    "verify",
+    "warp",
+]
+
+
+def load(bundle_dir, device: str = "cpu", **kwargs) -> Generator:
+    """Open an exported bundle (see `specexport build`) and return its `Generator`."""
+    from .bundle import load_bundle
+
+    return load_bundle(bundle_dir, device=device, **kwargs)

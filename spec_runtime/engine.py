@@ -1,0 +1,33 @@
+"""The engine interface the decode loop drives.
+
+An engine is one model with a static KV cache of fixed capacity `max_len`, allocated once. It is
+driven by positions: `forward(tokens, pos, num_logits)` writes the cache slots pos..pos+n-1 and
+returns logits for the last `num_logits` of those n tokens. Slots past the last written position
+are stale and masked by the graph, so rolling back rejected draft tokens is just calling the next
+`forward` with a smaller `pos`; nothing is copied or cropped.
+
+Encoder-decoder engines additionally implement `encode(source_ids)`, called once per request
+before the first `forward` (which then runs the decoder).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Engine(Protocol):
+    vocab_size: int
+    max_len: int
+
+    def reset(self) -> None:
+        """Start a new request (the cache may keep stale values: positions make them invisible)."""
+
+    def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
+        """tokens int64 [n] at positions pos..pos+n-1 -> logits float32 [num_logits, V]."""
+
+
+class CacheCapacityError(ValueError):
+    """A request needs more positions than the engine's static cache holds."""

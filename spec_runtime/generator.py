@@ -1,0 +1,203 @@
+"""The public generator: prompt in, tokens, text and statistics out.
+
+`Generator` owns a target engine, an optional draft and an optional `tokenizers.Tokenizer`. It
+validates requests, runs `decode`, handles text (stop strings, streaming) and nothing else; the
+exported bundle is wired to it by `spec_runtime.load`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .decode import GammaPolicy, decode
+from .sampling import SamplingParams
+from .stats import DecodeStats
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # the new token ids (an EOS that ended generation included)
+    text: str | None  # decoded new text, special tokens skipped; None without a tokenizer
+    stats: dict
+    finish_reason: str  # "eos", "length" or "stop"
+
+
+class Generator:
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        tokenizer=None,
+        eos_token_ids: Sequence[int] = (),
+        default_gamma: int = 4,
+        max_gamma: int = 8,
+        chat_template: str | None = None,
+        special_tokens: dict | None = None,
+        encoder_decoder: bool = False,
+        decoder_start_token_id: int | None = None,
+    ):
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.default_gamma = default_gamma
+        self.max_gamma = max_gamma
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.encoder_decoder = encoder_decoder
+        self.decoder_start_token_id = decoder_start_token_id
+        vocabs = [target.vocab_size] + ([draft.vocab_size] if draft is not None else [])
+        self.vocab_size = min(vocabs)  # ids past a smaller vocabulary are padding, never input
+        self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
+
+    # -- text -------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> np.ndarray:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this generator has no tokenizer: pass the prompt as token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})"
+                )
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode_text(self, tokens: Sequence[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: str | list[dict]) -> str:
+        """Render the bundle's chat template (jinja2, as Hugging Face tokenizers do) for a user
+        message or a list of {"role", "content"} messages, ready for generation."""
+        if not self.chat_template:
+            raise ValueError("this bundle has no chat template: pass the prompt as plain text")
+        from .chat import render_chat
+
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return render_chat(self.chat_template, messages, self.special_tokens)
+
+    # -- generation -------------------------------------------------------------------------
+
+    def _run(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma, use_draft,
+             chat) -> Iterator[tuple[np.ndarray, DecodeStats]]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
+        policy = self._gamma_policy(gamma)
+        if chat:
+            prompt = self.apply_chat_template(prompt)
+        ids = self.encode(prompt, add_special_tokens=not chat)
+        draft = self.draft if use_draft else None
+        rng = np.random.default_rng(params.seed)
+        stats = DecodeStats()
+        with self._lock:
+            t0 = time.perf_counter()
+            if self.encoder_decoder:
+                self.target.encode(ids)
+                if hasattr(draft, "engine"):
+                    draft.engine.encode(ids)
+                ids = np.asarray([self.decoder_start_token_id], dtype=np.int64)
+            for new in decode(self.target, draft, ids, params, int(max_new_tokens), policy,
+                              self.eos_token_ids, rng, stats):
+                stats.wall_time_s = time.perf_counter() - t0
+                yield new, stats
+
+    def _gamma_policy(self, gamma) -> GammaPolicy:
+        if gamma is None:
+            gamma = self.default_gamma
+        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer))
+                                or not 1 <= gamma <= self.max_gamma):
+            raise ValueError(
+                f"gamma={gamma!r} is invalid: use an integer in [1, {self.max_gamma}] (the bundle's "
+                f"max_gamma), 'auto', or None for the bundle's default ({self.default_gamma})"
+            )
+        return GammaPolicy(gamma, start=self.default_gamma, max_gamma=self.max_gamma)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        gamma: int | str | None = None,
+        use_draft: bool = True,
+        stop: Sequence[str] = (),
+        chat: bool = False,
+    ) -> GenerationResult:
+        """Decode up to max_new_tokens new tokens. use_draft=False is target-only decoding on the
+        same engines. `stop` strings end generation; the text is cut before the stop string."""
+        tokens: list[int] = []
+        stats = None
+        finish = None
+        for new, stats in self._run(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                    gamma, use_draft, chat):
+            n_before = len(tokens)
+            tokens.extend(int(t) for t in new)
+            if stop and self._stop_index(tokens, stop) is not None:
+                tokens = self._trim_to_stop(tokens, n_before, stop)
+                finish = "stop"
+                break
+        text = self.decode_text(tokens)
+        if finish == "stop":
+            text = text[: self._stop_index(tokens, stop)]
+        stats.new_tokens = len(tokens)
+        stats.finish_reason = finish or stats.finish_reason
+        return GenerationResult(tokens, text, stats.to_dict(), stats.finish_reason)
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, gamma=None, use_draft: bool = True,
+               stop: Sequence[str] = (), chat: bool = False) -> Iterator[str]:
+        """Yield the new text piece by piece, as rounds complete. Holds back an incomplete UTF-8
+        character and any tail that could still become a stop string."""
+        if self.tokenizer is None:
+            raise ValueError("stream() needs a tokenizer: use generate() for token ids")
+        tokens: list[int] = []
+        sent = 0
+        hold = max((len(s) for s in stop), default=1) - 1
+        for new, _ in self._run(prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma,
+                                use_draft, chat):
+            tokens.extend(int(t) for t in new)
+            text = self.decode_text(tokens)
+            cut = self._stop_index(tokens, stop) if stop else None
+            if cut is not None:
+                yield text[sent:cut]
+                return
+            ready = len(text) - hold
+            while ready > sent and text[ready - 1] == "\ufffd":
+                ready -= 1
+            if ready > sent:
+                yield text[sent:ready]
+                sent = ready
+        text = self.decode_text(tokens)
+        if len(text) > sent:
+            yield text[sent:]
+
+    def _stop_index(self, tokens: list[int], stop: Sequence[str]) -> int | None:
+        text = self.decode_text(tokens) or ""
+        hits = [text.find(s) for s in stop if s and s in text]
+        return min(hits) if hits else None
+
+    def _trim_to_stop(self, tokens: list[int], n_before: int, stop: Sequence[str]) -> list[int]:
+        # keep the fewest tokens whose text contains a stop string
+        for n in range(n_before + 1, len(tokens) + 1):
+            if self._stop_index(tokens[:n], stop) is not None:
+                return tokens[:n]
+        return tokens

@@ -1,0 +1,159 @@
+"""Pure-numpy sampling for speculative decoding.
+
+Works on logits and probabilities only, never on engines or requests, and every random draw comes
+from a `numpy.random.Generator` passed in by the caller. Names: `p_target` is the target model's
+distribution, `p_draft` the draft's (the paper calls them p and q).
+
+The one function that turns logits into the distribution that is sampled is `warp`; draft and
+target go through it with the same `SamplingParams`, so the q the acceptance test divides by is
+exactly the q the draft token was drawn from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# A residual max(0, p_target - p_draft) whose mass is below this is floating-point noise left by
+# p_target ~= p_draft; sampling it would amplify rounding error into a wrong distribution.
+RESIDUAL_EPS = 1e-9
+
+
+TOP_P_EPS = 1e-9
+
+
+class NonFiniteLogitsError(ValueError):
+    """The graph produced NaN or +inf logits: no token may be drawn from such a distribution."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become the distribution that is sampled.
+
+    temperature 0 is greedy decoding: the distribution is one-hot at the argmax (so speculative
+    greedy is exact sampling from a one-hot target). top_k 0 and top_p 1.0 disable truncation.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={t!r} is invalid: use a finite number >= 0 (0 = greedy)")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"top_k={k!r} is invalid: use an integer >= 0 (0 = no top-k)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p={p!r} is invalid: use a number in (0, 1] (1 = no top-p)")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
+            raise ValueError(f"seed={s!r} is invalid: use an integer >= 0, or None for a random seed")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Logits [..., V] -> float64 probabilities [..., V] after temperature, top-k, then top-p.
+
+    The order and the tie rules follow Hugging Face's warpers: top-k keeps every token tied with
+    the k-th largest logit; top-p keeps the smallest set of most likely tokens whose mass reaches
+    top_p (always at least one).
+    """
+    logits = np.asarray(logits)
+    row_max = logits.max(axis=-1, keepdims=True)
+    if not np.all(np.isfinite(row_max)):
+        raise NonFiniteLogitsError(
+            "logits contain NaN or +inf (or a row is all -inf): the exported graph or its inputs "
+            "are corrupt; re-run `specexport build` and `specexport verify`"
+        )
+    if params.greedy:
+        probs = np.zeros(logits.shape, dtype=np.float64)
+        np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
+        return probs
+
+    x = (logits.astype(np.float64) - row_max) / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = np.partition(x, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    probs = np.exp(x - x.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(probs, order, axis=-1)
+        mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p
+        # mass within TOP_P_EPS of top_p counts as reaching it, so that 0.5 + 0.3 reaches 0.8
+        # whatever the rounding; the first token (mass_before 0) is always kept
+        keep_sorted = mass_before < params.top_p - TOP_P_EPS
+        keep = np.zeros(probs.shape, dtype=bool)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a probability vector [V] (need not be normalised) by inverse CDF."""
+    cdf = np.cumsum(probs)
+    total = cdf[-1]
+    if not (total > 0 and math.isfinite(total)):
+        raise NonFiniteLogitsError(f"cannot sample from a distribution with total mass {total!r}")
+    idx = int(np.searchsorted(cdf, rng.random() * total, side="right"))
+    return min(idx, len(cdf) - 1)
+
+
+def _pad_vocab(a: np.ndarray, vocab: int) -> np.ndarray:
+    # Vocabularies padded to different sizes (e.g. 49152 vs 49280) are aligned by zero mass on
+    # the padding ids, never by truncating the larger one.
+    if a.shape[-1] == vocab:
+        return a
+    return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, vocab - a.shape[-1])])
+
+
+def verify(
+    draft_tokens: np.ndarray,
+    p_draft: np.ndarray,
+    p_target: np.ndarray,
+    rng: np.random.Generator,
+) -> list[int]:
+    """Leviathan et al. 2023, Algorithm 1, the acceptance step.
+
+    draft_tokens [γ], p_draft [γ, V], p_target [γ+1, V]. Returns the accepted prefix of the
+    draft followed by exactly one token: drawn from norm(max(0, p_target - p_draft)) at the first
+    rejection, or from p_target[γ] when all γ are accepted. Each returned token is distributed as
+    if sampled from p_target given the tokens before it (the paper's Theorem 3.5).
+    """
+    gamma = len(draft_tokens)
+    p_target = np.asarray(p_target)
+    p_draft = np.asarray(p_draft)
+    if p_target.ndim != 2 or p_target.shape[0] != gamma + 1:
+        raise ValueError(f"p_target has shape {p_target.shape}; it needs γ+1 = {gamma + 1} rows")
+    if p_draft.ndim != 2 or p_draft.shape[0] != gamma:
+        raise ValueError(f"p_draft has shape {p_draft.shape}; it needs γ = {gamma} rows")
+    vocab = max(p_target.shape[-1], p_draft.shape[-1])
+    p_target, p_draft = _pad_vocab(p_target, vocab), _pad_vocab(p_draft, vocab)
+
+    out: list[int] = []
+    for i in range(gamma):
+        x = int(draft_tokens[i])
+        # Accept with probability min(1, p/q), written as r*q < p so that q = 0 needs no division.
+        if rng.random() * p_draft[i, x] < p_target[i, x]:
+            out.append(x)
+            continue
+        residual = np.maximum(p_target[i] - p_draft[i], 0.0)
+        if residual.sum() <= RESIDUAL_EPS:
+            # p_target ~= p_draft up to rounding: the residual is noise, and the exact
+            # distribution to fall back on is p_target itself.
+            residual = p_target[i]
+        out.append(sample(residual, rng))
+        return out
+    out.append(sample(p_target[gamma], rng))
+    return out

@@ -1,0 +1,92 @@
+"""Per-generation statistics and the paper's speed model (Leviathan et al. 2023, section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """E[tokens per target call] = (1 - α^(γ+1)) / (1 - α) for i.i.d. acceptance α."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Walltime improvement (1 - α^(γ+1)) / ((1 - α)(γc + 1)), the paper's Theorem 3.8."""
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
+    return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c))
+
+
+@dataclass
+class DecodeStats:
+    """What one generation did. Returned as data; nothing here prints."""
+
+    mode: str = "speculative"  # or "target-only"
+    draft_kind: str | None = None
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    # accept_histogram[n] = rounds in which exactly n draft tokens were accepted
+    accept_histogram: list[int] = field(default_factory=list)
+    gammas_used: list[int] = field(default_factory=list)
+    alpha_sum: float = 0.0  # Σ over verified positions of Σ_x min(p_target, p_draft)
+    alpha_n: int = 0
+    prefill_time_s: float = 0.0
+    target_time_s: float = 0.0  # target calls after the prefill
+    draft_step_time_s: float = 0.0
+    draft_step_calls: int = 0
+    wall_time_s: float = 0.0
+    finish_reason: str = ""
+
+    def record_round(self, n_proposed: int, n_accepted: int, gamma: int) -> None:
+        self.rounds += 1
+        self.proposed += n_proposed
+        self.accepted += n_accepted
+        if len(self.accept_histogram) <= n_accepted:
+            self.accept_histogram.extend([0] * (n_accepted + 1 - len(self.accept_histogram)))
+        self.accept_histogram[n_accepted] += 1
+        self.gammas_used.append(gamma)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Mean of β = Σ min(p_target, p_draft) over the positions the target examined: the
+        paper's α, estimated with less variance than counting accepts."""
+        return self.alpha_sum / self.alpha_n if self.alpha_n else 0.0
+
+    @property
+    def c(self) -> float:
+        """Measured cost of one draft step relative to one target call (after the prefill)."""
+        verify_calls = self.target_calls - 1
+        if not self.draft_step_calls or verify_calls <= 0 or self.target_time_s <= 0:
+            return 0.0
+        return (self.draft_step_time_s / self.draft_step_calls) / (self.target_time_s / verify_calls)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("alpha_sum", "alpha_n"):
+            d.pop(name)
+        gamma = round(sum(self.gammas_used) / len(self.gammas_used)) if self.gammas_used else 0
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            alpha=self.alpha,
+            c=self.c,
+            tokens_per_target_call=self.new_tokens / self.target_calls if self.target_calls else 0.0,
+            mean_gamma=sum(self.gammas_used) / len(self.gammas_used) if self.gammas_used else 0.0,
+            predicted_speedup=(
+                expected_speedup(self.alpha, gamma, self.c) if gamma and self.alpha_n else 1.0
+            ),
+            tokens_per_s=self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0,
+        )
+        return d

@@ -1,0 +1,192 @@
+"""The decode loop on toy numpy engines: sequence-level exactness, greedy equality, seeds, stops,
+capacity, γ policy and the statistics' invariants."""
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+from toy_models import ToyEngine, exact_joint
+
+from spec_runtime import CacheCapacityError, Generator, ModelDraft, NgramDraft, SamplingParams, warp
+from spec_runtime.stats import expected_speedup
+
+PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram draft finds matches
+VOCAB = 6
+DRAWS = 8000
+P_MIN = 1e-4
+
+SETTINGS = {
+    "temperature": dict(temperature=1.0),
+    "top-k": dict(temperature=0.8, top_k=3),
+    "top-p": dict(temperature=1.2, top_p=0.75),
+}
+
+
+def make(draft_kind, vocab=VOCAB, max_len=64, max_gamma=8, mix=0.6, **kw):
+    target = ToyEngine(vocab=vocab, max_len=max_len, seed=0)
+    if draft_kind == "model":
+        draft = ModelDraft(ToyEngine(vocab=vocab, max_len=max_len, seed=1, like=target, mix=mix))
+    elif draft_kind == "ngram":
+        draft = NgramDraft(vocab)
+    else:
+        draft = None
+    return Generator(target, draft, max_gamma=max_gamma, **kw)
+
+
+def joint_counts(gen, gamma, settings, draws=DRAWS):
+    # generate γ+3 tokens so that full rounds of γ drafts produce the first three
+    counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
+    for seed in range(draws):
+        r = gen.generate(PROMPT, max_new_tokens=gamma + 3, gamma=gamma, seed=seed, **settings)
+        counts[tuple(r.tokens[:3])] += 1
+    return counts
+
+
+def chi_square_p(counts, probs):
+    counts, probs = counts.ravel(), probs.ravel()
+    assert counts[probs == 0].sum() == 0, "a sequence of probability zero was generated"
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.r_[counts[~small], counts[small].sum()]
+    exp = np.r_[expected[~small], expected[small].sum()]
+    keep = exp > 0
+    return sps.chisquare(obs[keep], exp[keep]).pvalue
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_joint_of_first_three_tokens_equals_the_target(draft_kind, gamma, setting):
+    gen = make(draft_kind)
+    exact = exact_joint(ToyEngine(vocab=VOCAB, seed=0), PROMPT, SamplingParams(**SETTINGS[setting]))
+    counts = joint_counts(gen, gamma, SETTINGS[setting])
+    p = chi_square_p(counts, exact)
+    tv = 0.5 * np.abs(counts / counts.sum() - exact).sum()
+    print(f"{draft_kind} γ={gamma} {setting}: p-value={p:.4f} TV={tv:.4f}")
+    assert p > P_MIN
+
+
+def test_the_joint_test_detects_a_draft_whose_q_is_not_what_it_sampled_from():
+    """Power check (transformers#47932's bug): the draft samples from its warped distribution
+    but reports the unwarped one as q. The sequence-level test must reject it."""
+
+    class LyingDraft(ModelDraft):
+        def propose(self, seq, gamma, params, rng):
+            tokens, _ = super().propose(seq, gamma, params, rng)
+            logits = self.engine.forward(np.r_[seq, tokens[:-1]], 0, gamma)  # same tokens again
+            return tokens, warp(logits, SamplingParams(temperature=1.0))
+
+    target = ToyEngine(vocab=VOCAB, seed=0)
+    gen = Generator(target, LyingDraft(ToyEngine(vocab=VOCAB, seed=1, like=target, mix=0.6)))
+    setting = SETTINGS["top-k"]
+    exact = exact_joint(ToyEngine(vocab=VOCAB, seed=0), PROMPT, SamplingParams(**setting))
+    assert chi_square_p(joint_counts(gen, 3, setting), exact) < P_MIN
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_greedy_target_only(draft_kind, gamma):
+    gen = make(draft_kind, max_len=128)
+    for prompt in ([0], [1, 2, 3, 1, 2], [5, 4, 3, 2, 1, 0, 5, 4]):
+        spec = gen.generate(prompt, max_new_tokens=60, gamma=gamma)
+        base = gen.generate(prompt, max_new_tokens=60, use_draft=False)
+        assert spec.tokens == base.tokens
+        assert spec.stats["target_calls"] <= base.stats["target_calls"]
+        assert base.stats["target_calls"] == 60  # one target call per token
+
+
+def test_greedy_sampling_matches_argmax_of_target_logits():
+    gen = make(None)
+    r = gen.generate(PROMPT, max_new_tokens=5)
+    engine = ToyEngine(vocab=VOCAB, seed=0)
+    logits = engine.forward(np.array(PROMPT + r.tokens[:-1]), 0, 5)
+    assert r.tokens == list(logits.argmax(axis=-1))
+
+
+def test_same_seed_same_tokens_different_seeds_differ():
+    gen = make("model")
+    runs = [gen.generate(PROMPT, max_new_tokens=30, temperature=1.0, seed=s).tokens
+            for s in (11, 11, 12)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_stats_invariants():
+    gen = make("model", max_gamma=8)
+    r = gen.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=3, gamma=4)
+    s = r.stats
+    assert s["new_tokens"] == len(r.tokens) == 40
+    assert sum(s["accept_histogram"]) == s["rounds"] == s["target_calls"]
+    assert sum(n * c for n, c in enumerate(s["accept_histogram"])) == s["accepted"]
+    # each round emits its accepted drafts + one token, except that the last may be cut
+    assert s["accepted"] + s["rounds"] >= s["new_tokens"]
+    assert s["tokens_per_target_call"] == pytest.approx(40 / s["target_calls"])
+    assert 0 < s["alpha"] <= 1 and 0 <= s["acceptance_rate"] <= 1
+    assert s["predicted_speedup"] == pytest.approx(expected_speedup(s["alpha"], 4, s["c"]))
+    assert s["draft_calls"] >= s["proposed"] - s["rounds"]
+
+
+@pytest.mark.parametrize("draft_kind", ["model", None])
+def test_eos_stops_and_is_the_last_token(draft_kind):
+    free = make(draft_kind).generate(PROMPT, max_new_tokens=30, temperature=1.0, seed=5).tokens
+    eos = free[7]
+    gen = make(draft_kind, eos_token_ids=[eos])
+    r = gen.generate(PROMPT, max_new_tokens=30, temperature=1.0, seed=5)
+    assert r.finish_reason == "eos"
+    assert r.tokens == free[: free.index(eos) + 1]  # same draws up to the EOS, nothing after
+
+
+def test_max_new_tokens_is_exact_even_when_a_round_overshoots():
+    gen = make("model", mix=0.0)  # draft == target: every draft is accepted
+    for n in (1, 2, 7, 13):
+        r = gen.generate(PROMPT, max_new_tokens=n, temperature=1.0, seed=1, gamma=5)
+        assert len(r.tokens) == n and r.finish_reason == "length"
+
+
+def test_capacity_is_checked_before_decoding():
+    gen = make("model", max_len=16)
+    assert len(gen.generate(PROMPT, max_new_tokens=12).tokens) == 12  # 5 + 12 - 1 = 16 fits
+    with pytest.raises(CacheCapacityError, match="max_len is 16"):
+        gen.generate(PROMPT, max_new_tokens=13)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"gamma": 0}, "gamma=0"),
+        ({"gamma": 99}, "gamma=99"),
+        ({"gamma": "fast"}, "gamma='fast'"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"temperature": -1.0}, "temperature"),
+    ],
+)
+def test_bad_requests_raise_with_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make("model").generate(PROMPT, **kwargs)
+
+
+@pytest.mark.parametrize("prompt, match", [([], "empty"), ([1, 99], "99"), ([1, -1], "-1")])
+def test_bad_prompts_are_refused(prompt, match):
+    with pytest.raises(ValueError, match=match):
+        make("model").generate(prompt)
+
+
+def test_auto_gamma_grows_with_a_perfect_draft_and_stays_small_with_a_poor_one():
+    perfect = make("model", mix=0.0, max_gamma=6)
+    r = perfect.generate(PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
+    assert r.stats["alpha"] == pytest.approx(1.0)
+    assert max(r.stats["gammas_used"]) == 6  # (the last rounds are cut to max_new_tokens)
+
+    poor = make("model", mix=1.0, max_gamma=6)  # an unrelated draft
+    r = poor.generate(PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
+    assert r.stats["alpha"] < 0.7
+    assert max(r.stats["gammas_used"][4:]) < 6
+
+
+def test_ngram_draft_proposes_the_continuation_of_the_longest_match():
+    d = NgramDraft(vocab_size=10, max_ngram=3)
+    seq = np.array([7, 1, 2, 3, 9, 1, 2, 3, 4, 5, 2, 3])
+    # suffix [2, 3] (then [1,2,3] is absent at the end); most recent earlier [2,3] is followed by 4
+    np.testing.assert_array_equal(d.lookup(seq, 3), [4, 5, 2])
+    np.testing.assert_array_equal(d.lookup(np.array([1, 2, 3]), 3), [])
+    tokens, p = d.propose(seq, 2, SamplingParams(), None)
+    np.testing.assert_array_equal(p, np.eye(10)[[4, 5]])

@@ -1,0 +1,56 @@
+"""Toy numpy models behind the engine interface, for exactness tests without any export.
+
+A toy model's next-token logits at position t depend on the tokens at t and t-1 and on t itself,
+read from a position-indexed state the engine writes at `pos` like a KV cache; slots past the
+last written position keep stale tokens, exactly like a real static cache.
+"""
+
+import itertools
+
+import numpy as np
+
+from spec_runtime import warp
+
+
+class ToyEngine:
+    def __init__(self, vocab=6, max_len=64, seed=0, scale=1.5, like=None, mix=0.0):
+        rng = np.random.default_rng(seed)
+        self.vocab_size = vocab
+        self.max_len = max_len
+        self.a = rng.normal(size=(vocab, vocab)) * scale  # logits from the current token
+        self.b = rng.normal(size=(vocab, vocab)) * scale * 0.5  # ... from the previous token
+        self.c = rng.normal(size=(3, vocab)) * scale * 0.3  # ... from the position
+        if like is not None:  # a draft resembling `like`: mix of its tables and this noise
+            self.a = (1 - mix) * like.a + mix * self.a
+            self.b = (1 - mix) * like.b + mix * self.b
+            self.c = (1 - mix) * like.c + mix * self.c
+        self.state = np.zeros(max_len, dtype=np.int64)  # "KV": the token at each position
+        self.calls = 0
+
+    def reset(self):
+        pass  # stale state stays, as in a real cache; positions decide what is read
+
+    def forward(self, tokens, pos, num_logits=1):
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        assert n >= 1 and 0 <= pos and pos + n <= self.max_len, (pos, n)
+        assert 1 <= num_logits <= n
+        self.calls += 1
+        self.state[pos : pos + n] = tokens
+        t = np.arange(pos, pos + n)
+        prev = np.where(t > 0, self.state[np.maximum(t - 1, 0)], 0)
+        logits = self.a[self.state[t]] + self.b[prev] + self.c[t % 3]
+        return logits[-num_logits:].astype(np.float32)
+
+
+def exact_joint(engine, prompt, params, k=3):
+    """P(first k new tokens) under target-only sampling, by enumerating every sequence."""
+    vocab = engine.vocab_size
+    joint = np.zeros((vocab,) * k)
+    for prefix in itertools.product(range(vocab), repeat=k - 1):
+        rows = warp(engine.forward(np.array(list(prompt) + list(prefix)), 0, k), params)
+        p = 1.0
+        for i, tok in enumerate(prefix):
+            p *= rows[i, tok]
+        joint[prefix] = p * rows[k - 1]
+    return joint
