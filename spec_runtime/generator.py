@@ -55,6 +55,7 @@ class Generator:
         vocabs = [target.vocab_size] + ([draft.vocab_size] if draft is not None else [])
         self.vocab_size = min(vocabs)  # ids past a smaller vocabulary are padding, never input
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
+        self.last_stats: dict | None = None  # stats of the latest finished generate/stream
 
     # -- text -------------------------------------------------------------------------------
 
@@ -160,7 +161,8 @@ class Generator:
             text = text[: self._stop_index(tokens, stop)]
         stats.new_tokens = len(tokens)
         stats.finish_reason = finish or stats.finish_reason
-        return GenerationResult(tokens, text, stats.to_dict(), stats.finish_reason)
+        self.last_stats = stats.to_dict()
+        return GenerationResult(tokens, text, self.last_stats, stats.finish_reason)
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, gamma=None, use_draft: bool = True,
@@ -172,12 +174,14 @@ class Generator:
         tokens: list[int] = []
         sent = 0
         hold = max((len(s) for s in stop), default=1) - 1
-        for new, _ in self._run(prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma,
-                                use_draft, chat):
+        for new, stats in self._run(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                    gamma, use_draft, chat):
             tokens.extend(int(t) for t in new)
             text = self.decode_text(tokens)
             cut = self._stop_index(tokens, stop) if stop else None
             if cut is not None:
+                stats.finish_reason = "stop"
+                self.last_stats = stats.to_dict()
                 yield text[sent:cut]
                 return
             ready = len(text) - hold
@@ -186,6 +190,7 @@ class Generator:
             if ready > sent:
                 yield text[sent:ready]
                 sent = ready
+        self.last_stats = stats.to_dict()
         text = self.decode_text(tokens)
         if len(text) > sent:
             yield text[sent:]

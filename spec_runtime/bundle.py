@@ -1,0 +1,73 @@
+"""Open a bundle: validate its manifest, create the engines once, wire them to a Generator."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .drafts import ModelDraft, NgramDraft
+from .generator import Generator
+from .manifest import REBUILD, BundleError, read_manifest
+
+DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
+
+
+def default_bundle_dir() -> Path:
+    """Where `specexport build` writes and `specrun` looks without flags: $SPECEDGE_BUNDLE, else
+    $XDG_DATA_HOME/specedge/default (~/.local/share/specedge/default)."""
+    if os.environ.get(DEFAULT_BUNDLE_ENV):
+        return Path(os.environ[DEFAULT_BUNDLE_ENV]).expanduser()
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "specedge" / "default"
+
+
+def _engine(bundle_dir: Path, manifest: dict, model: dict, device: str, threads):
+    from .ort_engine import OrtEngine
+
+    graph = dict(model["graphs"]["decoder"], vocab_size=model["vocab_size"])
+    return OrtEngine(bundle_dir / graph["file"], graph, max_len=manifest["max_len"],
+                     prefill_chunk=manifest["prefill_chunk"], device=device, threads=threads)
+
+
+def load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        raise BundleError(f"{path} is not a tokenizers tokenizer.json ({e}); {REBUILD}") from None
+
+
+def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None,
+                check_files: bool = True) -> Generator:
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
+    manifest = read_manifest(bundle_dir, check_files=check_files)
+    if manifest["architecture"] != "decoder-only":
+        raise BundleError(f"{manifest['architecture']} bundles need a newer specedge runtime")
+    tok = manifest["tokenizer"]
+    tokenizer = load_tokenizer(bundle_dir / tok["file"])
+    target = _engine(bundle_dir, manifest, manifest["target"], device, threads)
+    if tokenizer.get_vocab_size() > target.vocab_size:
+        raise BundleError(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens but the target graph only "
+            f"{target.vocab_size}: the tokenizer belongs to another model; {REBUILD}"
+        )
+    d = manifest["draft"]
+    if d["kind"] == "model":
+        draft = ModelDraft(_engine(bundle_dir, manifest, d, device, threads))
+    else:
+        draft = NgramDraft(target.vocab_size, max_ngram=d.get("max_ngram", 3),
+                           min_ngram=d.get("min_ngram", 1))
+    gen = Generator(
+        target,
+        draft,
+        tokenizer=tokenizer,
+        eos_token_ids=tok["eos_token_ids"],
+        default_gamma=manifest["default_gamma"],
+        max_gamma=manifest["max_gamma"],
+        chat_template=tok.get("chat_template"),
+        special_tokens=tok.get("special_tokens"),
+    )
+    gen.manifest = manifest
+    gen.bundle_dir = bundle_dir
+    return gen

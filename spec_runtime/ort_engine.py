@@ -1,0 +1,102 @@
+"""ONNX Runtime engine: one exported decoder graph and its static KV cache in numpy.
+
+The graph contract (written by spec_export.onnx_export, recorded in the manifest):
+
+    inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
+             past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len, head_dim]   (static)
+    outputs  logits float32 [1, num_logits, vocab]
+             present_key.{i} / present_value.{i} float32 [1, kv_heads, n, head_dim]  (new slots)
+
+The cache buffers are allocated once; ONNX Runtime reads contiguous numpy inputs on the CPU in
+place, and only the n new slots are written back, so a step never copies the whole cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PROVIDERS = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def physical_cores() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus)
+
+
+def make_session(path, device: str = "cpu", threads: int | None = None):
+    import onnxruntime as ort
+
+    if device not in PROVIDERS:
+        raise ValueError(f"device {device!r} is not supported: use one of {sorted(PROVIDERS)}")
+    available = set(ort.get_available_providers())
+    if PROVIDERS[device][0] not in available:
+        raise ValueError(
+            f"device {device!r} needs ONNX Runtime's {PROVIDERS[device][0]}, which this "
+            f"onnxruntime build lacks (it has {sorted(available)}): install onnxruntime-gpu "
+            f"(`pip install specedge[gpu]`) or use device='cpu'"
+        )
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads = threads or physical_cores()
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
+
+
+class OrtEngine:
+    """Implements spec_runtime.engine.Engine over one contract graph."""
+
+    def __init__(self, path, graph: dict, *, max_len: int, prefill_chunk: int, device="cpu",
+                 threads: int | None = None):
+        self.session = make_session(path, device, threads)
+        self.max_len = max_len
+        self.prefill_chunk = prefill_chunk
+        self.vocab_size = int(graph["vocab_size"])
+        past = [i for i in graph["inputs"] if i["name"].startswith("past_")]
+        shape = tuple(past[0]["shape"])  # [1, kv_heads, max_len, head_dim]
+        if shape[2] != max_len:
+            raise ValueError(f"graph cache length {shape[2]} != manifest max_len {max_len}")
+        self.cache = {i["name"]: np.zeros(shape, dtype=np.float32) for i in past}
+        self.output_names = [o["name"] for o in graph["outputs"]]
+        self._present_to_past = {n: "past_" + n[len("present_"):] for n in self.output_names
+                                 if n.startswith("present_")}
+        self._feeds = dict(self.cache)
+
+    def reset(self) -> None:
+        pass  # positions make the stale slots invisible; nothing to clear
+
+    def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
+        n = len(tokens)
+        self._feeds["input_ids"] = tokens.reshape(1, n)
+        self._feeds["position"] = np.array(pos, dtype=np.int64)
+        self._feeds["num_logits"] = np.array(num_logits, dtype=np.int64)
+        outs = self.session.run(self.output_names, self._feeds)
+        for name, value in zip(self.output_names[1:], outs[1:]):
+            self.cache[self._present_to_past[name]][:, :, pos : pos + n] = value
+        return outs[0][0]
+
+    def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        if pos + n > self.max_len:
+            raise ValueError(f"positions {pos}..{pos + n - 1} exceed the cache (max_len "
+                             f"{self.max_len})")
+        # Prefill in chunks of at most prefill_chunk tokens, computing one logit row for each;
+        # the final call holds the last num_logits tokens (the rows the caller needs).
+        last = max(0, n - max(num_logits, self.prefill_chunk))
+        for start in range(0, last, self.prefill_chunk):
+            end = min(last, start + self.prefill_chunk)
+            self._run(tokens[start:end], pos + start, 1)
+        return self._run(tokens[last:], pos + last, num_logits)

@@ -1,0 +1,39 @@
+import logging
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_exporters():
+    # torch.onnx logs one warning per missing optional op library; not our test output
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    yield
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    """(target dir, draft dir, bundle dir): a 3-layer GQA Llama and its 1-layer truncation."""
+    from tiny_models import llama, save, truncated
+
+    from spec_export.build import build_bundle
+
+    root = tmp_path_factory.mktemp("llama_pair")
+    target = llama(0, layers=3)
+    t = save(target, root / "target")
+    d = save(truncated(target, 1), root / "draft")
+    bundle = build_bundle(str(t), str(d), root / "bundle", max_len=96, gamma=4, progress=False)
+    return t, d, bundle
+
+
+@pytest.fixture(scope="session")
+def gpt2_pair(tmp_path_factory):
+    """(target dir, draft dir, bundle dir): GPT-2 target and an unrelated smaller GPT-2."""
+    from tiny_models import gpt2, save
+
+    from spec_export.build import build_bundle
+
+    root = tmp_path_factory.mktemp("gpt2_pair")
+    t = save(gpt2(0, layers=2), root / "target")
+    d = save(gpt2(1, hidden=32, layers=1, heads=2), root / "draft")
+    bundle = build_bundle(str(t), str(d), root / "bundle", max_len=96, gamma=4, progress=False)
+    return t, d, bundle

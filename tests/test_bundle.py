@@ -1,0 +1,163 @@
+"""Exported tiny models end to end through `spec_runtime.load`: greedy equality with Hugging Face
+`generate`, sequence-level exactness on exported graphs, and refusal of damaged bundles."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import spec_runtime
+from spec_runtime import SamplingParams, warp
+from spec_runtime.manifest import BundleError
+
+PROMPTS = ["hello world", "The cat sat on", "a", "speculative decoding is exact: 1 2 3 1 2"]
+
+
+def hf_greedy(model_dir, prompt, n):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = AutoTokenizer.from_pretrained(model_dir)(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "gpt2_pair"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
+    target_dir, _, bundle = request.getfixturevalue(pair)
+    gen = spec_runtime.load(bundle)
+    gen.eos_token_ids = frozenset()  # random models may emit EOS anywhere; compare 40 tokens
+    accepted = 0
+    for prompt in PROMPTS:
+        r = gen.generate(prompt, max_new_tokens=40, gamma=gamma)
+        assert r.tokens == hf_greedy(target_dir, prompt, 40), prompt
+        accepted += r.stats["accepted"]
+    if pair == "llama_pair":
+        assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
+
+
+def test_manifest_records_the_contract(llama_pair):
+    _, _, bundle = llama_pair
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["schema_version"] == 1 and m["architecture"] == "decoder-only"
+    assert m["target"]["family"] == "llama" and m["draft"]["kind"] == "model"
+    assert m["target"]["parity"]["max_abs_diff_fp32"] <= 1e-3
+    assert set(m["files"]) == {"target.onnx", "draft.onnx", "tokenizer.json"}
+    assert m["tokenizer"]["eos_token_ids"] == [2]
+    assert "im_start" in m["tokenizer"]["chat_template"]
+    past = [i for i in m["target"]["graphs"]["decoder"]["inputs"] if i["name"] == "past_key.0"]
+    assert past[0]["shape"] == [1, 2, 96, 16]  # static [1, kv_heads, max_len, head_dim]
+
+
+def test_chat_template_from_the_bundle(llama_pair):
+    gen = spec_runtime.load(llama_pair[2])
+    assert gen.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    r = gen.generate("hi", max_new_tokens=5, chat=True)
+    assert len(r.tokens) >= 1
+
+
+# -- sequence-level exactness on exported graphs ---------------------------------------------------
+
+SMALL_VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_bundle(tmp_path_factory):
+    from tiny_models import llama, save, truncated, word_tokenizer
+
+    from spec_export.build import build_bundle
+
+    root = tmp_path_factory.mktemp("small_vocab")
+    target = llama(3, layers=2, vocab=SMALL_VOCAB)
+    t = save(target, root / "target", word_tokenizer(SMALL_VOCAB))
+    d = save(truncated(target, 1), root / "draft", word_tokenizer(SMALL_VOCAB))
+    bundle = build_bundle(str(t), str(d), root / "bundle", max_len=32, progress=False)
+    return t, bundle
+
+
+def exact_joint_hf(model_dir, prompt, params):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    joint = np.zeros((SMALL_VOCAB,) * 3)
+    with torch.no_grad():
+        for a in range(SMALL_VOCAB):
+            for b in range(SMALL_VOCAB):
+                logits = hf(torch.tensor([prompt + [a, b]])).logits[0, -3:].double().numpy()
+                rows = warp(logits, params)
+                joint[a, b] = rows[0, a] * rows[1, b] * rows[2]
+    return joint
+
+
+@pytest.mark.parametrize("gamma, setting", [(3, {"temperature": 1.0}),
+                                            (1, {"temperature": 0.7, "top_p": 0.8})])
+def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, setting):
+    model_dir, bundle = small_vocab_bundle
+    prompt = [1, 2, 3, 1, 2]
+    exact = exact_joint_hf(model_dir, prompt, SamplingParams(**setting))
+    gen = spec_runtime.load(bundle)
+    gen.eos_token_ids = frozenset()
+    counts = np.zeros_like(exact)
+    draws = 6000
+    for seed in range(draws):
+        r = gen.generate(prompt, max_new_tokens=gamma + 3, gamma=gamma, seed=seed, **setting)
+        counts[tuple(r.tokens[:3])] += 1
+    c, e = counts.ravel(), exact.ravel() * draws
+    # the exported graph differs from PyTorch by < 1e-3 in logits, so a cell of exact
+    # probability 0 (top-p) may differ only where the truncation boundary is a near-tie
+    small = e < 5
+    obs, exp = np.r_[c[~small], c[small].sum()], np.r_[e[~small], e[small].sum()]
+    keep = exp > 0
+    p = sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    print(f"γ={gamma} {setting}: p-value={p:.4f} accepted-rate={r.stats['acceptance_rate']:.2f}")
+    assert p > 1e-4
+
+
+# -- damaged bundles -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bundle_copy(llama_pair, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(llama_pair[2], dst)
+    return dst
+
+
+def edit_manifest(bundle, fn):
+    path = bundle / "manifest.json"
+    m = json.loads(path.read_text())
+    fn(m)
+    path.write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda b: (b / "target.onnx").write_bytes((b / "target.onnx").read_bytes()[:1000]),
+         "truncated"),
+        (lambda b: (b / "draft.onnx").unlink(), "missing"),
+        (lambda b: (b / "manifest.json").unlink(), "no manifest.json"),
+        (lambda b: (b / "manifest.json").write_text("{not json"), "not valid JSON"),
+        (lambda b: edit_manifest(b, lambda m: m.update(schema_version=99)), "upgrade specedge"),
+        (lambda b: edit_manifest(b, lambda m: m.update(schema_version=0)), "re-run"),
+        (lambda b: edit_manifest(b, lambda m: m["files"]["tokenizer.json"].update(sha256="0" * 64)),
+         "sha256"),
+        (lambda b: edit_manifest(b, lambda m: m.pop("target")), "lacks 'target'"),
+        (lambda b: edit_manifest(b, lambda m: m.update(max_len=200)), "max_len"),
+        (lambda b: edit_manifest(b, lambda m: m["draft"].update(kind="eagle")), "draft.kind"),
+    ],
+    ids=["truncated-graph", "missing-graph", "no-manifest", "bad-json", "newer-schema",
+         "older-schema", "sha-mismatch", "missing-key", "wrong-max-len", "unknown-draft"],
+)
+def test_damaged_bundle_is_refused_with_a_hint(bundle_copy, damage, match):
+    damage(bundle_copy)
+    with pytest.raises(BundleError if match != "max_len" else ValueError, match=match):
+        spec_runtime.load(bundle_copy)
+
+
+def test_a_missing_bundle_names_the_build_command(tmp_path):
+    with pytest.raises(BundleError, match="specexport build"):
+        spec_runtime.load(tmp_path / "nope")

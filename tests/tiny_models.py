@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face models saved with save_pretrained, with a real byte-level tokenizer,
+so that export, bundle and CLI tests run the same code paths as for a downloaded checkpoint."""
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer(extra: int = 0) -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: 3 specials + 256 bytes (+ `extra` padding ids)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    for i in range(extra):
+        vocab[f"<pad{i}>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+VOCAB = len(SPECIALS) + 256
+
+
+def llama(seed: int, hidden=64, layers=2, heads=4, kv_heads=2, tied=True, vocab=VOCAB, **kw):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+                      initializer_range=0.2, **kw)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2(seed: int, hidden=64, layers=2, heads=4, vocab=VOCAB):
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
+                     n_positions=512, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+    return GPT2LMHeadModel(cfg)
+
+
+def save(model, directory: Path, tokenizer=None) -> Path:
+    model.save_pretrained(directory)
+    (tokenizer or byte_tokenizer()).save_pretrained(directory)
+    return directory
+
+
+def word_tokenizer(n: int) -> PreTrainedTokenizerFast:
+    """A whitespace word tokenizer over n words w0..w{n-1} (w0 doubles as unk and EOS), for
+    models whose vocabulary is small enough to enumerate every 3-token continuation."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w0")
+
+
+def truncated(model, layers: int):
+    """The first `layers` blocks of `model` with its embeddings and head: a smaller draft that
+    agrees with the target often enough for acceptances to be exercised."""
+    cfg = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": layers})
+    small = model.__class__(cfg)
+    state = {k: v for k, v in model.state_dict().items()
+             if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < layers}
+    small.load_state_dict(state, strict=True)
+    return small
