@@ -22,11 +22,20 @@ def default_bundle_dir() -> Path:
 
 
 def _engine(bundle_dir: Path, manifest: dict, model: dict, device: str, threads):
+    """One model's engine: OrtEngine over its decoder graph, or for an encoder-decoder bundle
+    OrtEncDecEngine over its encoder and decoder graphs."""
+    graph = dict(model["graphs"]["decoder"], vocab_size=model["vocab_size"])
+    common = dict(max_len=manifest["max_len"], prefill_chunk=manifest["prefill_chunk"],
+                  device=device, threads=threads)
+    if manifest["architecture"] == "encoder-decoder":
+        from .ort_encdec import OrtEncDecEngine
+
+        enc = model["graphs"]["encoder"]
+        return OrtEncDecEngine(bundle_dir / graph["file"], graph, bundle_dir / enc["file"], enc,
+                               max_source_len=manifest["max_source_len"], **common)
     from .ort_engine import OrtEngine
 
-    graph = dict(model["graphs"]["decoder"], vocab_size=model["vocab_size"])
-    return OrtEngine(bundle_dir / graph["file"], graph, max_len=manifest["max_len"],
-                     prefill_chunk=manifest["prefill_chunk"], device=device, threads=threads)
+    return OrtEngine(bundle_dir / graph["file"], graph, **common)
 
 
 def load_tokenizer(path: Path):
@@ -42,8 +51,6 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
                 check_files: bool = True) -> Generator:
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
     manifest = read_manifest(bundle_dir, check_files=check_files)
-    if manifest["architecture"] != "decoder-only":
-        raise BundleError(f"{manifest['architecture']} bundles need a newer specedge runtime")
     tok = manifest["tokenizer"]
     tokenizer = load_tokenizer(bundle_dir / tok["file"])
     target = _engine(bundle_dir, manifest, manifest["target"], device, threads)
@@ -67,6 +74,8 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         max_gamma=manifest["max_gamma"],
         chat_template=tok.get("chat_template"),
         special_tokens=tok.get("special_tokens"),
+        encoder_decoder=manifest["architecture"] == "encoder-decoder",
+        decoder_start_token_id=manifest.get("decoder_start_token_id"),
     )
     gen.manifest = manifest
     gen.bundle_dir = bundle_dir

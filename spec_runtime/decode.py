@@ -106,6 +106,7 @@ def decode(
             stats.draft_calls = draft.calls
             stats.draft_step_calls = draft.step_calls
             stats.draft_step_time_s = draft.step_time_s
+            stats.draft_time_s = draft.time_s
             examined = min(n_acc + 1, k)
             if examined:
                 v = min(p_target.shape[-1], p_draft.shape[-1])

@@ -30,24 +30,28 @@ class ModelDraft:
         self.engine = engine
         self.vocab_size = engine.vocab_size
         self.valid = 0
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.calls = 0
+        self.time_s = 0.0  # all draft work, prefill included
         self.step_calls = 0  # calls of one or two tokens: the draft's per-step cost
         self.step_time_s = 0.0
-        self.calls = 0
 
     def reset(self) -> None:
         self.engine.reset()
         self.valid = 0
-        self.step_calls = 0
-        self.step_time_s = 0.0
-        self.calls = 0
+        self.reset_counters()
 
     def _forward(self, tokens: np.ndarray, pos: int) -> np.ndarray:
         t0 = time.perf_counter()
         logits = self.engine.forward(tokens, pos, 1)
+        elapsed = time.perf_counter() - t0
         if len(tokens) <= 2:
-            self.step_time_s += time.perf_counter() - t0
+            self.step_time_s += elapsed
             self.step_calls += 1
         self.calls += 1
+        self.time_s += elapsed
         return logits
 
     def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams, rng: np.random.Generator):
@@ -87,13 +91,11 @@ class NgramDraft:
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.calls = 0
-        self.step_calls = 0
-        self.step_time_s = 0.0
+        self.reset()
 
     def reset(self) -> None:
         self.calls = self.step_calls = 0
-        self.step_time_s = 0.0
+        self.step_time_s = self.time_s = 0.0
 
     def lookup(self, seq: np.ndarray, gamma: int) -> np.ndarray:
         n_seq = len(seq)
@@ -113,7 +115,9 @@ class NgramDraft:
         tokens = self.lookup(seq, gamma).astype(np.int64)
         p_draft = np.zeros((len(tokens), self.vocab_size), dtype=np.float64)
         p_draft[np.arange(len(tokens)), tokens] = 1.0
-        self.step_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.step_time_s += elapsed
+        self.time_s += elapsed
         self.calls += 1
         self.step_calls += 1
         return tokens, p_draft

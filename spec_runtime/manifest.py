@@ -17,6 +17,8 @@ MANIFEST = "manifest.json"
 REBUILD = "re-run `specexport build`"
 
 ARCHITECTURES = ("decoder-only", "encoder-decoder")
+# graphs every model entry (target, and a model draft) must hold, per architecture
+GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 DRAFT_KINDS = ("model", "ngram")
 
 
@@ -80,23 +82,38 @@ def validate(m: dict) -> None:
     if not 1 <= m["default_gamma"] <= m["max_gamma"]:
         raise BundleError(f"manifest default_gamma={m['default_gamma']} is outside "
                           f"[1, max_gamma={m['max_gamma']}]; {REBUILD}")
+    if arch == "encoder-decoder":
+        # the source is padded to max_source_len in the encoder graph; the decoder starts from
+        # decoder_start_token_id
+        if _require(m, "max_source_len", int, "") < 1:
+            raise BundleError(f"manifest max_source_len={m['max_source_len']} must be >= 1; {REBUILD}")
+        if _require(m, "decoder_start_token_id", int, "") < 0:
+            raise BundleError(f"manifest decoder_start_token_id={m['decoder_start_token_id']} "
+                              f"must be >= 0; {REBUILD}")
     files = _require(m, "files", dict, "")
     target = _require(m, "target", dict, "")
-    _check_graphs(target, files, "target")
+    _check_graphs(target, files, "target", GRAPHS[arch])
+    if arch == "encoder-decoder" and m["decoder_start_token_id"] >= target["vocab_size"]:
+        raise BundleError(f"manifest decoder_start_token_id={m['decoder_start_token_id']} is "
+                          f"outside the target vocabulary ({target['vocab_size']}); {REBUILD}")
     draft = _require(m, "draft", dict, "")
     kind = _require(draft, "kind", str, "draft")
     if kind not in DRAFT_KINDS:
         raise BundleError(f"manifest draft.kind {kind!r} is not one of {DRAFT_KINDS}; {REBUILD}")
     if kind == "model":
-        _check_graphs(draft, files, "draft")
+        _check_graphs(draft, files, "draft", GRAPHS[arch])
     tok = _require(m, "tokenizer", dict, "")
     if _require(tok, "file", str, "tokenizer") not in files:
         raise BundleError(f"manifest tokenizer.file {tok['file']!r} is not among the files; {REBUILD}")
     _require(tok, "eos_token_ids", list, "tokenizer")
 
 
-def _check_graphs(model: dict, files: dict, where: str) -> None:
+def _check_graphs(model: dict, files: dict, where: str, required: tuple[str, ...]) -> None:
     graphs = _require(model, "graphs", dict, where)
+    missing = [g for g in required if g not in graphs]
+    if missing:
+        raise BundleError(f"manifest {where}.graphs lacks {missing} (an architecture needs "
+                          f"{list(required)}); {REBUILD}")
     for name, graph in graphs.items():
         f = _require(graph, "file", str, f"{where}.graphs.{name}")
         if f not in files:

@@ -41,6 +41,7 @@ class DecodeStats:
     alpha_n: int = 0
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # target calls after the prefill
+    draft_time_s: float = 0.0  # all draft work, its prefill included
     draft_step_time_s: float = 0.0
     draft_step_calls: int = 0
     wall_time_s: float = 0.0
@@ -73,10 +74,19 @@ class DecodeStats:
             return 0.0
         return (self.draft_step_time_s / self.draft_step_calls) / (self.target_time_s / verify_calls)
 
+    @property
+    def loop_overhead(self) -> float:
+        """Fraction of wall time spent outside engine and draft calls (sampling, verification,
+        bookkeeping): what the Python loop costs."""
+        if self.wall_time_s <= 0:
+            return 0.0
+        inside = self.prefill_time_s + self.target_time_s + self.draft_time_s
+        return max(0.0, 1.0 - inside / self.wall_time_s)
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("alpha_sum", "alpha_n"):
-            d.pop(name)
+        d.pop("alpha_sum")
+        d["alpha_positions"] = d.pop("alpha_n")
         gamma = round(sum(self.gammas_used) / len(self.gammas_used)) if self.gammas_used else 0
         d.update(
             acceptance_rate=self.acceptance_rate,
@@ -88,5 +98,6 @@ class DecodeStats:
                 expected_speedup(self.alpha, gamma, self.c) if gamma and self.alpha_n else 1.0
             ),
             tokens_per_s=self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0,
+            loop_overhead=self.loop_overhead,
         )
         return d

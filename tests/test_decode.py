@@ -171,15 +171,19 @@ def test_bad_prompts_are_refused(prompt, match):
 
 
 def test_auto_gamma_grows_with_a_perfect_draft_and_stays_small_with_a_poor_one():
+    """The target sleeps 3 ms a call, so the measured c is small (the draft is cheap)."""
     perfect = make("model", mix=0.0, max_gamma=6)
+    perfect.target.delay = 0.003
     r = perfect.generate(PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
     assert r.stats["alpha"] == pytest.approx(1.0)
     assert max(r.stats["gammas_used"]) == 6  # (the last rounds are cut to max_new_tokens)
 
     poor = make("model", mix=1.0, max_gamma=6)  # an unrelated draft
+    poor.target.delay = 0.003
     r = poor.generate(PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
     assert r.stats["alpha"] < 0.7
     assert max(r.stats["gammas_used"][4:]) < 6
+    assert r.stats["c"] < 0.5
 
 
 def test_ngram_draft_proposes_the_continuation_of_the_longest_match():

@@ -4,13 +4,15 @@ so that export, bundle and CLI tests run the same code paths as for a downloaded
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    T5Config,
+    T5ForConditionalGeneration,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -79,5 +81,61 @@ def truncated(model, layers: int):
     small = model.__class__(cfg)
     state = {k: v for k, v in model.state_dict().items()
              if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < layers}
+    small.load_state_dict(state, strict=True)
+    return small
+
+
+# -- T5 (encoder-decoder) ----------------------------------------------------------------------
+
+T5_SPECIALS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2 as in T5's SentencePiece vocabulary
+
+
+def t5_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges, T5-style: <pad>=0 (also the decoder start), </s>=1 appended
+    to every encoded text, <unk>=2, then 256 bytes: 259 ids, like byte_tokenizer()."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {s: i for i, s in enumerate(T5_SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(T5_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def t5(seed: int, d_model=64, layers=2, heads=4, d_kv=16, gated=False, vocab=VOCAB):
+    """gated=False: the v1.0 layout (ReLU FFN, tied lm_head, output rescale); gated=True: the
+    v1.1 / flan layout (gated-GELU FFN, own lm_head, no rescale)."""
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=2 * d_model, num_layers=layers,
+                   num_heads=heads, feed_forward_proj="gated-gelu" if gated else "relu",
+                   tie_word_embeddings=not gated, decoder_start_token_id=0, pad_token_id=0,
+                   eos_token_id=1, relative_attention_num_buckets=8,
+                   relative_attention_max_distance=32)  # small: positions reach the log buckets
+    model = T5ForConditionalGeneration(cfg)
+    if gated:
+        _untie_lm_head(model, torch.randn(vocab, d_model) * d_model**-0.5)
+    return model
+
+
+def _untie_lm_head(model, weight):
+    # transformers 5 ties lm_head to the embedding at init whatever the layout; a flan-t5
+    # checkpoint stores its own, which from_pretrained keeps (it unties differing tensors)
+    model.lm_head.weight = torch.nn.Parameter(weight.clone())
+
+
+def truncated_t5(model, layers: int):
+    """The first `layers` blocks of both stacks of a T5, with its embeddings, relative biases
+    (block 0) and head."""
+    cfg = T5Config.from_dict({**model.config.to_dict(), "num_layers": layers,
+                              "num_decoder_layers": layers})
+    small = T5ForConditionalGeneration(cfg)
+    if model.lm_head.weight is not model.shared.weight:
+        _untie_lm_head(small, model.lm_head.weight.detach())
+    state = {k: v for k, v in model.state_dict().items()
+             if ".block." not in k or int(k.split(".block.")[1].split(".")[0]) < layers}
     small.load_state_dict(state, strict=True)
     return small

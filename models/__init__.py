@@ -1,0 +1,58 @@
+"""Export-friendly forwards, one file per architecture, chosen by HF `model_type`."""
+
+from __future__ import annotations
+
+from .common import CachedDecoder
+from .gpt2 import GPT2
+from .llama import Llama
+from .t5 import T5
+
+# HF config.model_type -> decoder class with `from_hf(hf_model, max_len)`
+SUPPORTED: dict[str, type[CachedDecoder]] = {"llama": Llama, "gpt2": GPT2}
+# HF config.model_type -> encoder-decoder class with `from_hf(hf_model, max_len, max_source_len)`,
+# holding `.encoder` and `.decoder` graphs
+ENCODER_DECODER: dict[str, type] = {"t5": T5}
+
+
+def _unsupported(model_type) -> ValueError:
+    return ValueError(f"model_type {model_type!r} is not supported for export; supported: "
+                      f"{sorted(SUPPORTED)} (decoder-only), {sorted(ENCODER_DECODER)} (encoder-decoder)")
+
+
+def _check_max_len(max_len: int) -> None:
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+
+
+def for_hf_model(hf_model, max_len: int) -> CachedDecoder:
+    """Build the export-friendly float32 forward for a Hugging Face causal LM, with a static
+    KV cache of max_len slots. Raises ValueError for an architecture we do not cover."""
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type in ENCODER_DECODER:
+        raise ValueError(f"model_type {model_type!r} is an encoder-decoder: use for_hf_seq2seq")
+    if model_type not in SUPPORTED:
+        raise _unsupported(model_type)
+    _check_max_len(max_len)
+    return SUPPORTED[model_type].from_hf(hf_model, max_len)
+
+
+def for_hf_seq2seq(hf_model, max_len: int, max_source_len: int):
+    """Build the encoder and decoder forwards for a Hugging Face encoder-decoder LM: the decoder's
+    self-attention cache holds max_len target positions, the encoder reads max_source_len
+    (padded) source tokens. Returns a module with `.encoder` and `.decoder`."""
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type in SUPPORTED:
+        raise ValueError(f"model_type {model_type!r} is decoder-only: use for_hf_model")
+    if model_type not in ENCODER_DECODER:
+        raise _unsupported(model_type)
+    _check_max_len(max_len)
+    return ENCODER_DECODER[model_type].from_hf(hf_model, max_len, max_source_len)
+
+
+def is_encoder_decoder(config) -> bool:
+    return bool(getattr(config, "is_encoder_decoder", False)) or \
+        getattr(config, "model_type", None) in ENCODER_DECODER
+
+
+__all__ = ["ENCODER_DECODER", "SUPPORTED", "CachedDecoder", "GPT2", "Llama", "T5", "for_hf_model",
+           "for_hf_seq2seq", "is_encoder_decoder"]

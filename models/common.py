@@ -1,0 +1,129 @@
+"""Pieces shared by the export-friendly decoders: the graph contract's forward signature,
+the two-block cached attention, and a weight map that checks every Hugging Face tensor.
+
+Every decoder here computes, for n new tokens starting at absolute `position`:
+
+    logits [1, num_logits, vocab]            only the last num_logits rows
+    present_key.i / present_value.i          [1, kv_heads, n, head_dim], the NEW slots only
+
+and reads a static cache `past_key.i / past_value.i` [1, kv_heads, max_len, head_dim] whose slots
+>= position are stale (a rejected draft is never erased, it is masked until overwritten). The
+runtime owns the cache and writes `present` into it at [position, position + n).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CachedDecoder(nn.Module):
+    """Base for decoders that follow the graph contract above.
+
+    Subclasses set the dims below and implement
+    `forward(input_ids, position, num_logits, *past) -> (logits, *present)`, with `past` and
+    `present` flattened as (key.0, value.0, key.1, value.1, ...).
+    """
+
+    model_type: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_len: int
+    vocab_size: int
+
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        return (1, self.n_kv_heads, self.max_len, self.head_dim)
+
+
+def step_masks(n: int, position: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks for n new queries at absolute positions position .. position+n-1.
+
+    Returns (past_ok [max_len] bool: slot j < position, causal [n, n] bool: key t' <= query t).
+    Built from aranges rather than sliced from a stored matrix so the graph has no
+    dependence on n beyond the Range op.
+    """
+    past_ok = torch.arange(max_len, device=position.device) < position  # [L]
+    t = torch.arange(n, device=position.device)
+    causal = t[None, :] <= t[:, None]  # [n, n]
+    return past_ok, causal
+
+
+def cached_attention(
+    q: torch.Tensor,  # [1, KVH, G, n, D], already scaled
+    k_new: torch.Tensor,  # [1, KVH, n, D]
+    v_new: torch.Tensor,  # [1, KVH, n, D]
+    past_k: torch.Tensor,  # [1, KVH, L, D]
+    past_v: torch.Tensor,  # [1, KVH, L, D]
+    past_ok: torch.Tensor,  # [L] bool
+    causal: torch.Tensor,  # [n, n] bool
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([1, KVH, G*n, L], [1, KVH, G*n, n])
+) -> torch.Tensor:
+    """Attention over the static cache plus the new tokens; returns [1, KVH, G, n, D].
+
+        q ─┬─ MatMul(past_kᵀ) ─ (+bias_past) ─ Where(past_ok) ─┐
+           │                                                   Concat ─ Softmax ─ Split ─┬─ MatMul(past_v) ─┐
+           └─ MatMul(k_newᵀ) ── (+bias_new) ── Where(causal) ──┘                         └─ MatMul(v_new) ── Add
+
+    `bias` is an optional additive score bias per block (T5's relative position bias), given on
+    the folded row axis; it is added before masking, so a masked slot stays exactly -inf.
+
+    G query heads share one KV head (GQA). Folding G into the row axis ([1, KVH, G*n, D]) lets
+    each KV head be used as is: no repeated K/V is materialised, and every MatMul is a plain
+    batched GEMM. Masked scores become -inf (not a large negative number added to them), so a
+    stale slot contributes exactly 0 whatever finite garbage it holds. Every row keeps at least
+    its own diagonal, so the softmax never sees a row of only -inf.
+    """
+    _, kvh, g, n, d = q.shape
+    q = q.reshape(1, kvh, g * n, d)  # [1, KVH, G*n, D]
+    s_past = q @ past_k.transpose(-1, -2)  # [1, KVH, G*n, L]
+    s_new = q @ k_new.transpose(-1, -2)  # [1, KVH, G*n, n]
+    if bias is not None:
+        s_past, s_new = s_past + bias[0], s_new + bias[1]
+    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype)
+    s_past = torch.where(past_ok, s_past, neg_inf)
+    # row r of the folded axis is query t = r % n, so the causal mask repeats G times
+    causal_rows = causal.expand(g, n, n).reshape(g * n, n)  # [G*n, n]
+    s_new = torch.where(causal_rows, s_new, neg_inf)
+    probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # [1, KVH, G*n, L+n]
+    L = past_k.shape[2]
+    out = probs[..., :L] @ past_v + probs[..., L:] @ v_new  # [1, KVH, G*n, D]
+    return out.reshape(1, kvh, g, n, d)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # same operation order as HF's LlamaRMSNorm and T5LayerNorm, so float32 rounding matches
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class WeightMap:
+    """Hands out Hugging Face tensors by name, checking each shape, and fails if any is left over.
+
+    nanoGPT-style: the mapping is spelled out name by name in the model file, and nothing in the
+    checkpoint may be silently ignored.
+    """
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], source: str):
+        self._sd = dict(state_dict)
+        self._source = source
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._sd:
+            near = [k for k in self._sd if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
+            raise ValueError(f"{self._source}: weight {name!r} missing from the state dict; similar: {near}")
+        t = self._sd.pop(name)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{self._source}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        # float32 copy: the graph is float32, and the copy keeps our module independent of HF's
+        return t.detach().to(torch.float32).clone()
+
+    def take_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.take(name, shape) if name in self._sd else None
+
+    def finish(self) -> None:
+        if self._sd:
+            raise ValueError(f"{self._source}: weights not mapped (the forward would ignore them): {sorted(self._sd)}")
+
+
+def param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)

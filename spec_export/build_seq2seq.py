@@ -1,0 +1,99 @@
+"""The encoder-decoder (T5) part of `specexport build`: two graphs per model, their parity, and
+the manifest fields only such bundles have. build.py calls in here; everything else (loading,
+vocabulary check, progress, atomic write) is shared with decoder-only bundles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .build import FP32_TOLERANCE, BuildError
+
+DECODER_PARITY_PREFIX = 4  # forced decoder tokens after the start token in the parity run
+
+
+def decoder_start_token_id(hf_model) -> int:
+    for src in (hf_model.config, getattr(hf_model, "generation_config", None)):
+        start = getattr(src, "decoder_start_token_id", None) if src is not None else None
+        if start is not None:
+            return int(start)
+    raise BuildError(
+        f"{hf_model.config.model_type}: config.decoder_start_token_id is not set; the decoder "
+        f"cannot start. Set it in config.json (T5 uses the pad id, 0)"
+    )
+
+
+def is_encoder_decoder(config) -> bool:
+    from specedge.models import is_encoder_decoder as check
+
+    return check(config)
+
+
+def check_pair(t_model, d_model) -> None:
+    """A model draft for an encoder-decoder target must be one too, with the same start token."""
+    t_encdec, d_encdec = is_encoder_decoder(t_model.config), is_encoder_decoder(d_model.config)
+    if t_encdec != d_encdec:
+        kinds = {True: "encoder-decoder", False: "decoder-only"}
+        raise BuildError(
+            f"the target is {kinds[t_encdec]} ({t_model.config.model_type}) but the draft is "
+            f"{kinds[d_encdec]} ({d_model.config.model_type}): pick a draft of the same "
+            f"architecture, or --draft ngram"
+        )
+    if t_encdec and decoder_start_token_id(t_model) != decoder_start_token_id(d_model):
+        raise BuildError(
+            f"target and draft start decoding from different tokens "
+            f"({decoder_start_token_id(t_model)} vs {decoder_start_token_id(d_model)}): pick a "
+            f"draft from the same model family"
+        )
+
+
+def parity_inputs(hf_model, parity_ids: list[int], max_source_len: int) -> tuple[list[int], list[int]]:
+    """(source ids, decoder prompt) for the parity run: the parity text as the source, and the
+    start token plus a few forced tokens as the decoder prompt."""
+    source = list(parity_ids[:max_source_len])
+    return source, [decoder_start_token_id(hf_model)] + source[:DECODER_PARITY_PREFIX]
+
+
+def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_source_len: int,
+                 precision: str, parity_ids: list[int], stage) -> dict:
+    """Export `role`.encoder.onnx and `role`.decoder.onnx, check them against PyTorch; returns
+    the model's manifest entry (minus source), shaped like the decoder-only one."""
+    from specedge.models import for_hf_seq2seq
+
+    from .export_seq2seq import export_seq2seq
+    from .parity_seq2seq import check_parity_seq2seq
+
+    model = for_hf_seq2seq(hf_model, max_len, max_source_len)
+    final = {g: bundle_dir / f"{role}.{g}.onnx" for g in ("encoder", "decoder")}
+    fp32 = final if precision == "fp32" else {g: p.with_suffix(".fp32.onnx") for g, p in final.items()}
+    descs = export_seq2seq(model, fp32["encoder"], fp32["decoder"], max_len)
+    stage(f"parity {role}")
+    source, decoder_ids = parity_inputs(hf_model, parity_ids, max_source_len)
+    diffs = check_parity_seq2seq(hf_model, fp32["encoder"], fp32["decoder"], source, decoder_ids)
+    for graph, diff in diffs.items():
+        if not diff <= FP32_TOLERANCE:
+            raise BuildError(
+                f"{role} {graph}: exported graph differs from PyTorch by {diff:.3g} > "
+                f"{FP32_TOLERANCE}: the export is wrong for this model; please report it"
+            )
+    parity = {"max_abs_diff_fp32": max(diffs.values()), "tolerance_fp32": FP32_TOLERANCE,
+              "graphs_fp32": diffs}
+    if precision == "int8":
+        from .quantize import quantize_int8
+
+        for g in final:
+            quantize_int8(fp32[g], final[g])
+            fp32[g].unlink()
+        diffs = check_parity_seq2seq(hf_model, final["encoder"], final["decoder"], source, decoder_ids)
+        parity.update(max_abs_diff_int8=max(diffs.values()), graphs_int8=diffs)
+    dec = model.decoder
+    dims = {k: getattr(dec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    dims["n_encoder_layers"] = len(model.encoder.layers)
+    return {
+        "family": model.model_type,
+        "dims": dims,
+        "vocab_size": dec.vocab_size,
+        "precision": precision,
+        "parity": parity,
+        "graphs": {g: {"file": final[g].name, "inputs": d["inputs"], "outputs": d["outputs"],
+                       "opset": d["opset"]} for g, d in descs.items()},
+    }

@@ -1,0 +1,61 @@
+"""Load a Hugging Face causal or encoder-decoder LM and its tokenizer from a hub id, a local
+directory, or a GGUF file.
+
+GGUF notes (transformers 5.x, checked with SmolLM2-135M-Instruct.Q4_1.gguf):
+- Llama GGUFs go through the legacy loader, which de-quantizes every tensor to `dtype`, yet the
+  model stays flagged as quantized (`model.hf_quantizer`, `config.quantization_config =
+  GgufConfig(dequantize=False)`), so transformers refuses `.float()` / `.half()` on it. We ask
+  for `GgufConfig(dequantize=True)` (the newer loader would otherwise keep some architectures'
+  weights packed in GgufLinear blocks, which no float export can read) and then drop the flag.
+- llama.cpp stores q_proj / k_proj rows permuted for its interleaved RoPE; transformers undoes
+  that permutation on load, so the tensors match an HF checkpoint (parity vs HF cannot see this,
+  a garbled generation would).
+- the tokenizer comes from the GGUF metadata, chat template included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+    """-> (model in eval mode, tokenizer).
+
+    `source` is a hub id or a local directory; with `gguf_file` it is the directory (or hub
+    repo) holding that GGUF file. A path straight to a .gguf file is accepted too. An
+    encoder-decoder config (T5) loads as AutoModelForSeq2SeqLM, anything else as a causal LM.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    if gguf_file is None and str(source).endswith(".gguf") and Path(source).is_file():
+        source, gguf_file = str(Path(source).parent), Path(source).name
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
+    config = AutoConfig.from_pretrained(source, **gguf)
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if not gguf_file:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = auto.from_pretrained(source, dtype=dtype)
+        return model.eval(), tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    model_kwargs = {"gguf_file": gguf_file, "dtype": dtype}
+    try:
+        from transformers import GgufConfig  # transformers >= 5
+
+        model_kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
+    except ImportError:
+        pass  # 4.x always de-quantizes GGUF weights
+    model = auto.from_pretrained(source, **model_kwargs)
+    _drop_gguf_quantized_flag(model, f"{source}/{gguf_file}")
+    return model.eval(), tokenizer
+
+
+def _drop_gguf_quantized_flag(model, where: str) -> None:
+    packed = [n for n, t in model.state_dict().items() if not t.dtype.is_floating_point]
+    if packed:
+        raise ValueError(f"{where}: weights still packed after loading, e.g. {packed[:3]}; cannot export them as float")
+    model.hf_quantizer = None  # `is_quantized` is a property over this
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config

@@ -1,0 +1,207 @@
+"""Export a models.CachedDecoder to one ONNX graph that follows the runtime's contract.
+
+    inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
+             past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len, head_dim]   (static)
+    outputs  logits float32 [1, num_logits, vocab]
+             present_key.{i} / present_value.{i} float32 [1, kv_heads, n, head_dim]  (new slots only)
+
+Exporter: the dynamo exporter (`torch.onnx.export(dynamo=True)`), see _export_dynamo for why.
+`export_graph` (export, opset-17 downgrade, describe) is shared with the encoder-decoder graphs of
+export_seq2seq.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import onnx
+import onnx.defs
+import onnx.helper
+import onnx.numpy_helper
+import torch
+
+ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
+# dim names the runtime may read; torch.export calls them s0 / u0 / ...
+DIM_N, DIM_NUM_LOGITS = "n", "num_logits"
+
+_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+
+
+def io_names(n_layers: int) -> tuple[list[str], list[str]]:
+    """The graph's input and output names, in the order the forward takes and returns them."""
+    kv = lambda prefix: [f"{prefix}_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
+    return ["input_ids", "position", "num_logits", *kv("past")], ["logits", *kv("present")]
+
+
+def export_decoder(module, path: str | os.PathLike, max_len: int, opset: int = 17) -> dict:
+    """Write `module` (a models.CachedDecoder) to one ONNX file at `path`, float32.
+
+    Weights go inside the file when they fit under protobuf's 2 GB limit, otherwise into
+    `<path>.data` next to it. Returns the description of the graph as read back from the file:
+    {"inputs": [{"name", "dtype", "shape"}], "outputs": [...], "max_len", "opset",
+    "exporter", "external_data", "export_s"}; symbolic dims are strings ("n", "num_logits").
+    """
+    check_max_len(module, max_len)
+    in_names, out_names = io_names(module.n_layers)
+    n = torch.export.Dim(DIM_N, min=1, max=module.max_len)
+    # forward(input_ids, position, num_logits, *past): torch.export sees *past as one tuple,
+    # and each cache tensor gets {} (all dims static); a tuple of None would be mistaken by the
+    # ONNX wrapper for one tensor's axes
+    dynamic_shapes = ({1: n}, None, None, tuple({} for _ in range(2 * module.n_layers)))
+    desc = export_graph(module, path, example_step(module), in_names, out_names, dynamic_shapes,
+                        opset=opset, logits_axis=True)
+    desc["max_len"] = max_len
+    check_contract(desc, *expected_io(module))
+    return desc
+
+
+def check_max_len(module, max_len: int) -> None:
+    if module.max_len != max_len:
+        raise ValueError(f"module was built with max_len={module.max_len}, export asked for {max_len}")
+    if max_len < 8:
+        raise ValueError(f"max_len={max_len} is too small to export (the example call needs 8 slots)")
+
+
+def example_step(module, n: int = 3, position: int = 4, num_logits: int = 2) -> tuple[torch.Tensor, ...]:
+    """(input_ids, position, num_logits, *past) for one decoder call of a CachedDecoder."""
+    # n, position and num_logits are distinct and > 1 so no value gets specialised into the graph
+    shape = module.cache_shape()
+    past = [torch.zeros(shape) for _ in range(2 * module.n_layers)]
+    ids = torch.zeros(1, n, dtype=torch.int64)
+    return (ids, torch.tensor(position), torch.tensor(num_logits), *past)
+
+
+def export_graph(module, path, args: tuple, input_names: list[str], output_names: list[str],
+                 dynamic_shapes, *, opset: int = 17, logits_axis: bool = False) -> dict:
+    """Export `module(*args)` to one float32 ONNX file and return describe() of it plus
+    {"exporter", "external_data", "export_s"}. Shared by every graph we write; `logits_axis`
+    names the first output's data-dependent row axis "num_logits"."""
+    if opset < 17:
+        raise ValueError(f"opset {opset} < 17: LayerNormalization and the contract need opset >= 17")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = module.float().eval()
+    n_bytes = sum(p.numel() * 4 for p in module.parameters()) + sum(b.numel() * 4 for b in module.buffers())
+    external = n_bytes >= ONNX_SIZE_LIMIT - 64 * 2**20  # leave room for the graph itself
+    t0 = time.perf_counter()
+    _export_dynamo(module, path, args, input_names, output_names, dynamic_shapes, opset, external,
+                   logits_axis)
+    desc = describe(path)
+    desc.update(exporter="torch.onnx dynamo", external_data=external, export_s=time.perf_counter() - t0)
+    return desc
+
+
+def _export_dynamo(module, path: Path, args, in_names, out_names, dynamic_shapes, opset: int,
+                   external: bool, logits_axis: bool) -> None:
+    """torch.export + onnxscript (`dynamo=True`).
+
+    It worked first time and stays: it is torch's default since 2.9 (dynamo=False warns that the
+    TorchScript exporter is deprecated), it exports the data-dependent `x[:, n - num_logits:]`
+    as one Slice whose output dim is symbolic, and its optimizer folds the weight transposes,
+    leaving plain MatMul / Softmax / Where. Its op library starts at opset 18, so opset 17 is
+    reached by _downgrade_to_17.
+    """
+    with torch.no_grad():
+        prog = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            input_names=in_names,
+            output_names=out_names,
+            dynamic_shapes=dynamic_shapes,
+            opset_version=max(opset, 18),
+            optimize=True,
+            verbose=False,
+        )
+    if logits_axis:
+        # logits rows come from num_logits's value, which torch.export names u0, u1, ...
+        prog.rename_axes({prog.model.graph.outputs[0].shape[1]: DIM_NUM_LOGITS})
+    proto = prog.model_proto
+    if opset == 17:
+        _downgrade_to_17(proto)
+    if external:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(path))
+    onnx.checker.check_model(str(path), full_check=True)  # by path: works with external data
+
+
+def _downgrade_to_17(proto: onnx.ModelProto) -> None:
+    """Rewrite an opset-18 graph as opset 17 (the newest TensorRT 8.6 reads).
+
+    onnx.version_converter fails on these graphs (no adapter for Split-18, and it leaves an
+    invalid noop_with_empty_axes on ReduceMean-13), so this does the one change our decoders
+    need: Reduce* ops take `axes` as an attribute again instead of an input. Any other op that
+    changed in opset 18 is refused rather than converted blindly.
+    """
+    inits = {t.name: t for t in proto.graph.initializer}
+    consts = {n.output[0]: n.attribute[0].t for n in proto.graph.node if n.op_type == "Constant"}
+    for node in proto.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        since = onnx.defs.get_schema(node.op_type, 18).since_version
+        if since < 18:
+            continue
+        if not node.op_type.startswith("Reduce"):
+            raise ValueError(f"op {node.op_type} ({node.name}) changed in opset 18; export with opset=18")
+        if len(node.input) > 1 and node.input[1]:
+            src = inits.get(node.input[1]) or consts.get(node.input[1])
+            if src is None:
+                raise ValueError(f"{node.name}: axes are computed at run time; export with opset=18")
+            axes = onnx.numpy_helper.to_array(src).tolist()
+            del node.input[1]
+            node.attribute.append(onnx.helper.make_attribute("axes", axes))
+        attrs = [a for a in node.attribute if a.name != "noop_with_empty_axes"]
+        if len(attrs) != len(node.attribute):  # attribute only exists from 18 on
+            if any(a.name == "noop_with_empty_axes" and a.i for a in node.attribute):
+                raise ValueError(f"{node.name}: noop_with_empty_axes=1 has no opset-17 form")
+            del node.attribute[:]
+            node.attribute.extend(attrs)
+    for imp in proto.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            imp.version = 17
+    # axes initializers that only fed Reduce nodes are now unused
+    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+    keep = [t for t in proto.graph.initializer if t.name in used]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """Inputs and outputs of an ONNX file: name, dtype, shape (ints, or strings for symbolic
+    dims), plus the default-domain opset."""
+    m = onnx.load(str(path), load_external_data=False)
+
+    def one(v):
+        t = v.type.tensor_type
+        dims = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+        return {"name": v.name, "dtype": _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": dims}
+
+    opset = next(i.version for i in m.opset_import if i.domain in ("", "ai.onnx"))
+    return {"inputs": [one(v) for v in m.graph.input], "outputs": [one(v) for v in m.graph.output], "opset": opset}
+
+
+def expected_io(module) -> tuple[list[dict], list[dict]]:
+    """The contract, as describe() would print it for a correct export of `module`."""
+    in_names, out_names = io_names(module.n_layers)
+    past = list(module.cache_shape())
+    present = [1, module.n_kv_heads, DIM_N, module.head_dim]
+    ins = [
+        {"name": "input_ids", "dtype": "int64", "shape": [1, DIM_N]},
+        {"name": "position", "dtype": "int64", "shape": []},
+        {"name": "num_logits", "dtype": "int64", "shape": []},
+    ] + [{"name": nm, "dtype": "float32", "shape": past} for nm in in_names[3:]]
+    outs = [{"name": "logits", "dtype": "float32", "shape": [1, DIM_NUM_LOGITS, module.vocab_size]}]
+    outs += [{"name": nm, "dtype": "float32", "shape": present} for nm in out_names[1:]]
+    return ins, outs
+
+
+def check_contract(desc: dict, ins: list[dict], outs: list[dict]) -> None:
+    """Raise unless describe() of a written graph equals the expected inputs and outputs."""
+    for kind, got, want in (("input", desc["inputs"], ins), ("output", desc["outputs"], outs)):
+        if got != want:
+            bad = [(g, w) for g, w in zip(got, want) if g != w] or [(len(got), len(want))]
+            raise RuntimeError(f"exported graph breaks the contract on its {kind}s; got vs expected: {bad[:3]}")

@@ -1,0 +1,192 @@
+"""`specrun bench`: speculative vs target-only decoding on the same engines, measured in one run.
+
+For every γ setting and prompt, the two modes run alternately (target-only first on even
+repeats, speculative first on odd ones) after a warm-up, so that drift of the machine cancels
+in the paired ratio. Everything reported is measured here; the paper's model (Leviathan et al.
+2023, Theorem 3.8) is evaluated at the measured α and c next to the measured speedup.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .stats import expected_speedup, expected_tokens_per_round
+
+KINDS = ("grounded", "chat")
+
+
+def load_prompts(path=None, kind: str = "all") -> list[dict]:
+    """[{"kind", "text"}]: the built-in set, or a JSON file of the same shape ({"grounded":
+    [...], "chat": [...]}), or a text file with one prompt per non-empty line (kind "custom")."""
+    if path is None:
+        data = json.loads(resources.files("spec_runtime").joinpath("data/bench_prompts.json")
+                          .read_text(encoding="utf-8"))
+    else:
+        path = Path(path)
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise ValueError(f"--prompts {str(path)!r} cannot be read: {e.strerror}") from None
+        if path.suffix == ".json":
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--prompts {str(path)!r} is not valid JSON ({e})") from None
+        else:
+            data = {"custom": [line for line in raw.splitlines() if line.strip()]}
+    prompts = [{"kind": k, "text": t} for k, texts in data.items() if isinstance(texts, list)
+               for t in texts if kind in ("all", k)]
+    if not prompts:
+        raise ValueError(f"no prompts of kind {kind!r} found: use --kind all, or give --prompts")
+    return prompts
+
+
+def _quantiles(values) -> dict:
+    v = np.asarray(values, dtype=float)
+    return {"median": float(np.median(v)), "p25": float(np.percentile(v, 25)),
+            "p75": float(np.percentile(v, 75)), "min": float(v.min()), "max": float(v.max())}
+
+
+def _summarise(gamma, kind, pairs) -> dict:
+    spec = [s for _, s in pairs]
+    base = [b for b, _ in pairs]
+    # per-token costs from the runs themselves: a target step (target-only, after prefill), a
+    # verify call (speculative, after prefill), a draft step
+    step = sum(b["target_time_s"] for b in base) / max(1, sum(b["target_calls"] - 1 for b in base))
+    verify = sum(s["target_time_s"] for s in spec) / max(1, sum(s["target_calls"] - 1 for s in spec))
+    draft_steps = sum(s["draft_step_calls"] for s in spec)
+    draft_step = sum(s["draft_step_time_s"] for s in spec) / draft_steps if draft_steps else 0.0
+    positions = sum(s["alpha_positions"] for s in spec)
+    alpha = sum(s["alpha"] * s["alpha_positions"] for s in spec) / positions if positions else 0.0
+    c = draft_step / step if step > 0 else 0.0
+    v = verify / step if step > 0 else 0.0
+    mean_gamma = float(np.mean([s["mean_gamma"] for s in spec]))
+    g = max(1, round(mean_gamma))
+    new_tokens = sum(s["new_tokens"] for s in spec)
+    target_calls = sum(s["target_calls"] for s in spec)
+    return {
+        "gamma": gamma,
+        "kind": kind,
+        "runs": len(pairs),
+        "speculative_tokens_per_s": _quantiles([s["tokens_per_s"] for s in spec]),
+        "target_only_tokens_per_s": _quantiles([b["tokens_per_s"] for b in base]),
+        "speedup": _quantiles([s["tokens_per_s"] / b["tokens_per_s"] for b, s in pairs]),
+        "alpha": alpha,
+        "acceptance_rate": sum(s["accepted"] for s in spec) / max(1, sum(s["proposed"] for s in spec)),
+        "c": c,
+        "verify_cost_ratio": v,
+        "mean_gamma": mean_gamma,
+        "tokens_per_target_call": new_tokens / max(1, target_calls),
+        "predicted_speedup": expected_speedup(alpha, g, c),
+        "predicted_speedup_with_verify_cost": expected_tokens_per_round(alpha, g) / (g * c + v)
+        if v > 0 else 0.0,
+        "loop_overhead": float(np.mean([s["loop_overhead"] for s in spec])),
+        "new_tokens": new_tokens,
+        "target_calls": target_calls,
+        "target_step_ms": step * 1e3,
+        "verify_call_ms": verify * 1e3,
+        "draft_step_ms": draft_step * 1e3,
+    }
+
+
+def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.0,
+              max_new_tokens: int = 64, repeats: int = 1, chat: bool | None = None,
+              progress: Callable[[int], None] | None = None) -> dict:
+    """Run every (γ, prompt, repeat) in both modes; returns the report (rows per γ and prompt
+    kind, plus "all")."""
+    if chat is None:
+        chat = bool(gen.chat_template)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, chat=chat)
+    # warm-up: the first calls pay for allocations and ORT's lazy initialisation
+    gen.generate(prompts[0]["text"], use_draft=False, seed=0, **dict(kw, max_new_tokens=8))
+    gen.generate(prompts[0]["text"], seed=0, **dict(kw, max_new_tokens=8))
+    rows = []
+    for gamma in gammas:
+        pairs: dict[str, list] = {}
+        for i, prompt in enumerate(prompts):
+            for rep in range(repeats):
+                out = {}
+                order = (False, True) if (i + rep) % 2 == 0 else (True, False)
+                for use_draft in order:
+                    r = gen.generate(prompt["text"], gamma=gamma, use_draft=use_draft, seed=rep,
+                                     **kw)
+                    assert r.stats["new_tokens"] == len(r.tokens)
+                    out[use_draft] = r.stats
+                pairs.setdefault(prompt["kind"], []).append((out[False], out[True]))
+                if progress:
+                    progress(1)
+        for kind, kind_pairs in pairs.items():
+            rows.append(_summarise(gamma, kind, kind_pairs))
+        if len(pairs) > 1:
+            rows.append(_summarise(gamma, "all", [p for ps in pairs.values() for p in ps]))
+    best = {}
+    for row in rows:
+        if row["kind"] not in best or row["speedup"]["median"] > best[row["kind"]]["speedup"]:
+            best[row["kind"]] = {"gamma": row["gamma"], "speedup": row["speedup"]["median"]}
+    return {
+        "bundle": str(getattr(gen, "bundle_dir", "")),
+        "draft": getattr(gen.draft, "kind", None),
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "repeats": repeats,
+        "prompts": {k: sum(p["kind"] == k for p in prompts) for k in {p["kind"] for p in prompts}},
+        "rows": rows,
+        "best_gamma": best,
+    }
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'γ':>5} {'kind':>8} {'spec tok/s':>10} {'base tok/s':>10} {'speedup':>8} "
+            f"{'pred':>6} {'α':>5} {'c':>6} {'verify/step':>11} {'tok/call':>8} {'overhead':>8}")
+    lines = [head, "-" * len(head)]
+    for r in report["rows"]:
+        lines.append(
+            f"{str(r['gamma']):>5} {r['kind']:>8} {r['speculative_tokens_per_s']['median']:>10.1f} "
+            f"{r['target_only_tokens_per_s']['median']:>10.1f} {r['speedup']['median']:>7.2f}x "
+            f"{r['predicted_speedup']:>5.2f}x {r['alpha']:>5.2f} {r['c']:>6.3f} "
+            f"{r['verify_cost_ratio']:>11.2f} {r['tokens_per_target_call']:>8.2f} "
+            f"{100 * r['loop_overhead']:>7.1f}%"
+        )
+    best = ", ".join(f"{k}: γ={v['gamma']} ({v['speedup']:.2f}x)"
+                     for k, v in report["best_gamma"].items())
+    lines.append(f"best γ — {best}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path) -> None:
+    """Speedup vs γ, measured (median, p25–p75 bars) and predicted by the paper's formula."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kinds = sorted({r["kind"] for r in report["rows"]})
+    for i, kind in enumerate(kinds):
+        rows = [r for r in report["rows"] if r["kind"] == kind and r["gamma"] != "auto"]
+        if not rows:
+            continue
+        g = [r["gamma"] for r in rows]
+        med = [r["speedup"]["median"] for r in rows]
+        err = [[m - r["speedup"]["p25"] for m, r in zip(med, rows)],
+               [r["speedup"]["p75"] - m for m, r in zip(med, rows)]]
+        color = f"C{i}"
+        ax.errorbar(g, med, yerr=err, marker="o", color=color, capsize=3,
+                    label=f"{kind}: measured")
+        ax.plot(g, [r["predicted_speedup"] for r in rows], "--", color=color,
+                label=f"{kind}: predicted (α, c)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("γ (draft tokens per round)")
+    ax.set_ylabel("speedup over target-only")
+    ax.set_title(f"specedge bench — draft: {report['draft']}, T={report['temperature']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

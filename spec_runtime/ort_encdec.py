@@ -1,0 +1,68 @@
+"""ONNX Runtime engine for an encoder-decoder bundle: the encoder graph once per request, then
+the decoder graph exactly as OrtEngine drives a decoder-only one.
+
+The encoder reads the source right-padded to the static max_source_len and returns the
+cross-attention K/V of every decoder layer; they and the source mask become fixed inputs of
+every decoder call of that request. `reset()` (called by the decode loop after `encode`) keeps
+them: only the self-attention cache is per-position, and positions make its stale slots
+invisible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .engine import CacheCapacityError
+from .ort_engine import OrtEngine, make_session
+
+
+class OrtEncDecEngine(OrtEngine):
+    """spec_runtime.engine.Engine plus `encode(source_ids)`, over an encoder and a decoder graph."""
+
+    def __init__(self, decoder_path, decoder_graph: dict, encoder_path, encoder_graph: dict, *,
+                 max_len: int, max_source_len: int, prefill_chunk: int, device="cpu",
+                 threads: int | None = None):
+        super().__init__(decoder_path, decoder_graph, max_len=max_len, prefill_chunk=prefill_chunk,
+                         device=device, threads=threads)
+        src = next(i for i in encoder_graph["inputs"] if i["name"] == "input_ids")
+        if src["shape"][1] != max_source_len:
+            raise ValueError(f"encoder graph source length {src['shape'][1]} != manifest "
+                             f"max_source_len {max_source_len}")
+        self.max_source_len = max_source_len
+        self.cross_names = [o["name"] for o in encoder_graph["outputs"]]
+        wanted = [i["name"] for i in decoder_graph["inputs"] if i["name"].startswith("cross_")]
+        if sorted(self.cross_names) != sorted(wanted):
+            raise ValueError(f"encoder outputs {self.cross_names} do not match the decoder's cross "
+                             f"inputs {wanted}")
+        self.encoder = make_session(encoder_path, device, threads)
+        self._source = np.zeros((1, max_source_len), dtype=np.int64)
+        self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
+        self.encoded = False
+
+    def encode(self, source_ids) -> None:
+        """Run the encoder on one request's source ids; its cross K/V serve every forward until
+        the next encode."""
+        ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        if n > self.max_source_len:
+            raise CacheCapacityError(
+                f"the source has {n} tokens but the bundle's max_source_len is "
+                f"{self.max_source_len}: shorten it, or re-export with `specexport build "
+                f"--max-source-len {n}` (or more)"
+            )
+        if n == 0:
+            raise ValueError("the source is empty: give at least one token")
+        self._source[:] = 0  # padding id is irrelevant: the mask hides it
+        self._source[0, :n] = ids
+        self._source_mask[:] = 0
+        self._source_mask[0, :n] = 1
+        outs = self.encoder.run(self.cross_names, {"input_ids": self._source,
+                                                   "attention_mask": self._source_mask})
+        self._feeds.update(zip(self.cross_names, outs))
+        self._feeds["source_mask"] = self._source_mask
+        self.encoded = True
+
+    def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
+        if not self.encoded:
+            raise RuntimeError("OrtEncDecEngine.forward before encode(): encode the source first")
+        return super().forward(tokens, pos, num_logits)

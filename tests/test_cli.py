@@ -1,0 +1,140 @@
+"""The command-line tools: build and generate on tiny models, and exit code 2 with one clear
+line (no traceback) for bad input."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from specedge.cli.specexport import main as specexport
+from specedge.cli.specrun import main as specrun
+
+
+def run(cli, *args, input=None):
+    return CliRunner().invoke(cli, list(map(str, args)), input=input)
+
+
+def assert_input_error(result, *words):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for w in words:
+        assert w in result.output, result.output
+
+
+def test_build_then_generate_json(tmp_path):
+    from tiny_models import gpt2, save
+
+    t = save(gpt2(5), tmp_path / "t")
+    d = save(gpt2(6, hidden=32, layers=1, heads=2), tmp_path / "d")
+    out = tmp_path / "bundle"
+    r = run(specexport, "build", "--target", t, "--draft", d, "--out", out, "--max-len", 64,
+            "--quiet")
+    assert r.exit_code == 0, r.output
+    assert (out / "manifest.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no leftovers
+
+    r = run(specrun, "generate", "hello", "--bundle", out, "--json", "--max-new-tokens", 12,
+            "--no-chat", "--gamma", "auto")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert set(obj) == {"tokens", "text", "stats"}
+    assert obj["stats"]["new_tokens"] == len(obj["tokens"]) and obj["stats"]["mode"] == "speculative"
+
+    r = run(specrun, "generate", "hello", "--bundle", out, "--max-new-tokens", 5, "--no-draft")
+    assert r.exit_code == 0 and "target-only" in r.stderr
+
+    r = run(specrun, "generate", "--bundle", out, "--max-new-tokens", 5, "--stream", input="hi")
+    assert r.exit_code == 0 and "tok/s" in r.stderr
+
+    r = run(specexport, "verify", out)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["graphs"]["target/decoder"]["ok"]
+
+
+def test_ngram_bundle_reports_acceptance(llama_pair, tmp_path):
+    target_dir = llama_pair[0]
+    out = tmp_path / "ngram"
+    assert run(specexport, "build", "--target", target_dir, "--out", out, "--max-len", 128,
+               "--quiet").exit_code == 0
+    r = run(specrun, "generate", "one two three, one two three, one two", "--bundle", out,
+            "--json", "--max-new-tokens", 30, "--no-chat")
+    s = json.loads(r.stdout)["stats"]
+    assert s["draft_kind"] == "ngram" and s["proposed"] > 0
+    assert sum(s["accept_histogram"]) == s["rounds"]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--temperature", "-1"], ["temperature=-1.0", "use a finite number"]),
+        (["--top-p", "0"], ["top_p=0.0"]),
+        (["--top-k", "-2"], ["top_k=-2"]),
+        (["--gamma", "fast"], ["--gamma 'fast'"]),
+        (["--gamma", "99"], ["gamma=99"]),
+        (["--max-new-tokens", "500"], ["max_len is 96", "--max-len"]),
+    ],
+)
+def test_bad_generate_values_exit_2(llama_pair, args, words):
+    r = run(specrun, "generate", "hello", "--bundle", llama_pair[2], *args)
+    assert_input_error(r, *words)
+
+
+def test_prompt_longer_than_max_len_exits_2(llama_pair):
+    r = run(specrun, "generate", "x" * 200, "--bundle", llama_pair[2], "--no-chat")
+    assert_input_error(r, "max_len is 96")
+
+
+def test_missing_and_corrupt_bundles_exit_2(llama_pair, tmp_path):
+    assert_input_error(run(specrun, "generate", "hi", "--bundle", tmp_path / "none"),
+                       "specexport build")
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_pair[2], bad)
+    (bad / "target.onnx").write_bytes(b"\0" * 100)
+    assert_input_error(run(specrun, "generate", "hi", "--bundle", bad), "target.onnx", "re-run")
+
+
+def test_non_utf8_prompt_file_exits_2(llama_pair, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"caf\xe9")
+    assert_input_error(run(specrun, "generate", "--prompt-file", f, "--bundle", llama_pair[2]),
+                       "not UTF-8")
+
+
+def test_unknown_model_family_exits_2(tmp_path):
+    from tiny_models import byte_tokenizer
+    from transformers import MistralConfig, MistralForCausalLM
+
+    d = tmp_path / "mistral"
+    MistralForCausalLM(MistralConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1)).save_pretrained(d)
+    byte_tokenizer().save_pretrained(d)
+    r = run(specexport, "build", "--target", d, "--out", tmp_path / "b", "--quiet")
+    assert_input_error(r, "'mistral'", "llama", "gpt2")
+    assert not (tmp_path / "b").exists()
+
+
+def test_mismatched_vocabularies_are_refused(tmp_path):
+    from tiny_models import byte_tokenizer, gpt2, save, word_tokenizer
+
+    t = save(gpt2(0), tmp_path / "t", byte_tokenizer())
+    d = save(gpt2(1, vocab=300), tmp_path / "d", word_tokenizer(300))
+    r = run(specexport, "build", "--target", t, "--draft", d, "--out", tmp_path / "b",
+            "--max-len", 64, "--quiet")
+    assert_input_error(r, "token id 0")
+
+
+def test_build_refuses_to_overwrite_a_directory_that_is_not_a_bundle(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    r = run(specexport, "build", "--target", tmp_path / "x", "--out", tmp_path / "mine")
+    assert_input_error(r, "not a specedge bundle")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_build_values_exit_2(tmp_path):
+    assert_input_error(run(specexport, "build", "--gamma", "9", "--max-gamma", "8", "--out",
+                           tmp_path / "b"), "--gamma 9")
+    assert_input_error(run(specexport, "build", "--target", tmp_path / "missing", "--out",
+                           tmp_path / "b", "--quiet"), "cannot load a model")

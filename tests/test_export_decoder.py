@@ -1,0 +1,102 @@
+"""Export tiny random decoders to ONNX and check the graph against Hugging Face PyTorch.
+
+Each case builds a model in the test, saves it with save_pretrained and reloads it (so the path
+is the same as for a real checkpoint), exports it with the graph contract, and drives it through
+a numpy KV cache: prefill at position 0 (n=16, all rows), a second prefill chunk, single-token
+steps, then 5-token verify calls before and after a rollback over stale slots.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from spec_export.onnx_export import expected_io, export_decoder
+from spec_export.parity import check_parity
+from specedge.models import SUPPORTED, for_hf_model
+
+MAX_LEN = 64
+TOL = 1e-4
+
+LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads per kv head
+    max_position_embeddings=MAX_LEN,
+    initializer_range=0.2,  # logits of order 1, so 1e-4 is a real bound
+)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+
+CASES = {
+    "llama-untied": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, tie_word_embeddings=False)),
+    "llama-tied-rope-linear": lambda: LlamaForCausalLM(
+        LlamaConfig(**LLAMA, tie_word_embeddings=True, rope_scaling=dict(rope_type="linear", factor=2.0))
+    ),
+    "llama-rope-llama3": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, rope_scaling=LLAMA3_ROPE)),
+    "gpt2": lambda: GPT2LMHeadModel(
+        GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=MAX_LEN, initializer_range=0.2)
+    ),
+}
+
+
+def saved_and_reloaded(make, tmp_path):
+    torch.manual_seed(0)
+    make().save_pretrained(tmp_path / "hf")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_matches_hf(case, tmp_path):
+    hf = saved_and_reloaded(CASES[case], tmp_path)
+    if "rope-" in case:  # the scaling must survive save/reload, or we would test default rope twice
+        assert hf.config.rope_parameters["rope_type"] == case.rsplit("rope-", 1)[1]
+    module = for_hf_model(hf, MAX_LEN)
+    desc = export_decoder(module, tmp_path / "model.onnx", MAX_LEN)
+
+    ins, outs = expected_io(module)
+    assert (desc["inputs"], desc["outputs"]) == (ins, outs)
+    assert desc["inputs"][0]["shape"] == [1, "n"] and desc["outputs"][1]["shape"][2] == "n"
+    assert desc["opset"] == 17 and not desc["external_data"]
+
+    prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    diff = check_parity(hf, tmp_path / "model.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
+    print(f"{case}: max |logits_onnx - logits_hf| = {diff:.3g}")
+    assert diff < TOL
+
+
+def test_tied_embedding_stored_once(tmp_path):
+    """A tied checkpoint maps to one Parameter, so the ONNX file holds the matrix once."""
+    hf = saved_and_reloaded(CASES["llama-tied-rope-linear"], tmp_path)
+    module = for_hf_model(hf, MAX_LEN)
+    assert module.lm_head is module.embed
+
+
+def test_unsupported_model_type_names_it():
+    class Cfg:
+        model_type = "mamba"
+
+    class Fake:
+        config = Cfg()
+
+    with pytest.raises(ValueError, match="mamba") as e:
+        for_hf_model(Fake(), MAX_LEN)
+    for name in SUPPORTED:
+        assert name in str(e.value)
+
+
+def test_unsupported_rope_type_is_refused():
+    cfg = LlamaConfig(**LLAMA, rope_scaling=dict(rope_type="dynamic", factor=2.0))
+    with pytest.raises(ValueError, match="dynamic"):
+        for_hf_model(LlamaForCausalLM(cfg), MAX_LEN)
+
+
+def test_checkpoint_mismatch_names_the_weight():
+    hf = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    module = for_hf_model(hf, MAX_LEN)
+    sd = hf.state_dict()
+    sd["model.layers.1.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"][:, :10]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        module.load_hf_state_dict(sd)
