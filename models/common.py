@@ -36,17 +36,21 @@ class CachedDecoder(nn.Module):
         return (1, self.n_kv_heads, self.max_len, self.head_dim)
 
 
-def step_masks(n: int, position: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masks for n new queries at absolute positions position .. position+n-1.
+def step_masks(n: int, position: torch.Tensor, max_len: int):
+    """What n new queries at absolute positions position .. position+n-1 may see.
 
-    Returns (past_ok [max_len] bool: slot j < position, causal [n, n] bool: key t' <= query t).
-    Built from aranges rather than sliced from a stored matrix so the graph has no
-    dependence on n beyond the Range op.
+    Returns (past_len, causal [n, n] bool: key t' <= query t). past_len is `position` as a
+    symbolic int: the valid cache slots are exactly 0..past_len-1, so attention reads that prefix
+    of the static cache and never the stale slots past it. Reading only the prefix makes a step
+    cost grow with the position, not with max_len (a 2048-slot cache read in full was a third of
+    a step at position 100).
     """
-    past_ok = torch.arange(max_len, device=position.device) < position  # [L]
+    past_len = position.item()
+    torch._check(past_len >= 0)
+    torch._check(past_len <= max_len)
     t = torch.arange(n, device=position.device)
     causal = t[None, :] <= t[:, None]  # [n, n]
-    return past_ok, causal
+    return past_len, causal
 
 
 def cached_attention(
@@ -55,39 +59,38 @@ def cached_attention(
     v_new: torch.Tensor,  # [1, KVH, n, D]
     past_k: torch.Tensor,  # [1, KVH, L, D]
     past_v: torch.Tensor,  # [1, KVH, L, D]
-    past_ok: torch.Tensor,  # [L] bool
+    past_len,  # int (symbolic in the graph): slots 0..past_len-1 are valid
     causal: torch.Tensor,  # [n, n] bool
-    bias: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([1, KVH, G*n, L], [1, KVH, G*n, n])
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([1, KVH, G*n, P], [1, KVH, G*n, n])
 ) -> torch.Tensor:
-    """Attention over the static cache plus the new tokens; returns [1, KVH, G, n, D].
+    """Attention over the valid cache prefix plus the new tokens; returns [1, KVH, G, n, D].
 
-        q ─┬─ MatMul(past_kᵀ) ─ (+bias_past) ─ Where(past_ok) ─┐
-           │                                                   Concat ─ Softmax ─ Split ─┬─ MatMul(past_v) ─┐
-           └─ MatMul(k_newᵀ) ── (+bias_new) ── Where(causal) ──┘                         └─ MatMul(v_new) ── Add
+        past_k[:P] ─ MatMul(q, ·ᵀ) ─ (+bias_past) ───────────────┐
+                                                                  Concat ─ Softmax ─ Split ─┬─ MatMul(past_v[:P]) ─┐
+        k_new ────── MatMul(q, ·ᵀ) ─ (+bias_new) ─ Where(causal) ─┘                         └─ MatMul(v_new) ────── Add
 
-    `bias` is an optional additive score bias per block (T5's relative position bias), given on
-    the folded row axis; it is added before masking, so a masked slot stays exactly -inf.
+    P = past_len. Slots P..max_len-1 hold stale K/V of rejected drafts; they are never read, so
+    no mask is needed on the cache block. `bias` is an optional additive score bias per block
+    (T5's relative position bias), given on the folded row axis.
 
     G query heads share one KV head (GQA). Folding G into the row axis ([1, KVH, G*n, D]) lets
     each KV head be used as is: no repeated K/V is materialised, and every MatMul is a plain
-    batched GEMM. Masked scores become -inf (not a large negative number added to them), so a
-    stale slot contributes exactly 0 whatever finite garbage it holds. Every row keeps at least
-    its own diagonal, so the softmax never sees a row of only -inf.
+    batched GEMM. Masked new-block scores become -inf; every row keeps its own diagonal, so the
+    softmax never sees a row of only -inf.
     """
     _, kvh, g, n, d = q.shape
     q = q.reshape(1, kvh, g * n, d)  # [1, KVH, G*n, D]
-    s_past = q @ past_k.transpose(-1, -2)  # [1, KVH, G*n, L]
+    past_k, past_v = past_k[:, :, :past_len], past_v[:, :, :past_len]  # [1, KVH, P, D]
+    s_past = q @ past_k.transpose(-1, -2)  # [1, KVH, G*n, P]
     s_new = q @ k_new.transpose(-1, -2)  # [1, KVH, G*n, n]
     if bias is not None:
         s_past, s_new = s_past + bias[0], s_new + bias[1]
     neg_inf = torch.tensor(float("-inf"), dtype=q.dtype)
-    s_past = torch.where(past_ok, s_past, neg_inf)
     # row r of the folded axis is query t = r % n, so the causal mask repeats G times
     causal_rows = causal.expand(g, n, n).reshape(g * n, n)  # [G*n, n]
     s_new = torch.where(causal_rows, s_new, neg_inf)
-    probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # [1, KVH, G*n, L+n]
-    L = past_k.shape[2]
-    out = probs[..., :L] @ past_v + probs[..., L:] @ v_new  # [1, KVH, G*n, D]
+    probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # [1, KVH, G*n, P+n]
+    out = probs[..., :past_len] @ past_v + probs[..., past_len:] @ v_new  # [1, KVH, G*n, D]
     return out.reshape(1, kvh, g, n, d)
 
 

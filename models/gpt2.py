@@ -62,7 +62,7 @@ class GPT2Block(nn.Module):
         scale = d.head_dim**-0.5 if d.scale_attn else 1.0
         self.scale = scale / (layer_idx + 1) if d.scale_by_layer else scale
 
-    def forward(self, x, past_k, past_v, past_ok, causal):
+    def forward(self, x, past_k, past_v, past_len, causal):
         d = self.d
         h = F.layer_norm(x, (d.dim,), self.ln1_w, self.ln1_b, d.norm_eps)
         qkv = F.linear(h, self.w_qkv, self.b_qkv)  # [1, n, 3C]
@@ -70,7 +70,7 @@ class GPT2Block(nn.Module):
         q = q.reshape(1, -1, d.n_heads, 1, d.head_dim).permute(0, 2, 3, 1, 4) * self.scale  # [1, H, 1, n, D]
         k = k.reshape(1, -1, d.n_heads, d.head_dim).transpose(1, 2)  # [1, H, n, D]
         v = v.reshape(1, -1, d.n_heads, d.head_dim).transpose(1, 2)  # [1, H, n, D]
-        a = cached_attention(q, k, v, past_k, past_v, past_ok, causal)  # [1, H, 1, n, D]
+        a = cached_attention(q, k, v, past_k, past_v, past_len, causal)  # [1, H, 1, n, D]
         a = a.permute(0, 3, 1, 2, 4).reshape(1, -1, d.dim)  # [1, n, C]
         x = x + F.linear(a, self.w_attn_out, self.b_attn_out)
         h = F.layer_norm(x, (d.dim,), self.ln2_w, self.ln2_b, d.norm_eps)
@@ -97,10 +97,10 @@ class GPT2(CachedDecoder):
         n = input_ids.shape[1]
         pos = position + torch.arange(n)  # [n]
         x = F.embedding(input_ids, self.wte) + F.embedding(pos, self.wpe)  # [1, n, C]
-        past_ok, causal = step_masks(n, position, self.max_len)
+        past_len, causal = step_masks(n, position, self.max_len)
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, past[2 * i], past[2 * i + 1], past_ok, causal)
+            x, k, v = layer(x, past[2 * i], past[2 * i + 1], past_len, causal)
             present += [k, v]
         x = x[:, n - num_logits :]  # [1, num_logits, C]: lm_head only for the rows asked for
         x = F.layer_norm(x, (self.d.dim,), self.ln_f_w, self.ln_f_b, self.d.norm_eps)

@@ -106,7 +106,7 @@ class LlamaBlock(nn.Module):
         self.d = d
         self.scale = d.head_dim**-0.5
 
-    def forward(self, x, cos, sin, past_k, past_v, past_ok, causal):
+    def forward(self, x, cos, sin, past_k, past_v, past_len, causal):
         d = self.d
         g = d.n_heads // d.n_kv_heads
         h = rms_norm(x, self.attn_norm, d.norm_eps)
@@ -121,7 +121,7 @@ class LlamaBlock(nn.Module):
         v = v.reshape(1, -1, d.n_kv_heads, d.head_dim).transpose(1, 2)  # [1, KVH, n, D]
         q = apply_rope(q, cos, sin) * self.scale
         k = apply_rope(k, cos, sin)  # the cache holds K after RoPE
-        a = cached_attention(q, k, v, past_k, past_v, past_ok, causal)  # [1, KVH, G, n, D]
+        a = cached_attention(q, k, v, past_k, past_v, past_len, causal)  # [1, KVH, G, n, D]
         a = a.permute(0, 3, 1, 2, 4).reshape(1, -1, d.n_heads * d.head_dim)  # [1, n, H*D]
         x = x + F.linear(a, self.wo, self.bo)
         h = rms_norm(x, self.ffn_norm, d.norm_eps)
@@ -151,10 +151,10 @@ class Llama(CachedDecoder):
         x = F.embedding(input_ids, self.embed)  # [1, n, C]
         pos = position + torch.arange(n)  # [n]
         cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)  # [n, D]
-        past_ok, causal = step_masks(n, position, self.max_len)
+        past_len, causal = step_masks(n, position, self.max_len)
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, past[2 * i], past[2 * i + 1], past_ok, causal)
+            x, k, v = layer(x, cos, sin, past[2 * i], past[2 * i + 1], past_len, causal)
             present += [k, v]
         # slice before the norm and lm_head: a prefill chunk pays the lm_head only for its last rows
         x = x[:, n - num_logits :]  # [1, num_logits, C]

@@ -220,13 +220,13 @@ class DecoderBlock(nn.Module):
         self.d = d
         self.ff = FeedForward(d)
 
-    def forward(self, x, bias, past_k, past_v, past_ok, causal, cross_k, cross_v, src_ok):
+    def forward(self, x, bias, past_k, past_v, past_len, causal, cross_k, cross_v, src_ok):
         d = self.d
         h = rms_norm(x, self.self_norm, d.norm_eps)
         qkv = F.linear(h, self.wqkv)  # [1, n, 3*H*D]
         q = qkv[..., : d.inner].reshape(1, -1, d.n_heads, 1, d.head_dim).permute(0, 2, 3, 1, 4)  # [1, H, 1, n, D]
         k, v = _heads(qkv[..., d.inner : 2 * d.inner], d), _heads(qkv[..., 2 * d.inner :], d)  # [1, H, n, D]
-        a = cached_attention(q, k, v, past_k, past_v, past_ok, causal, bias)  # [1, H, 1, n, D]
+        a = cached_attention(q, k, v, past_k, past_v, past_len, causal, bias)  # [1, H, 1, n, D]
         x = x + F.linear(a.squeeze(2).transpose(1, 2).reshape(1, -1, d.inner), self.wo)
         h = rms_norm(x, self.cross_norm, d.norm_eps)
         q = _heads(F.linear(h, self.wq_cross), d)  # [1, H, n, D]
@@ -253,14 +253,14 @@ class T5Decoder(CachedDecoder):
         n = input_ids.shape[1]
         x = F.embedding(input_ids, self.embed)  # [1, n, C]
         q_pos = position + torch.arange(n)  # [n] absolute
-        # bias for the cache block (keys at slots 0..L-1) and the new block (keys at q_pos);
+        past_len, causal = step_masks(n, position, self.max_len)
+        # bias for the cache block (keys at slots 0..P-1) and the new block (keys at q_pos);
         # G = 1 (every head has its own K/V), so this is already cached_attention's folded layout
-        bias = (self.rel_bias(q_pos, torch.arange(self.max_len)), self.rel_bias(q_pos, q_pos))
-        past_ok, causal = step_masks(n, position, self.max_len)
+        bias = (self.rel_bias(q_pos, torch.arange(past_len)), self.rel_bias(q_pos, q_pos))
         src_ok = (source_mask != 0)[:, None, None, :]  # [1, 1, 1, S]
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, bias, past[2 * i], past[2 * i + 1], past_ok, causal,
+            x, k, v = layer(x, bias, past[2 * i], past[2 * i + 1], past_len, causal,
                             cross[2 * i], cross[2 * i + 1], src_ok)
             present += [k, v]
         x = x[:, n - num_logits :]  # [1, num_logits, C]: lm_head only for the rows asked for
