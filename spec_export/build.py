@@ -10,13 +10,16 @@ accepts, and the previous bundle (if any) untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
+import logging
 import os
 import platform
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,6 +159,23 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
     }
 
 
+@contextlib.contextmanager
+def _quiet_libraries():
+    """torch.export and onnxscript warn about their own internals (deprecations, optional op
+    libraries that are not installed); a user of specexport can act on none of it."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+@_quiet_libraries()
 def build_bundle(
     target: str | None = None,
     draft: str = "ngram",
@@ -310,10 +330,14 @@ def write_manifest(bundle_dir: Path, manifest: dict) -> None:
 def _replace_dir(new: Path, out: Path) -> None:
     """Move the finished `new` to `out`. An existing bundle is renamed aside first and removed
     only after the new one is in place, so `out` is always either old or new, never partial."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(new, out)
+    old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() else None
+    try:
+        if old is not None:
+            os.replace(out, old)
+        os.replace(new, out)
+    except BaseException:  # Ctrl-C or SIGTERM between the two renames: put the old one back
+        if old is not None and old.exists() and not out.exists():
+            os.replace(old, out)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,372 @@
+"""specedge against its peers on one CPU: same model, same prompt token ids, same number of new
+tokens, greedy, tokens/s measured in one run.
+
+Systems (names for --skip):
+    specedge          spec_runtime, target-only (use_draft=False)
+    specedge-spec     spec_runtime, speculative with the bundle's draft (n-gram for the default)
+    hf                transformers `generate` in PyTorch, greedy
+    hf-lookup         the same with prompt lookup (`prompt_lookup_num_tokens`)
+    ortgenai          onnxruntime-genai on its own model-builder build of the same weights
+    ortgenai-ngram    the same with its n-gram speculative mode
+
+tokens/s = new tokens / wall time of the whole generate call (prefill included); the table shows
+the median per system and prompt kind. After one warm-up call per system, the systems take turns
+on every prompt, in an order that rotates, so that drift of the machine spreads over all of them.
+Outputs are compared token for token with `hf` (greedy), with HF's logit gap at the first
+difference: near-ties (tiny gaps) flip with float rounding, large gaps mean a bug.
+
+    python benchmarks/compare.py                              # full run, 10-20 min on 2 cores
+    python benchmarks/compare.py --limit 2 --max-new-tokens 16   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (benchmarks/ is not a package)
+import peers  # noqa: E402
+
+SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram")
+REFERENCE = "hf"
+# What each --precision compares. An int4 entry adds the int4 rows: a specedge bundle exported at
+# int4 (--bundle), onnxruntime-genai's `-p int4` build; PyTorch has no comparable CPU int4 path, so
+# its rows would be skipped with that reason.
+PRECISIONS = {
+    "fp32": {"bundle_precision": "fp32", "genai": "fp32", "hf_skip": None},
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", type=Path, help="specedge bundle (default: `specrun where`)")
+    ap.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
+    ap.add_argument("--prompts-kind", choices=["grounded", "chat", "all"], default="all")
+    ap.add_argument("--prompts", type=Path, help="prompt file for spec_runtime.bench.load_prompts")
+    ap.add_argument("--limit", type=int, help="first N prompts of each kind")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per system and prompt")
+    ap.add_argument("--threads", type=int, default=2, help="threads for every system "
+                    "(physical cores of the reference machine)")
+    ap.add_argument("--gamma", default=None, help="specedge γ: an integer or 'auto' "
+                    "(default: the bundle's)")
+    ap.add_argument("--prompt-lookup", type=int, default=10,
+                    help="HF prompt_lookup_num_tokens for hf-lookup")
+    ap.add_argument("--genai-ngram-size", type=int, default=3)
+    ap.add_argument("--genai-max-draft", type=int, default=8,
+                    help="onnxruntime-genai speculative max_draft_tokens (K)")
+    ap.add_argument("--genai-chained", action=argparse.BooleanOptionalAction, default=True,
+                    help="onnxruntime-genai ngram_chained_lookup")
+    ap.add_argument("--eos", choices=["continue", "stop"], default="continue",
+                    help="continue: EOS is an ordinary token and every system makes exactly "
+                    "--max-new-tokens; stop: each system stops at EOS (actual tokens counted)")
+    ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS, metavar="NAME",
+                    help=f"leave a system out (repeatable): {', '.join(SYSTEMS)}")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args(argv)
+    if args.gamma not in (None, "auto"):
+        if not args.gamma.isdigit():
+            ap.error(f"--gamma {args.gamma!r}: use an integer or 'auto'")
+        args.gamma = int(args.gamma)
+    for name in ("max_new_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+# -- setup --------------------------------------------------------------------------------------
+
+def prepare_prompts(gen, args) -> list[dict]:
+    """Prompt texts → chat-templated token ids, once, with the bundle's tokenizer; every system
+    gets these ids."""
+    from spec_runtime.bench import load_prompts
+
+    prompts = load_prompts(args.prompts, "all" if args.prompts else args.prompts_kind)
+    if args.limit:
+        kinds = {p["kind"] for p in prompts}
+        prompts = [p for k in sorted(kinds) for p in [q for q in prompts if q["kind"] == k]
+                   [:args.limit]]
+    for p in prompts:
+        text = gen.apply_chat_template(p["text"]) if gen.chat_template else p["text"]
+        p["ids"] = gen.encode(text, add_special_tokens=not gen.chat_template).tolist()
+    return prompts
+
+
+def build_systems(args, gen, eos_id: int):
+    """-> ({name: system}, {name: skip reason}, hf_model or None). `gen` is the loaded bundle
+    (both specedge modes share its engine, as in `specrun bench`). A peer that cannot be set up
+    is skipped with its reason rather than ending the run."""
+    stop = args.eos == "stop"
+    setup = PRECISIONS[args.precision]
+    systems, skipped, hf_model = {}, {name: "--skip" for name in args.skip}, None
+    wanted = [s for s in SYSTEMS if s not in skipped]
+    for name in ("specedge", "specedge-spec"):
+        if name in wanted:
+            systems[name] = peers.Specedge(gen, name == "specedge-spec", args.gamma, stop)
+    if {"hf", "hf-lookup"} & set(wanted):
+        if setup["hf_skip"]:
+            skipped.update({n: setup["hf_skip"] for n in ("hf", "hf-lookup") if n in wanted})
+        else:
+            hf_model = peers.load_hf(peers.hf_dir(), args.threads)
+            for name, lookup in (("hf", 0), ("hf-lookup", args.prompt_lookup)):
+                if name in wanted:
+                    systems[name] = peers.HFGenerate(hf_model, lookup, stop, eos_id)
+    if {"ortgenai", "ortgenai-ngram"} & set(wanted):
+        try:
+            model = peers.load_ortgenai(peers.ortgenai_dir(setup["genai"]), args.threads, stop)
+        except Exception as e:  # the peer's build or load failing is a result, not a crash
+            skipped.update({n: f"onnxruntime-genai setup failed: {e}"
+                            for n in ("ortgenai", "ortgenai-ngram") if n in wanted})
+        else:
+            ngram = {"ngram_size": args.genai_ngram_size,
+                     "max_draft_tokens": args.genai_max_draft,
+                     "ngram_chained_lookup": args.genai_chained}
+            for name, spec in (("ortgenai", None), ("ortgenai-ngram", ngram)):
+                if name in wanted:
+                    systems[name] = peers.OrtGenai(model, spec, stop, eos_id)
+    return systems, skipped, hf_model
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+def measure(systems: dict, prompts: list[dict], n: int, repeats: int) -> list[dict]:
+    names = list(systems)
+    for name in names:  # warm-up: allocations, lazy initialisation, kernel choice
+        systems[name].run(prompts[0]["ids"], min(n, 16))
+    runs, turn = [], 0
+    for i, p in enumerate(prompts):
+        for rep in range(repeats):
+            order = names[turn % len(names):] + names[:turn % len(names)]
+            turn += 1
+            for name in order:
+                r = systems[name].run(p["ids"], n)
+                runs.append({"prompt": i, "kind": p["kind"], "repeat": rep, "system": name,
+                             "new_tokens": len(r.tokens), "wall_s": r.wall_s,
+                             "tokens_per_s": len(r.tokens) / r.wall_s, "info": r.info,
+                             "tokens": r.tokens})
+            print(f"  prompt {i + 1}/{len(prompts)} repeat {rep + 1}/{repeats} done",
+                  file=sys.stderr, flush=True)
+    return runs
+
+
+def divergences(runs, prompts, hf_model, eos_id) -> list[dict]:
+    """Per prompt and system: the first index where its tokens differ from the reference's
+    (first repeat), and HF's logit gap there; also whether its repeats disagree."""
+    out = []
+    by = {}
+    for r in runs:
+        by.setdefault((r["prompt"], r["system"]), []).append(r["tokens"])
+    for i, p in enumerate(prompts):
+        ref = by.get((i, REFERENCE), [None])[0]
+        if ref is None:
+            continue
+        eos_at = ref.index(eos_id) if eos_id in ref else None
+        for name in SYSTEMS:
+            if name == REFERENCE or (i, name) not in by:
+                continue
+            outs = by[(i, name)]
+            got = outs[0]
+            first = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            if first is None and len(ref) != len(got):
+                first = min(len(ref), len(got))
+            row = {"prompt": i, "kind": p["kind"], "system": name, "first_diff": first,
+                   "ref_eos_at": eos_at, "repeats_agree": all(o == got for o in outs)}
+            if first is not None and hf_model is not None and first < min(len(ref), len(got)):
+                row.update(peers.hf_logit_gap(hf_model, p["ids"], ref, first, got[first]))
+            out.append(row)
+    return out
+
+
+def quartiles(values) -> dict:
+    v = np.asarray(values, dtype=float)
+    return {"median": float(np.median(v)), "p25": float(np.percentile(v, 25)),
+            "p75": float(np.percentile(v, 75)), "n": len(v)}
+
+
+def summarise(runs, systems) -> dict:
+    """{kind: {system: {tokens_per_s quartiles, vs_hf, acceptance}}}, kinds plus "all"."""
+    kinds = sorted({r["kind"] for r in runs})
+    kinds += ["all"] if len(kinds) > 1 else []
+    out = {}
+    for kind in kinds:
+        rows = {}
+        for name in systems:
+            mine = [r for r in runs if r["system"] == name and kind in ("all", r["kind"])]
+            if not mine:
+                continue
+            row = {"tokens_per_s": quartiles([r["tokens_per_s"] for r in mine]),
+                   "new_tokens": sum(r["new_tokens"] for r in mine)}
+            acc = [(r["info"].get("accepted"), r["info"].get("proposed")) for r in mine]
+            if all(a is not None for a, _ in acc):
+                row["acceptance"] = sum(a for a, _ in acc) / max(1, sum(p for _, p in acc))
+                row["proposed_per_token"] = sum(p for _, p in acc) / row["new_tokens"]
+            rows[name] = row
+        ref = rows.get(REFERENCE)
+        for row in rows.values():
+            if ref:
+                row["vs_hf"] = row["tokens_per_s"]["median"] / ref["tokens_per_s"]["median"]
+        out[kind] = rows
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def markdown(report: dict) -> str:
+    m, cfg, bw, w = report["machine"], report["config"], report["bandwidth"], report["weights"]
+    v = m["versions"]
+    kinds = list(report["summary"])
+    lines = [
+        f"# specedge vs peers — {cfg['precision']}, greedy, {cfg['max_new_tokens']} new tokens",
+        "",
+        f"- machine: {m['cpu']}, {m['physical_cores']} physical cores / {m['logical_cpus']} "
+        f"logical ({m['usable_cpus']} usable), {cfg['threads']} threads for every system; "
+        f"load average {report['load_before']} before, {report['load_after']} after",
+        f"- versions: python {m['python']}, " + ", ".join(f"{k} {x}" for k, x in v.items()),
+        f"- prompts: {report['prompt_counts']} (chat-templated, identical ids for every system), "
+        f"{cfg['repeats']} repeat(s), EOS mode `{cfg['eos']}`",
+        f"- memory copy bandwidth {bw['GBps']:.1f} GB/s (numpy, {bw['array_bytes'] / 2**20:.0f} "
+        f"MiB, read+write); target weights {w['bytes'] / 1e6:.0f} MB → bandwidth floor "
+        f"{w['floor_ms_per_token']:.1f} ms/token, ceiling **{w['ceiling_tokens_per_s']:.1f} "
+        f"tok/s** for target-only decoding",
+        f"- specedge-spec: draft {report['draft']}, γ {cfg['gamma_used']}; "
+        f"HF prompt_lookup_num_tokens "
+        f"{cfg['prompt_lookup']}; onnxruntime-genai n-gram: ngram_size {cfg['genai_ngram_size']}"
+        f", max_draft_tokens {cfg['genai_max_draft']}, chained {cfg['genai_chained']}",
+        "",
+        "tokens/s: median (p25–p75) over prompts × repeats; ×hf: median over hf's median; "
+        "acc: accepted / proposed draft tokens.",
+        "",
+        "| system | " + " | ".join(f"{k} tok/s | {k} ×hf" for k in kinds) + f" | acc ({kinds[-1]}) "
+        "| diverged from hf |",
+        "|---|" + "---:|---:|" * len(kinds) + "---:|---|",
+    ]
+    div = report["divergence"]
+    for name in SYSTEMS:
+        if name in report["skipped"]:
+            lines.append(f"| {name} | skipped: {report['skipped'][name]} |")
+            continue
+        cells = []
+        for k in kinds:
+            row = report["summary"][k].get(name)
+            if row is None:
+                cells += ["–", "–"]
+                continue
+            q = row["tokens_per_s"]
+            cells += [f"{q['median']:.1f} ({q['p25']:.1f}–{q['p75']:.1f})",
+                      f"{row['vs_hf']:.2f}" if "vs_hf" in row else "–"]
+        acc = report["summary"][kinds[-1]].get(name, {}).get("acceptance")
+        mine = [d for d in div if d["system"] == name]
+        diverged = [d for d in mine if d["first_diff"] is not None]
+        dtext = ("(reference)" if name == REFERENCE else "– (no hf run)" if not mine
+                 else f"{len(diverged)}/{len(mine)} prompts")
+        lines.append(f"| {name} | " + " | ".join(cells) +
+                     f" | {'–' if acc is None else f'{acc:.2f}'} | {dtext} |")
+    diverged = [d for d in div if d["first_diff"] is not None]
+    if diverged:
+        lines += ["", "First divergence from hf greedy (gap = HF logit of its token − logit of "
+                  "the system's token at that position; < ~1e-3 is a near-tie):", "",
+                  "| prompt | kind | system | index | hf token | system token | gap | top-2 gap |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|"]
+        for d in diverged:
+            gap = f"{d['gap']:.2e}" if "gap" in d else "–"
+            top2 = f"{d['top2_gap']:.2e}" if "top2_gap" in d else "–"
+            lines.append(f"| {d['prompt']} | {d['kind']} | {d['system']} | {d['first_diff']} | "
+                         f"{d.get('ref_token', '–')} | {d.get('got_token', '–')} | {gap} | "
+                         f"{top2} |")
+    hits = {d["prompt"]: d["ref_eos_at"] for d in div if d["ref_eos_at"] is not None}
+    if hits and cfg["eos"] == "continue":
+        lines += ["", f"hf greedy emitted EOS early in {len(hits)} prompt(s) (index: "
+                  f"{hits}); with `--eos continue` the tokens after it are the model continuing "
+                  "past its answer, which the n-gram drafts can find easy to predict."]
+    if report.get("notes"):
+        lines += [""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def notes(args) -> list[str]:
+    out = [
+        "onnxruntime-genai n-gram mode is driven from Python: GeneratorParams."
+        f"set_speculative_options(ngram_size={args.genai_ngram_size}, max_draft_tokens="
+        f"{args.genai_max_draft}, ngram_chained_lookup={args.genai_chained}) on the plain "
+        "Generator loop; the same Model object serves both genai rows.",
+    ]
+    if args.eos == "continue":
+        out.append("EOS is an ordinary token everywhere: specedge Generator.eos_token_ids "
+                   "cleared, HF eos_token_id=None, genai's eos_token_id swapped for "
+                   f"{peers.STAND_IN_EOS!r} (none of them masks EOS, so greedy tokens agree).")
+    return out
+
+
+def short_runs(runs, args) -> list[str]:
+    """With --eos continue every run must make exactly --max-new-tokens tokens."""
+    if args.eos == "stop":
+        return []
+    return [f"{r['system']} made {r['new_tokens']} tokens on prompt {r['prompt']} (expected "
+            f"{args.max_new_tokens}): its tokens/s still counts actual tokens" for r in runs
+            if r["new_tokens"] != args.max_new_tokens]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import spec_runtime
+    from spec_runtime.bundle import default_bundle_dir
+
+    bundle_dir = args.bundle or default_bundle_dir()
+    load_before = os.getloadavg()[0]
+    gen = spec_runtime.load(bundle_dir, threads=args.threads)
+    want = PRECISIONS[args.precision]["bundle_precision"]
+    if gen.manifest["precision"] != want:
+        raise SystemExit(f"bundle {bundle_dir} is {gen.manifest['precision']}, --precision "
+                         f"{args.precision} needs a {want} bundle: pass --bundle")
+    if args.gamma is not None:
+        gen._gamma_policy(args.gamma)  # a bad γ fails now, not after minutes of peers
+    prompts = prepare_prompts(gen, args)
+    target_file = bundle_dir / gen.manifest["target"]["graphs"]["decoder"]["file"]
+    weight_bytes = peers.onnx_weight_bytes(target_file)
+    eos_id = min(gen.eos_token_ids)
+
+    print(f"{len(prompts)} prompts, setting up systems ...", file=sys.stderr)
+    systems, skipped, hf_model = build_systems(args, gen, eos_id)
+    bw = machine.copy_bandwidth()
+    runs = measure(systems, prompts, args.max_new_tokens, args.repeats)
+    floor_s = weight_bytes / (bw["GBps"] * 1e9)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config["gamma_used"] = gen.default_gamma if args.gamma is None else args.gamma
+    report = {
+        "config": config,
+        "bundle": str(bundle_dir),
+        "draft": gen.manifest["draft"],
+        "machine": machine.info(args.threads),
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+        "bandwidth": bw,
+        "weights": {"file": str(target_file), "bytes": weight_bytes,
+                    "floor_ms_per_token": floor_s * 1e3, "ceiling_tokens_per_s": 1 / floor_s},
+        "prompt_counts": {k: sum(p["kind"] == k for p in prompts)
+                          for k in sorted({p["kind"] for p in prompts})},
+        "skipped": skipped,
+        "notes": notes(args) + short_runs(runs, args) + machine.busy_note(load_before,
+                                                                        os.getloadavg()[0]),
+        "summary": summarise(runs, systems),
+        "divergence": divergences(runs, prompts, hf_model, eos_id),
+        "runs": runs,
+        "prompts": [{"kind": p["kind"], "text": p["text"], "ids": p["ids"]} for p in prompts],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"compare-{args.precision}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    table = markdown(report)
+    stem.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

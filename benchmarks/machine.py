@@ -1,0 +1,61 @@
+"""What the benchmarks record about the machine: CPU, versions, memory bandwidth, load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+
+def info(threads: int) -> dict:
+    """CPU model and cores from /proc/cpuinfo, Python and package versions."""
+    cpu, cores = "unknown", set()
+    try:
+        phys = None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (s.strip() for s in line.partition(":"))
+            if key == "model name":
+                cpu = value
+            elif key == "physical id":
+                phys = value
+            elif key == "core id":
+                cores.add((phys, value))
+    except OSError:
+        pass
+    versions = {}
+    for pkg in ("specedge", "numpy", "torch", "transformers", "onnxruntime", "onnxruntime-genai",
+                "tokenizers"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": len(cores) or None,
+            "usable_cpus": len(os.sched_getaffinity(0)), "threads": threads,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "versions": versions}
+
+
+def copy_bandwidth(mib: int = 512, tries: int = 5) -> dict:
+    """Best-of-`tries` numpy copy of a `mib` MiB array (one thread). Bandwidth counts the bytes
+    read plus the bytes written (STREAM's convention for Copy)."""
+    src = np.ones(mib * 2**20 // 8)
+    dst = np.zeros_like(src)  # both touched, so page faults stay out of the timing
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return {"array_bytes": src.nbytes, "best_s": best, "GBps": 2 * src.nbytes / best / 1e9}
+
+
+def busy_note(before: float, after: float) -> list[str]:
+    """The 1-minute load average includes this run's own threads at the end, not at the start:
+    anything above ~0.5 before means other work shared the cores."""
+    if before > 0.5:
+        return [f"the machine was busy (load average {before:.2f} before the run, {after:.2f} "
+                "after): treat these figures as indicative only"]
+    return []
