@@ -35,6 +35,13 @@ class CachedDecoder(nn.Module):
     def cache_shape(self) -> tuple[int, int, int, int]:
         return (1, self.n_kv_heads, self.max_len, self.head_dim)
 
+    def untie_lm_head(self) -> None:
+        """Give the lm_head its own copy of a tied embedding. A weight-only quantizer can then
+        quantize the head's MatMul (read in full every step) while the embedding, of which a
+        step gathers only a few rows, stays float."""
+        if self.lm_head is self.embed:
+            self.lm_head = param(self.embed.data.clone())
+
 
 def step_masks(n: int, position: torch.Tensor, max_len: int):
     """What n new queries at absolute positions position .. position+n-1 may see.

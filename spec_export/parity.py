@@ -137,3 +137,18 @@ def drive_calls(
     runner.position -= verify_len - verify_len // 2  # keep half the drafts; the rest go stale
     call(rng.integers(0, vocab, verify_len).tolist(), verify_len, "verify")
     return worst
+
+
+@torch.no_grad()
+def quantized_parity(hf_model, onnx_path, prompts: list[list[int]], threads: int | None = None) -> dict:
+    """Top-1 agreement and mean KL of a quantized decoder graph against the float PyTorch model,
+    over every position of each prompt (one prefill call returning all rows)."""
+    from .quantize import distribution_agreement
+
+    session = make_session(onnx_path, threads)
+    ref_rows, got_rows = [], []
+    for ids in prompts:
+        runner = NumpyCacheRunner(session)
+        got_rows.append(runner(list(ids), len(ids)))
+        ref_rows.append(hf_model(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy())
+    return distribution_agreement(np.concatenate(ref_rows), np.concatenate(got_rows))

@@ -7,7 +7,7 @@ from pathlib import Path
 from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.manifest import read_manifest
 
-from .build import FP32_TOLERANCE, PARITY_PROMPT, BuildError, ModelSpec, _load
+from .build import FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, BuildError, ModelSpec, _load
 
 
 def verify_bundle(bundle_dir=None) -> dict:
@@ -31,6 +31,13 @@ def verify_bundle(bundle_dir=None) -> dict:
             if not ok:
                 raise BuildError(f"{role} {graph} graph differs from its PyTorch model by "
                                  f"{diff:.3g} > {FP32_TOLERANCE}: re-run `specexport build`")
+        if entry["precision"] != "fp32" and manifest["architecture"] == "decoder-only":
+            # quantized: top-1 agreement and mean KL vs the float model, as recorded at build
+            from .parity import quantized_parity
+
+            prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
+            report["graphs"][f"{role}/decoder"].update(quantized_parity(
+                model, bundle_dir / entry["graphs"]["decoder"]["file"], prompts))
     return report
 
 

@@ -1,0 +1,137 @@
+"""int4 weight-only bundles (MatMulNBits): they build, load and decode, the manifest records the
+quantization, and speculative decoding is exact relative to the deployed int4 target — greedy
+token for token, sampled by the 3-token joint computed from the int4 graph itself."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from scipy import stats as sps
+from toy_models import exact_joint
+
+import spec_runtime
+from spec_runtime import SamplingParams
+from spec_runtime.manifest import BundleError
+
+
+@pytest.fixture(scope="module")
+def int4_pair(tmp_path_factory):
+    from tiny_models import llama, save, truncated
+
+    from spec_export.build import build_bundle
+
+    root = tmp_path_factory.mktemp("int4")
+    target = llama(0, layers=3)
+    t = save(target, root / "target")
+    d = save(truncated(target, 1), root / "draft")
+    return build_bundle(str(t), str(d), root / "bundle", max_len=96, precision="int4",
+                        progress=False)
+
+
+def test_manifest_records_the_quantization(int4_pair):
+    m = json.loads((int4_pair / "manifest.json").read_text())
+    for role in ("target", "draft"):
+        q = m[role]["quantization"]
+        assert m[role]["precision"] == "int4"
+        assert (q["bits"], q["block_size"], q["symmetric"]) == (4, 32, True)
+        assert 0 <= m[role]["parity"]["int4"]["top1_agreement"] <= 1
+        assert m[role]["parity"]["int4"]["mean_kl"] > 0  # quantization moved the distribution
+    graph = onnx.load(str(int4_pair / "target.onnx"))
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("MatMulNBits") == m["target"]["quantization"]["quantized_matmuls"] > 0
+    # every weight MatMul is quantized, the lm_head included: what stays MatMul is attention
+    inits = {i.name for i in graph.graph.initializer}
+    assert not [n.name for n in graph.graph.node if n.op_type == "MatMul"
+                and any(i in inits for i in n.input)]
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_speculative_equals_target_only_on_the_int4_bundle(int4_pair, gamma):
+    gen = spec_runtime.load(int4_pair)
+    gen.eos_token_ids = frozenset()
+    accepted = 0
+    for prompt in ["hello world", "The cat sat on", "abc abc abc abc"]:
+        spec = gen.generate(prompt, max_new_tokens=30, gamma=gamma)
+        base = gen.generate(prompt, max_new_tokens=30, use_draft=False)
+        assert spec.tokens == base.tokens, prompt
+        accepted += spec.stats["accepted"]
+    assert accepted > 0
+
+
+@pytest.fixture(scope="module")
+def int4_small_vocab(tmp_path_factory):
+    from tiny_models import llama, save, truncated, word_tokenizer
+
+    from spec_export.build import build_bundle
+
+    root = tmp_path_factory.mktemp("int4_small")
+    target = llama(3, layers=2, vocab=8)
+    t = save(target, root / "target", word_tokenizer(8))
+    d = save(truncated(target, 1), root / "draft", word_tokenizer(8))
+    return build_bundle(str(t), str(d), root / "bundle", max_len=32, precision="int4",
+                        progress=False)
+
+
+def test_sampled_joint_equals_the_int4_targets_own(int4_small_vocab):
+    """Exactness is relative to the deployed target: the joint of the first 3 tokens under
+    speculative sampling equals the one computed from the int4 target graph alone."""
+    params = SamplingParams(temperature=1.0)
+    prompt = [1, 2, 3, 1, 2]
+    exact = exact_joint(spec_runtime.load(int4_small_vocab).target, prompt, params)
+    gen = spec_runtime.load(int4_small_vocab)
+    gen.eos_token_ids = frozenset()
+    draws = 4000
+    counts = np.zeros_like(exact)
+    for seed in range(draws):
+        r = gen.generate(prompt, max_new_tokens=6, gamma=3, seed=seed, temperature=1.0)
+        counts[tuple(r.tokens[:3])] += 1
+    c, e = counts.ravel(), exact.ravel() * draws
+    small = e < 5
+    obs, exp = np.r_[c[~small], c[small].sum()], np.r_[e[~small], e[small].sum()]
+    p = sps.chisquare(obs[exp > 0], exp[exp > 0] * obs[exp > 0].sum() / exp[exp > 0].sum()).pvalue
+    print(f"int4 joint: p-value={p:.4f}")
+    assert p > 1e-4
+
+
+def test_a_corrupt_quantized_graph_is_refused(int4_pair, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(int4_pair, bad)
+    data = bytearray((bad / "target.onnx").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside the packed int4 weights
+    (bad / "target.onnx").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="sha256"):
+        spec_runtime.load(bad)
+
+
+def test_int4_draft_with_fp32_target(tmp_path):
+    from tiny_models import llama, save, truncated
+
+    from spec_export.build import build_bundle
+
+    target = llama(0, layers=2)
+    out = build_bundle(str(save(target, tmp_path / "t")), str(save(truncated(target, 1),
+                       tmp_path / "d")), tmp_path / "b", max_len=64, precision="fp32",
+                       draft_precision="int4", progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["target"]["precision"], m["draft"]["precision"]) == ("fp32", "int4")
+    assert m["target"]["quantization"] is None
+    gen = spec_runtime.load(out)
+    a = gen.generate("hello", max_new_tokens=20)
+    assert a.tokens == gen.generate("hello", max_new_tokens=20, use_draft=False).tokens
+
+
+def test_verify_reports_top1_and_kl_for_int4(int4_pair):
+    from click.testing import CliRunner
+
+    from specedge.cli.specexport import main as specexport
+
+    r = CliRunner().invoke(specexport, ["verify", str(int4_pair)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)["graphs"]["target/decoder"]
+    recorded = json.loads((int4_pair / "manifest.json").read_text())["target"]["parity"]["int4"]
+    assert report["precision"] == "int4"
+    assert report["top1_agreement"] == pytest.approx(recorded["top1_agreement"])
+    assert report["mean_kl"] == pytest.approx(recorded["mean_kl"], rel=1e-3)
