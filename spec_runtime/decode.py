@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from .engine import CacheCapacityError, Engine
-from .sampling import SamplingParams, verify, warp
+from .sampling import SamplingParams, verify, verify_greedy, warp
 from .stats import DecodeStats, best_gamma
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
@@ -96,23 +96,29 @@ def decode(
         else:
             stats.target_time_s += elapsed
         stats.target_calls += 1
-        p_target = warp(logits, params)
 
         # 3. Accept a prefix of the drafts, then one token from the residual or p_target[k].
-        new = verify(drafts, p_draft, p_target, rng)
-        n_acc = len(new) - 1
+        #    β = Σ min(p_target, p_draft) of each examined position feeds the α estimate.
+        if params.greedy:
+            new = verify_greedy(drafts, logits)
+            n_acc = len(new) - 1
+            examined = min(n_acc + 1, k)
+            beta_sum = float(min(n_acc, examined))  # one-hot p and q: β is 1 or 0
+        else:
+            p_target = warp(logits, params)
+            new = verify(drafts, p_draft, p_target, rng)
+            n_acc = len(new) - 1
+            examined = min(n_acc + 1, k)
+            v = min(p_target.shape[-1], p_draft.shape[-1])
+            beta_sum = float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum())
         if draft is not None:
             stats.record_round(k, n_acc, g)
             stats.draft_calls = draft.calls
             stats.draft_step_calls = draft.step_calls
             stats.draft_step_time_s = draft.step_time_s
             stats.draft_time_s = draft.time_s
-            examined = min(n_acc + 1, k)
-            if examined:
-                v = min(p_target.shape[-1], p_draft.shape[-1])
-                beta = np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum(axis=-1)
-                stats.alpha_sum += float(beta.sum())
-                stats.alpha_n += examined
+            stats.alpha_sum += beta_sum
+            stats.alpha_n += examined
 
         # 4. Roll back by position: caches stay valid for the old sequence + accepted drafts.
         target_valid = n_seq + n_acc

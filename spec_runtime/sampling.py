@@ -93,6 +93,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         # mass within TOP_P_EPS of top_p counts as reaching it, so that 0.5 + 0.3 reaches 0.8
         # whatever the rounding; the first token (mass_before 0) is always kept
         keep_sorted = mass_before < params.top_p - TOP_P_EPS
+        keep_sorted[..., 0] = True  # also when top_p <= TOP_P_EPS
         keep = np.zeros(probs.shape, dtype=bool)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
@@ -107,7 +108,9 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     if not (total > 0 and math.isfinite(total)):
         raise NonFiniteLogitsError(f"cannot sample from a distribution with total mass {total!r}")
     idx = int(np.searchsorted(cdf, rng.random() * total, side="right"))
-    return min(idx, len(cdf) - 1)
+    if idx >= len(cdf):  # r * total rounded up to total: the last token with mass, never a zero
+        idx = int(np.flatnonzero(np.asarray(probs) > 0)[-1])
+    return idx
 
 
 def _pad_vocab(a: np.ndarray, vocab: int) -> np.ndarray:
@@ -157,3 +160,23 @@ def verify(
         return out
     out.append(sample(p_target[gamma], rng))
     return out
+
+
+def verify_greedy(draft_tokens: np.ndarray, logits: np.ndarray) -> list[int]:
+    """`verify` for temperature 0, on logits [γ+1, V] directly.
+
+    Greedy p_target and p_draft are one-hot, so Algorithm 1 accepts a draft token exactly when it
+    is the target's argmax, and the residual at the first mismatch is the target's one-hot: the
+    same tokens as verify(draft_tokens, one-hot q, warp(logits), rng), without building V-wide
+    rows or drawing random numbers.
+    """
+    row_max = logits.max(axis=-1)
+    if not np.all(np.isfinite(row_max)):
+        raise NonFiniteLogitsError(
+            "logits contain NaN or +inf (or a row is all -inf): the exported graph or its inputs "
+            "are corrupt; re-run `specexport build` and `specexport verify`"
+        )
+    best = logits.argmax(axis=-1)
+    gamma = len(draft_tokens)
+    n_acc = int(np.argmin(np.r_[best[:gamma] == draft_tokens, False]))  # first mismatch
+    return [int(t) for t in best[: n_acc + 1]]

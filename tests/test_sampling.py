@@ -236,3 +236,22 @@ def test_the_chi_square_check_detects_a_wrong_verifier():
     p_target, p_draft = PAIRS["random-1"]
     counts = first_tokens(wrong, p_target, p_draft, 1, seed=7)
     assert chi_square_p(counts, p_target) < P_MIN
+
+
+def test_greedy_verify_equals_verify_on_one_hot_distributions():
+    """The temperature-0 fast path must emit exactly what Algorithm 1 emits for one-hot p, q."""
+    from spec_runtime.sampling import verify_greedy
+
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams()
+    for trial in range(500):
+        gamma, v = int(rng.integers(0, 6)), int(rng.integers(2, 9))
+        logits = rng.normal(size=(gamma + 1, v)).round(1)  # rounding makes ties common
+        target_best = logits.argmax(-1)
+        # drafts that often agree with the target's argmax, sometimes not
+        drafts = np.where(rng.random(gamma) < 0.7, target_best[:gamma], rng.integers(0, v, gamma))
+        p_draft = np.eye(v)[drafts].reshape(gamma, v)
+        expected = verify(drafts, p_draft, warp(logits, greedy), np.random.default_rng(trial))
+        assert verify_greedy(drafts, logits) == expected
+    with pytest.raises(NonFiniteLogitsError):
+        verify_greedy(np.array([0]), np.array([[0.0, np.nan], [1.0, 0.0]]))
