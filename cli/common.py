@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import sys
+import threading
 
 import click
 
 
 class InputError(click.ClickException):
     exit_code = 2
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that `finally` blocks (temporary directories) run."""
+
+    signum = signal.SIGTERM
 
 
 def input_errors(fn):
@@ -22,8 +31,27 @@ def input_errors(fn):
             return fn(*args, **kwargs)
         except ValueError as e:
             raise InputError(str(e)) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            sys.exit(128 + getattr(e, "signum", signal.SIGINT))
 
     return wrapper
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While a command runs, SIGTERM unwinds the stack like Ctrl-C instead of killing the
+    process on the spot. For CLI entry points only: the library installs no signal handlers.
+    The previous handler is restored afterwards (the command may run inside a host process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .common import input_errors
+from .common import input_errors, sigterm_as_interrupt
 
 
 @click.group()
@@ -28,21 +28,28 @@ def main():
 @click.option("--gamma", type=int, default=4, show_default=True, help="default draft length γ")
 @click.option("--max-gamma", type=int, default=8, show_default=True, help="largest γ allowed")
 @click.option("--prefill-chunk", type=int, default=128, show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "int8"]), default="fp32",
-              show_default=True)
+@click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="fp32",
+              show_default=True, help="int8: dynamic, per channel; int4: weight-only MatMulNBits")
+@click.option("--draft-precision", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+              help="the draft model's precision [default: --precision]")
+@click.option("--block-size", type=int, default=32, show_default=True,
+              help="int4 quantization block (inputs per scale)")
 @click.option("--gguf-file", default=None, help="GGUF file name inside --target's directory")
 @click.option("--draft-gguf-file", default=None, help="GGUF file name inside --draft's directory")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @input_errors
 def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
-          gguf_file, draft_gguf_file, quiet):
+          draft_precision, block_size, gguf_file, draft_gguf_file, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
-    from spec_export.build import build_bundle
+    with sigterm_as_interrupt():  # a killed build still removes its temporary directory
+        from spec_export.build import build_bundle
 
-    path = build_bundle(target, draft, out, max_len=max_len, max_source_len=max_source_len,
-                        gamma=gamma, max_gamma=max_gamma,
-                        prefill_chunk=prefill_chunk, precision=precision, gguf_file=gguf_file,
-                        draft_gguf_file=draft_gguf_file, progress=not quiet)
+        path = build_bundle(target, draft, out, max_len=max_len, max_source_len=max_source_len,
+                            gamma=gamma, max_gamma=max_gamma,
+                            prefill_chunk=prefill_chunk, precision=precision,
+                            draft_precision=draft_precision, block_size=block_size,
+                            gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
+                            progress=not quiet)
     click.echo(f"bundle written to {path}")
 
 

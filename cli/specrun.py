@@ -22,18 +22,24 @@ def _gamma(value):
 def _read_prompt(prompt, prompt_file):
     if prompt is not None and prompt_file is not None:
         raise InputError("give the prompt as an argument or --prompt-file, not both")
-    if prompt_file is not None:
-        data = click.open_file(prompt_file, "rb").read()
+    if prompt is not None:
         try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"--prompt-file {prompt_file!r} is not UTF-8 text (byte "
-                             f"{e.start}): convert it, e.g. `iconv -t UTF-8`") from None
-    if prompt is None:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogates)
+            raise InputError("the prompt argument is not UTF-8 text: convert it, or pass it "
+                             "with --prompt-file") from None
+        return prompt
+    if prompt_file is not None:
+        data, source = click.open_file(prompt_file, "rb").read(), f"--prompt-file {prompt_file!r}"
+    else:
         if sys.stdin is None or sys.stdin.isatty():
             raise InputError("no prompt: give it as an argument, --prompt-file, or on stdin")
-        return sys.stdin.read()
-    return prompt
+        data, source = sys.stdin.buffer.read(), "stdin"
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{source} is not UTF-8 text (byte {e.start}): convert it, e.g. "
+                         f"`iconv -t UTF-8`") from None
 
 
 def stats_line(stats: dict) -> str:
@@ -54,7 +60,8 @@ def main():
 
 @main.command()
 @click.argument("prompt", required=False)
-@click.option("--prompt-file", type=click.Path(dir_okay=False, allow_dash=True), default=None)
+@click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
+              default=None)
 @click.option("--bundle", type=click.Path(), default=None,
               help="bundle directory [default: where `specexport build` writes]")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -141,6 +148,41 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     if plot:
         plot_report(report, plot)
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--tokens", type=int, default=3, show_default=True,
+              help="length k of the continuations whose joint distribution is compared")
+@click.option("--samples", type=int, default=None,
+              help="continuations per mode (speculative, target-only) [default: 400]")
+@click.option("--seconds", type=float, default=None,
+              help="time budget; sampling stops when it is spent [default: 90]")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--gamma", default=None, help="draft length γ, or 'auto' [default: the bundle's]")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@click.option("--device", default="cpu", show_default=True)
+@input_errors
+def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, gamma, seed, as_json,
+          device):
+    """Test that speculative decoding on BUNDLE samples from the target's distribution: a
+    two-sample chi-square of speculative vs target-only continuations, and greedy parity.
+    Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
+    import spec_runtime
+    from spec_runtime.check import DEFAULT_SAMPLES, DEFAULT_SECONDS, format_report, run_check
+
+    gen = spec_runtime.load(bundle, device=device)
+    samples = DEFAULT_SAMPLES if samples is None else samples
+    with click.progressbar(length=max(samples, 1), label="check", file=sys.stderr) as bar:
+        report = run_check(gen, tokens=tokens, samples=samples,
+                           seconds=DEFAULT_SECONDS if seconds is None else seconds,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                           gamma=_gamma(gamma), progress=bar.update)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    sys.exit(report["exit_code"])
 
 
 @main.command()

@@ -47,12 +47,32 @@ def load_tokenizer(path: Path):
         raise BundleError(f"{path} is not a tokenizers tokenizer.json ({e}); {REBUILD}") from None
 
 
+def check_tokenizer(tokenizer, tok: dict) -> None:
+    """The tokenizer must map the manifest's special tokens to the manifest's ids: a
+    tokenizer.json of another model (even with its sha256 updated) fails here, before it turns
+    prompts into ids that mean other words to the graphs."""
+    special = tok.get("special_tokens") or {}
+    expected = [("eos_token", tok["eos_token_ids"]), ("bos_token", [tok.get("bos_token_id")])]
+    for key, ids in expected:
+        text = special.get(key)
+        if not text or not ids or None in ids:
+            continue
+        got = tokenizer.token_to_id(text)
+        if got not in ids:
+            raise BundleError(
+                f"tokenizer.json maps the {key} {text!r} to {got!r}, the manifest says "
+                f"{ids[0] if len(ids) == 1 else ids}: the tokenizer belongs to another model; "
+                f"{REBUILD}"
+            )
+
+
 def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None,
                 check_files: bool = True) -> Generator:
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
     manifest = read_manifest(bundle_dir, check_files=check_files)
     tok = manifest["tokenizer"]
     tokenizer = load_tokenizer(bundle_dir / tok["file"])
+    check_tokenizer(tokenizer, tok)
     target = _engine(bundle_dir, manifest, manifest["target"], device, threads)
     if tokenizer.get_vocab_size() > target.vocab_size:
         raise BundleError(

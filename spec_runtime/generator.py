@@ -55,6 +55,7 @@ class Generator:
         vocabs = [target.vocab_size] + ([draft.vocab_size] if draft is not None else [])
         self.vocab_size = min(vocabs)  # ids past a smaller vocabulary are padding, never input
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
+        self._owner: int | None = None  # thread id of the request holding the lock
         self.last_stats: dict | None = None  # stats of the latest finished generate/stream
 
     # -- text -------------------------------------------------------------------------------
@@ -101,23 +102,35 @@ class Generator:
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
         policy = self._gamma_policy(gamma)
+        if isinstance(prompt, str) and not prompt:
+            # refused before the chat template, which would wrap "" into a non-empty prompt
+            raise ValueError("the prompt is empty: give at least one token of text")
         if chat:
             prompt = self.apply_chat_template(prompt)
         ids = self.encode(prompt, add_special_tokens=not chat)
         draft = self.draft if use_draft else None
         rng = np.random.default_rng(params.seed)
         stats = DecodeStats()
+        if self._owner == threading.get_ident():
+            # waiting for the lock would wait for this very thread: a deadlock
+            raise RuntimeError("this generator is still streaming an earlier request in this "
+                               "thread: finish or close() that stream first, or load() a second "
+                               "generator")
         with self._lock:
-            t0 = time.perf_counter()
-            if self.encoder_decoder:
-                self.target.encode(ids)
-                if hasattr(draft, "engine"):
-                    draft.engine.encode(ids)
-                ids = np.asarray([self.decoder_start_token_id], dtype=np.int64)
-            for new in decode(self.target, draft, ids, params, int(max_new_tokens), policy,
-                              self.eos_token_ids, rng, stats):
-                stats.wall_time_s = time.perf_counter() - t0
-                yield new, stats
+            self._owner = threading.get_ident()
+            try:
+                t0 = time.perf_counter()
+                if self.encoder_decoder:
+                    self.target.encode(ids)
+                    if hasattr(draft, "engine"):
+                        draft.engine.encode(ids)
+                    ids = np.asarray([self.decoder_start_token_id], dtype=np.int64)
+                for new in decode(self.target, draft, ids, params, int(max_new_tokens), policy,
+                                  self.eos_token_ids, rng, stats):
+                    stats.wall_time_s = time.perf_counter() - t0
+                    yield new, stats
+            finally:
+                self._owner = None
 
     def _gamma_policy(self, gamma) -> GammaPolicy:
         if gamma is None:

@@ -20,6 +20,7 @@ ARCHITECTURES = ("decoder-only", "encoder-decoder")
 # graphs every model entry (target, and a model draft) must hold, per architecture
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 DRAFT_KINDS = ("model", "ngram")
+PRECISIONS = ("fp32", "int8", "int4")  # graph precisions this runtime runs
 
 
 class BundleError(ValueError):
@@ -102,6 +103,12 @@ def validate(m: dict) -> None:
         raise BundleError(f"manifest draft.kind {kind!r} is not one of {DRAFT_KINDS}; {REBUILD}")
     if kind == "model":
         _check_graphs(draft, files, "draft", GRAPHS[arch])
+    for where, entry in (("", m), ("target.", target), ("draft.", draft)):
+        precision = entry.get("precision", "fp32")
+        if precision not in PRECISIONS:
+            raise BundleError(f"manifest {where}precision {precision!r} is not one this runtime "
+                              f"runs {PRECISIONS}: upgrade specedge (`pip install -U specedge`), "
+                              f"or rebuild with `specexport build --precision fp32`")
     tok = _require(m, "tokenizer", dict, "")
     if _require(tok, "file", str, "tokenizer") not in files:
         raise BundleError(f"manifest tokenizer.file {tok['file']!r} is not among the files; {REBUILD}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -52,7 +53,15 @@ def make_session(path, device: str = "cpu", threads: int | None = None):
     opts.intra_op_num_threads = threads or physical_cores()
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
+    try:
+        return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
+    except Exception as e:  # onnxruntime's own types (InvalidProtobuf, Fail, NotImplemented...)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(
+            f"ONNX Runtime cannot open {Path(path).name} ({reason}): the graph is damaged or "
+            f"needs a newer onnxruntime; re-run `specexport build`, or `pip install -U "
+            f"onnxruntime`"
+        ) from None
 
 
 class OrtEngine:

@@ -1,0 +1,211 @@
+"""`specrun check`: an exactness test a user runs on their own bundle, on its own graphs.
+
+Speculative decoding is exact when its output has the target's distribution. This module
+compares the two modes of the same `Generator` (speculative, and target-only with
+`use_draft=False`), which share every engine, so anything that differs between them is the
+draft-and-verify machinery: the draft's q, the acceptance test, the residual, the cache rollback.
+
+1. Sampling: N continuations of k tokens drawn each way at the given setting (temperature 1 by
+   default), alternating, with independent seeds, from a few built-in prompts on which the
+   draft does propose (repetitive text, so even a prompt-lookup draft is exercised). The joint
+   distribution of the k tokens is compared by a two-sample chi-square, stratified by prompt,
+   sparse cells pooled into shorter prefixes (see twosample.py). Reported: p-value, total
+   variation on the pooled cells with its noise floor, and the smallest TV the test detects.
+2. Greedy parity: speculative greedy must equal target-only greedy token for token. A
+   (γ+1)-token verify call and a 1-token step are different computations, so a numerically
+   near-tied argmax may legitimately flip; a first divergence whose target logit gap is below
+   NEAR_TIE (relative) is a warning, any other divergence a failure.
+
+What it cannot see: a bug that also affects target-only decoding (both modes share the
+engines: a wrong graph is `specexport verify`'s business), differences smaller than the
+reported detectable TV, differences hidden inside pooled cells or beyond the first k tokens, and
+settings other than the one checked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .decode import check_capacity
+from .sampling import SamplingParams
+from .twosample import compare
+
+LEVEL = 1e-3  # p-value below which the sampling test rejects
+POWER = 0.9  # power at which the detectable TV is reported
+NEAR_TIE = 1e-4  # relative logit gap below which a greedy divergence is a near-tie
+DEFAULT_SAMPLES = 400  # per mode; ~1 minute on SmolLM2-135M fp32 on 2 cores
+DEFAULT_SECONDS = 90.0
+DEFAULT_TOKENS = 3
+GREEDY_TOKENS = 24
+
+PROMPTS = (
+    "one two three four, one two three four, one two three four, one two",
+    "red green blue, red green blue, red green blue, red green",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the",
+)
+
+
+def _positive(name: str, value, kind=int):
+    types = (int, float) if kind is float else int
+    if isinstance(value, bool) or not isinstance(value, types) or not value > 0:
+        raise ValueError(f"{name} {value!r} is invalid: use a {kind.__name__} > 0")
+    return value
+
+
+def target_logits(gen, prompt_ids: list[int], prefix: list[int]) -> np.ndarray:
+    """The target's logits [V] after prompt + prefix, from one fresh (prefill) call."""
+    with gen._lock:
+        gen.target.reset()
+        if gen.encoder_decoder:
+            gen.target.encode(prompt_ids)
+            seq = [gen.decoder_start_token_id] + prefix
+        else:
+            seq = list(prompt_ids) + prefix
+        return np.asarray(gen.target.forward(np.asarray(seq, np.int64), 0, 1)[-1], np.float64)
+
+
+def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict | None:
+    """Where speculative greedy output first differs from target-only greedy output, with the
+    target's logit gap between the two tokens there."""
+    n = min(len(spec), len(base))
+    i = next((j for j in range(n) if spec[j] != base[j]), None)
+    if i is None:
+        if len(spec) == len(base):
+            return None
+        i = n  # one stopped earlier (EOS): the EOS itself is the differing token
+    if i >= len(spec) or i >= len(base):
+        return {"index": i, "target_token": base[i] if i < len(base) else None,
+                "speculative_token": spec[i] if i < len(spec) else None,
+                "logit_gap": None, "relative_gap": None, "near_tie": False}
+    logits = target_logits(gen, list(prompt_ids), list(base[:i]))
+    la, lb = float(logits[base[i]]), float(logits[spec[i]])
+    rel = abs(la - lb) / max(1.0, abs(la), abs(lb))
+    return {"index": i, "target_token": base[i], "speculative_token": spec[i],
+            "logit_gap": la - lb, "relative_gap": rel, "near_tie": rel < NEAR_TIE}
+
+
+def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPLES,
+              seconds: float = DEFAULT_SECONDS, greedy_tokens: int = GREEDY_TOKENS,
+              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+              gamma=None, prompts=PROMPTS, progress=None) -> dict:
+    """Run both tests and return the report (a dict; `exit_code` 0 consistent, 1 not).
+    `seconds` bounds the whole run: sampling stops when it is spent."""
+    _positive("--tokens", tokens)
+    _positive("--samples", samples)
+    _positive("--seconds", seconds, float)
+    _positive("--greedy-tokens", greedy_tokens)
+    setting = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    SamplingParams(**setting)  # validate everything before spending minutes
+    if temperature == 0:
+        raise ValueError("--temperature 0 is greedy, which the greedy parity test covers: "
+                         "check sampling at a temperature > 0")
+    gen._gamma_policy(gamma)
+    start = time.monotonic()
+    deadline = start + seconds
+    ids = [[int(t) for t in gen.encode(p)] for p in prompts]
+    engines = [gen.target] + ([gen.draft.engine] if hasattr(gen.draft, "engine") else [])
+    for p in ids:
+        check_capacity(engines, 1 if gen.encoder_decoder else len(p), max(tokens, greedy_tokens))
+    warnings: list[str] = []
+
+    # 1. greedy parity
+    greedy = []
+    for text, p in zip(prompts, ids):
+        spec = gen.generate(p, max_new_tokens=greedy_tokens, gamma=gamma).tokens
+        base = gen.generate(p, max_new_tokens=greedy_tokens, use_draft=False).tokens
+        div = first_divergence(gen, p, spec, base)
+        greedy.append({"prompt": text, "identical": div is None, "divergence": div})
+        if div is not None and div["near_tie"]:
+            warnings.append(f"greedy outputs differ at token {div['index']} of {text[:24]!r}... "
+                            f"where the target's logits are near-tied (relative gap "
+                            f"{div['relative_gap']:.1e} < {NEAR_TIE:g}): the verify call and "
+                            f"the 1-token call round differently; not counted as a failure")
+    greedy_ok = all(g["identical"] or g["divergence"]["near_tie"] for g in greedy)
+
+    # 2. sampling: alternate the modes so that a time limit leaves equal sample sizes
+    seeds = np.random.default_rng(seed)  # one independent seed per generation
+    drawn_spec = [[] for _ in prompts]
+    drawn_base = [[] for _ in prompts]
+    proposed = accepted = drawn = 0
+    t0 = time.monotonic()
+    for i in range(samples):
+        if time.monotonic() > deadline:
+            break
+        j = i % len(prompts)
+        s = gen.generate(ids[j], max_new_tokens=tokens, gamma=gamma,
+                         seed=int(seeds.integers(2**62)), **setting)
+        b = gen.generate(ids[j], max_new_tokens=tokens, use_draft=False,
+                         seed=int(seeds.integers(2**62)), **setting)
+        drawn_spec[j].append(tuple(s.tokens))
+        drawn_base[j].append(tuple(b.tokens))
+        proposed += s.stats["proposed"]
+        accepted += s.stats["accepted"]
+        drawn += 1
+        if progress is not None:
+            progress(1)
+    result = compare(list(zip(drawn_spec, drawn_base)), LEVEL, POWER, seed=seed)
+    if drawn < samples:
+        warnings.append(f"time limit reached: {drawn} of {samples} samples per mode drawn")
+    if proposed == 0:
+        warnings.append("the draft proposed no token: the verify path was not exercised")
+    if result["p_value"] is None:
+        warnings.append("too few samples for a chi-square test (no two cells with >= 10 draws); "
+                        "raise --samples or --seconds")
+    sampling_ok = result["p_value"] is None or result["p_value"] >= LEVEL
+    consistent = sampling_ok and greedy_ok
+    return {
+        "bundle": str(getattr(gen, "bundle_dir", "")),
+        "draft": getattr(gen.draft, "kind", None),
+        "gamma": gamma if gamma is not None else gen.default_gamma,
+        "sampling": {
+            "setting": setting, "tokens": tokens, "prompts": len(prompts), "requested": samples,
+            "drawn": drawn, "seconds": time.monotonic() - t0, "level": LEVEL, "power": POWER,
+            "draft_proposed": proposed, "draft_accepted": accepted, "passed": sampling_ok,
+            **result,
+        },
+        "greedy": {"tokens": greedy_tokens, "prompts": greedy, "passed": greedy_ok},
+        "warnings": warnings,
+        "seconds": time.monotonic() - start,
+        "consistent": consistent,
+        "exit_code": 0 if consistent else 1,
+    }
+
+
+def format_report(r: dict) -> str:
+    s, g = r["sampling"], r["greedy"]
+    setting = ", ".join(f"{k} {v}" for k, v in s["setting"].items())
+    lines = [f"specrun check {r['bundle']}  (draft {r['draft']}, γ {r['gamma']})", "",
+             f"sampling   {setting}; first {s['tokens']} tokens of {s['prompts']} prompts",
+             f"  drawn    {s['drawn']} speculative + {s['drawn']} target-only "
+             f"(of {s['requested']}) in {s['seconds']:.1f} s; draft tokens accepted "
+             f"{s['draft_accepted']}/{s['draft_proposed']}"]
+    if s["p_value"] is None:
+        lines.append("  test     inconclusive: too few samples")
+    else:
+        lines += [
+            f"  chi2     {s['chi2']:.1f} on {s['df']} df ({s['cells']} cells) -> p = "
+            f"{s['p_value']:.3g}  ({'below' if not s['passed'] else 'not below'} "
+            f"{s['level']:g}: {'rejects' if not s['passed'] else 'consistent'})",
+            f"  TV       {s['tv']:.3f}  (noise floor at this N: mean {s['tv_noise_floor']:.3f}, "
+            f"95th percentile {s['tv_noise_p95']:.3f})",
+            f"  power    detects a TV >= {s['min_detectable_tv']:.3f} on these cells with "
+            f"{s['power']:.0%} probability at level {s['level']:g}",
+        ]
+    same = sum(p["identical"] for p in g["prompts"])
+    lines.append(f"greedy     {same}/{len(g['prompts'])} prompts identical over "
+                 f"{g['tokens']} tokens")
+    for p in g["prompts"]:
+        d = p["divergence"]
+        if d is not None:
+            gap = "n/a" if d["relative_gap"] is None else f"{d['relative_gap']:.1e}"
+            lines.append(f"  differs  at token {d['index']} of {p['prompt'][:32]!r}: target "
+                         f"{d['target_token']} vs speculative {d['speculative_token']}, relative "
+                         f"logit gap {gap} ({'near-tie' if d['near_tie'] else 'FAILURE'})")
+    lines += [f"warning    {w}" for w in r["warnings"]]
+    lines.append(f"time       {r['seconds']:.1f} s")
+    lines.append("verdict    " + ("consistent: no evidence that speculative decoding departs from "
+                                  "the target's distribution" if r["consistent"] else
+                                  "INCONSISTENT: speculative decoding departs from the target"))
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""A library that can live inside someone else's process: importing spec_runtime (and every
+submodule) installs no signal handler, reads or changes no sys.argv, prints nothing, starts no
+thread and configures no logging; loading and generating print nothing either. Generators are
+safe to use from several threads."""
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import spec_runtime
+
+SCRIPT = textwrap.dedent(
+    """
+    import importlib, io, json, logging, pkgutil, signal, sys, threading
+
+    bundle = sys.argv[1]  # "-": import only
+    argv = sys.argv = ["host-program", "--not-for-the-library"]
+    saved_argv = list(argv)
+    signals = [s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)]
+    handlers = {s: signal.getsignal(s) for s in signals}
+    threads = threading.active_count()
+    root_handlers = list(logging.root.handlers)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+
+    import spec_runtime
+    for mod in pkgutil.iter_modules(spec_runtime.__path__):
+        importlib.import_module("spec_runtime." + mod.name)
+    after_import = threading.active_count()
+    if bundle != "-":
+        gen = spec_runtime.load(bundle)
+        gen.generate([5, 6, 7], max_new_tokens=6, temperature=1.0, seed=0)
+        list(gen.stream("hi", max_new_tokens=4))
+
+    printed = sys.stdout.getvalue() + sys.stderr.getvalue()
+    sys.stdout, sys.stderr = out, err
+    print(json.dumps({
+        "printed": printed,
+        "argv_same_object": sys.argv is argv,
+        "argv_unchanged": sys.argv == saved_argv,
+        "changed_handlers": [s.name for s in signals if signal.getsignal(s) != handlers[s]],
+        "threads": [threads, after_import, threading.active_count()],
+        "root_handlers_unchanged": logging.root.handlers == root_handlers,
+        "root_level": logging.root.level,
+    }))
+    """
+)
+
+
+def run_script(bundle_arg: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, bundle_arg], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "", out.stderr  # nothing at interpreter exit either
+    return json.loads(out.stdout)
+
+
+def test_import_has_no_side_effects():
+    r = run_script("-")
+    assert r["printed"] == ""
+    assert r["argv_same_object"] and r["argv_unchanged"]
+    assert r["changed_handlers"] == []
+    assert r["threads"][0] == r["threads"][1] == r["threads"][2]
+    assert r["root_handlers_unchanged"] and r["root_level"] == 30  # logging.WARNING, untouched
+
+
+def test_load_and_generate_print_nothing_and_leave_the_process_alone(llama_pair):
+    r = run_script(str(llama_pair[2]))
+    assert r["printed"] == "", r["printed"]
+    assert r["argv_unchanged"] and r["changed_handlers"] == []
+    assert r["threads"][2] == r["threads"][0]  # ONNX Runtime's pool is native, not Python threads
+    assert r["root_handlers_unchanged"]
+
+
+def test_runtime_logs_through_logging_not_print():
+    import ast
+    from pathlib import Path
+
+    for path in Path(spec_runtime.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        calls = [n.func.id for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        assert "print" not in calls, path.name
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not attrs & {"basicConfig", "argv", "signal", "Thread"}, (path.name, attrs)
+
+
+REQUESTS = [
+    dict(prompt="hello world", max_new_tokens=20),
+    dict(prompt="The cat sat on", max_new_tokens=20, temperature=1.0, seed=3),
+    dict(prompt=[5, 6, 7, 8], max_new_tokens=15, temperature=0.8, top_p=0.9, seed=11, gamma=2),
+    dict(prompt="a", max_new_tokens=10, use_draft=False, temperature=1.0, seed=4),
+]
+
+
+def _run_all(gen, rounds=3):
+    return [[gen.generate(**req).tokens for req in REQUESTS] for _ in range(rounds)]
+
+
+def test_two_generators_in_two_threads_equal_sequential_calls(llama_pair):
+    bundle = llama_pair[2]
+    gens = [spec_runtime.load(bundle), spec_runtime.load(bundle)]
+    sequential = _run_all(gens[0], rounds=1)[0]
+
+    results, errors = [None, None], []
+    barrier = threading.Barrier(2)
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = _run_all(gens[i])
+        except Exception as e:  # surfaced below: an exception in a thread is otherwise lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for r in results:
+        assert r == [sequential] * 3
+
+
+def test_one_generator_shared_by_two_threads_serialises_requests(llama_pair):
+    gen = spec_runtime.load(llama_pair[2])
+    sequential = _run_all(gen, rounds=1)[0]
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            results[i] = _run_all(gen)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert results == [[sequential] * 3] * 2
+
+
+def test_a_request_while_a_stream_is_open_in_the_same_thread_raises_instead_of_hanging():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from toy_models import ToyEngine
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate("abcdef")}, unk_token="a"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    gen = spec_runtime.Generator(ToyEngine(vocab=6, seed=0), tokenizer=tok)
+    stream = gen.stream("b c d", max_new_tokens=20)
+    next(stream)
+    with pytest.raises(RuntimeError, match="still streaming"):
+        gen.generate("b c", max_new_tokens=2)
+    stream.close()  # releases the generator
+    assert len(gen.generate("b c", max_new_tokens=2).tokens) == 2

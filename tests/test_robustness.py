@@ -1,0 +1,221 @@
+"""Bad bundles and bad input end in one clear error (exit code 2 from the CLI, a ValueError with
+the value and the fix from the API), never a traceback, a wrong answer or a token drawn from
+corrupt logits. Complements test_bundle.py (damaged manifests and files) and test_cli.py (bad
+sampling values, long prompts, non-UTF-8 prompt files), which this file does not repeat."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import spec_runtime
+from spec_runtime import NonFiniteLogitsError, SamplingParams
+from spec_runtime.decode import GammaPolicy, decode
+from spec_runtime.manifest import BundleError, sha256_file
+from spec_runtime.stats import DecodeStats
+from specedge.cli.specrun import main as specrun
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(specrun, list(map(str, args)), input=input)
+
+
+def assert_exit_2(result, *words):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for w in words:
+        assert w in result.output, result.output
+
+
+@pytest.fixture
+def bundle_copy(llama_pair, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(llama_pair[2], dst)
+    return dst
+
+
+def edit_manifest(bundle, fn):
+    path = bundle / "manifest.json"
+    m = json.loads(path.read_text())
+    fn(m)
+    path.write_text(json.dumps(m))
+
+
+def rehash(bundle, name):
+    """Record a replaced file's size and sha256, as someone 'fixing' the manifest would."""
+    path = bundle / name
+    edit_manifest(bundle, lambda m: m["files"][name].update(bytes=path.stat().st_size,
+                                                            sha256=sha256_file(path)))
+
+
+# -- bundles ------------------------------------------------------------------------------------
+
+
+def test_truncated_graph_with_its_sha_updated_is_refused(bundle_copy):
+    graph = bundle_copy / "target.onnx"
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+    rehash(bundle_copy, "target.onnx")
+    with pytest.raises(ValueError, match="ONNX Runtime cannot open target.onnx"):
+        spec_runtime.load(bundle_copy)
+    assert_exit_2(run("generate", "hi", "--bundle", bundle_copy), "target.onnx", "re-run")
+
+
+@pytest.mark.parametrize("other", ["t5", "words"])
+def test_tokenizer_of_another_model_is_refused(bundle_copy, other):
+    """Same size (T5's 259 ids, other specials) or smaller (50 words): the sha256 matches after
+    the edit, the vocabulary size check passes, the special tokens give it away."""
+    from tiny_models import t5_tokenizer, word_tokenizer
+
+    tok = t5_tokenizer() if other == "t5" else word_tokenizer(50)
+    tok.backend_tokenizer.save(str(bundle_copy / "tokenizer.json"))
+    rehash(bundle_copy, "tokenizer.json")
+    with pytest.raises(BundleError, match="belongs to another model"):
+        spec_runtime.load(bundle_copy)
+    assert_exit_2(run("generate", "hi", "--bundle", bundle_copy), "eos_token", "specexport build")
+
+
+def test_a_device_this_onnxruntime_lacks_names_the_fix(llama_pair):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    with pytest.raises(ValueError, match="onnxruntime-gpu") as err:
+        spec_runtime.load(llama_pair[2], device="cuda")
+    assert "device='cpu'" in str(err.value)
+    assert_exit_2(run("generate", "hi", "--bundle", llama_pair[2], "--device", "cuda"),
+                  "CUDAExecutionProvider", "onnxruntime-gpu")
+    assert_exit_2(run("generate", "hi", "--bundle", llama_pair[2], "--device", "npu"), "'npu'")
+
+
+@pytest.mark.parametrize("where", ["top", "target"])
+def test_a_precision_this_runtime_lacks_is_refused(bundle_copy, where):
+    edit_manifest(bundle_copy, lambda m: (m if where == "top" else m["target"]).update(
+        precision="fp8"))
+    with pytest.raises(BundleError, match="'fp8' is not one this runtime runs"):
+        spec_runtime.load(bundle_copy)
+
+
+@pytest.fixture
+def nan_bundle(bundle_copy):
+    """The target graph with its largest weight (the tied embedding) overwritten with NaN."""
+    import onnx
+    from onnx import numpy_helper
+
+    path = bundle_copy / "target.onnx"
+    model = onnx.load(str(path))
+    floats = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    init = max(floats, key=lambda t: int(np.prod(t.dims)))
+    weight = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array(np.full_like(weight, np.nan), init.name))
+    onnx.save(model, str(path))
+    rehash(bundle_copy, "target.onnx")
+    return bundle_copy
+
+
+def test_nan_weights_stop_generation_before_any_token(nan_bundle):
+    gen = spec_runtime.load(nan_bundle)
+    for kwargs in ({}, {"use_draft": False}, {"temperature": 1.0, "seed": 0}):
+        with pytest.raises(NonFiniteLogitsError, match="NaN"):
+            gen.generate("hello", max_new_tokens=5, **kwargs)
+    for flags in ([], ["--stream"], ["--json"]):
+        r = run("generate", "hello", "--bundle", nan_bundle, "--max-new-tokens", 5, *flags)
+        assert_exit_2(r, "NaN", "specexport verify")
+        assert r.stdout == "", r.stdout  # not one token printed
+
+
+class PoisonAfter:
+    """Wraps an engine: after `calls` good calls, one logit of every row becomes `value`."""
+
+    def __init__(self, engine, calls, value):
+        self.engine, self.calls, self.value, self.n = engine, calls, value, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, tokens, pos, num_logits=1):
+        logits = self.engine.forward(tokens, pos, num_logits)
+        self.n += 1
+        if self.n > self.calls:
+            logits = logits.copy()
+            logits[:, 7] = self.value
+        return logits
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("where", ["target", "draft"])
+def test_non_finite_logits_mid_generation_emit_nothing_from_them(llama_pair, value, where):
+    """Rounds before the poisoned call are emitted as usual; the poisoned round raises and
+    emits nothing."""
+    gen = spec_runtime.load(llama_pair[2])
+    prompt = gen.encode("the cat sat")
+    params = SamplingParams(temperature=1.0, seed=1)
+
+    def rounds(target, draft):
+        out = []
+        try:
+            for new in decode(target, draft, prompt, params, 30, GammaPolicy(3, 3, 8),
+                              frozenset(), np.random.default_rng(1), DecodeStats()):
+                out.append(new.tolist())
+        except NonFiniteLogitsError:
+            return out, True
+        return out, False
+
+    clean, failed = rounds(gen.target, gen.draft)
+    assert not failed
+    if where == "target":
+        poisoned, failed = rounds(PoisonAfter(gen.target, 2, value), gen.draft)
+    else:
+        draft = spec_runtime.ModelDraft(PoisonAfter(gen.draft.engine, 3, value))
+        poisoned, failed = rounds(gen.target, draft)
+    assert failed
+    assert poisoned == clean[: len(poisoned)] and len(poisoned) < len(clean)
+    assert len(poisoned) == (2 if where == "target" else 1)
+
+
+# -- input --------------------------------------------------------------------------------------
+
+
+def test_empty_prompt_exits_2_with_or_without_chat(llama_pair):
+    b = llama_pair[2]
+    assert_exit_2(run("generate", "", "--bundle", b), "empty")  # chat template on by default
+    assert_exit_2(run("generate", "", "--bundle", b, "--no-chat"), "empty")
+    assert_exit_2(run("generate", "--bundle", b, input=""), "empty")
+    gen = spec_runtime.load(b)
+    for kwargs in ({}, {"chat": True}):
+        with pytest.raises(ValueError, match="empty"):
+            gen.generate("", **kwargs)
+
+
+def test_prompt_that_exactly_fits_works_and_one_more_token_exits_2(llama_pair):
+    b = llama_pair[2]
+    gen = spec_runtime.load(b)
+    assert len(gen.encode("x" * 96)) == 96 == gen.target.max_len
+    r = run("generate", "x" * 96, "--bundle", b, "--no-chat", "--max-new-tokens", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["tokens"]) == 1
+    r = run("generate", "x" * 94, "--bundle", b, "--no-chat", "--max-new-tokens", 3, "--json",
+            "--temperature", 1, "--seed", 2)  # speculative rounds up to the last slot
+    assert r.exit_code == 0 and len(json.loads(r.stdout)["tokens"]) == 3, r.output
+    assert_exit_2(run("generate", "x" * 97, "--bundle", b, "--no-chat", "--max-new-tokens", 1),
+                  "97 tokens", "max_len is 96")
+    assert_exit_2(run("generate", "x" * 96, "--bundle", b, "--no-chat", "--max-new-tokens", 2),
+                  "max_len is 96")
+
+
+@pytest.mark.parametrize("bad", [259, -1, 2**63, 10**30, 1.5, True, "7"])
+def test_token_ids_outside_the_vocabulary_are_refused(llama_pair, bad):
+    gen = spec_runtime.load(llama_pair[2])
+    with pytest.raises(ValueError, match="out of the vocabulary") as err:
+        gen.generate([5, bad, 6], max_new_tokens=2)
+    assert repr(bad) in str(err.value)
+
+
+def test_non_utf8_prompt_on_stdin_or_argv_exits_2(llama_pair):
+    b = llama_pair[2]
+    assert_exit_2(run("generate", "--bundle", b, input=b"caf\xe9 au lait"), "stdin",
+                  "not UTF-8")
+    assert_exit_2(run("generate", "caf\udce9", "--bundle", b), "not UTF-8")
+    assert_exit_2(run("generate", "--prompt-file", "/no/such/file", "--bundle", b),
+                  "/no/such/file")
