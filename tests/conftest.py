@@ -37,3 +37,13 @@ def gpt2_pair(tmp_path_factory):
     d = save(gpt2(1, hidden=32, layers=1, heads=2), root / "draft")
     bundle = build_bundle(str(t), str(d), root / "bundle", max_len=96, gamma=4, progress=False)
     return t, d, bundle
+
+
+@pytest.fixture
+def bundle_copy(llama_pair, tmp_path):
+    """A copy of the tiny llama bundle that a test may damage."""
+    import shutil
+
+    dst = tmp_path / "bundle"
+    shutil.copytree(llama_pair[2], dst)
+    return dst

@@ -2,7 +2,6 @@
 `generate`, sequence-level exactness on exported graphs, and refusal of damaged bundles."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import spec_runtime
 from spec_runtime import SamplingParams, warp
 from spec_runtime.manifest import BundleError
+from helpers import edit_manifest
 
 PROMPTS = ["hello world", "The cat sat on", "a", "speculative decoding is exact: 1 2 3 1 2"]
 
@@ -117,20 +117,6 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
 
 
 # -- damaged bundles -----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def bundle_copy(llama_pair, tmp_path):
-    dst = tmp_path / "bundle"
-    shutil.copytree(llama_pair[2], dst)
-    return dst
-
-
-def edit_manifest(bundle, fn):
-    path = bundle / "manifest.json"
-    m = json.loads(path.read_text())
-    fn(m)
-    path.write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize(

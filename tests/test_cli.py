@@ -5,21 +5,10 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
+from helpers import assert_input_error, run
 
 from specedge.cli.specexport import main as specexport
 from specedge.cli.specrun import main as specrun
-
-
-def run(cli, *args, input=None):
-    return CliRunner().invoke(cli, list(map(str, args)), input=input)
-
-
-def assert_input_error(result, *words):
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    for w in words:
-        assert w in result.output, result.output
 
 
 def test_build_then_generate_json(tmp_path):

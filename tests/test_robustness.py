@@ -4,11 +4,9 @@ corrupt logits. Complements test_bundle.py (damaged manifests and files) and tes
 sampling values, long prompts, non-UTF-8 prompt files), which this file does not repeat."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import spec_runtime
 from spec_runtime import NonFiniteLogitsError, SamplingParams
@@ -16,31 +14,13 @@ from spec_runtime.decode import GammaPolicy, decode
 from spec_runtime.manifest import BundleError, sha256_file
 from spec_runtime.stats import DecodeStats
 from specedge.cli.specrun import main as specrun
+from helpers import assert_input_error as assert_exit_2
+from helpers import edit_manifest
+from helpers import run as run_cli
 
 
 def run(*args, input=None):
-    return CliRunner().invoke(specrun, list(map(str, args)), input=input)
-
-
-def assert_exit_2(result, *words):
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    for w in words:
-        assert w in result.output, result.output
-
-
-@pytest.fixture
-def bundle_copy(llama_pair, tmp_path):
-    dst = tmp_path / "bundle"
-    shutil.copytree(llama_pair[2], dst)
-    return dst
-
-
-def edit_manifest(bundle, fn):
-    path = bundle / "manifest.json"
-    m = json.loads(path.read_text())
-    fn(m)
-    path.write_text(json.dumps(m))
+    return run_cli(specrun, *args, input=input)
 
 
 def rehash(bundle, name):
