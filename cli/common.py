@@ -39,19 +39,25 @@ def input_errors(fn):
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt():
+def sigterm_as_interrupt(on_signal=None):
     """While a command runs, SIGTERM unwinds the stack like Ctrl-C instead of killing the
-    process on the spot. For CLI entry points only: the library installs no signal handlers.
-    The previous handler is restored afterwards (the command may run inside a host process)."""
+    process on the spot, and both call `on_signal(exc)` first, so that a library that swallows
+    the KeyboardInterrupt (torch's exporter may, mid-trace) can still be stopped at its next
+    checkpoint. For CLI entry points only: the library installs no signal handlers. The previous
+    handlers are restored afterwards (the command may run inside a host process)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def raise_terminated(signum, frame):
-        raise Terminated()
+    def handler(signum, frame):
+        exc = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        if on_signal is not None:
+            on_signal(exc)
+        raise exc
 
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)

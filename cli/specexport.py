@@ -41,9 +41,9 @@ def main():
 def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
           draft_precision, block_size, gguf_file, draft_gguf_file, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
-    with sigterm_as_interrupt():  # a killed build still removes its temporary directory
-        from spec_export.build import build_bundle
+    from spec_export.build import build_bundle, request_interrupt
 
+    with sigterm_as_interrupt(request_interrupt):  # a killed build removes its temporary directory
         path = build_bundle(target, draft, out, max_len=max_len, max_source_len=max_source_len,
                             gamma=gamma, max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,

@@ -121,13 +121,26 @@ def library_versions() -> dict:
     return out
 
 
+_interrupt: list[BaseException] = []  # set from a signal handler; raised at the next stage
+
+
+def request_interrupt(exc: BaseException) -> None:
+    """Ask a running build to stop at its next stage even if the interrupt raised now is
+    swallowed on the way (torch.export can catch a KeyboardInterrupt mid-trace and go on)."""
+    _interrupt.append(exc)
+
+
 def _stages(names: list[str], progress: bool):
-    """A progress bar over the build's stages (tqdm, on stderr)."""
+    """A progress bar over the build's stages (tqdm, on stderr). Each stage boundary is also the
+    point where a requested interrupt is raised."""
     from tqdm.auto import tqdm
 
+    _interrupt.clear()
     bar = tqdm(total=len(names), disable=not progress, unit="stage", dynamic_ncols=True)
 
     def advance(name: str):
+        if _interrupt:
+            raise _interrupt[0]
         bar.set_description_str(name)
         bar.update(1)
         if bar.n == bar.total:
@@ -315,6 +328,8 @@ def build_bundle(
             manifest.update(max_source_len=max_source_len,
                             decoder_start_token_id=decoder_start_token_id(t_model))
         write_manifest(tmp, manifest)
+        if _interrupt:  # the last point at which stopping leaves the old bundle untouched
+            raise _interrupt[0]
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
