@@ -74,6 +74,7 @@ def decode(
     stats.prompt_tokens = n_prefix
     stats.mode = "speculative" if draft is not None else "target-only"
     stats.draft_kind = getattr(draft, "kind", None)
+    eos_array = np.fromiter(eos_token_ids, dtype=np.int64)  # built once, not per round
     empty_tokens, empty_p = np.empty(0, np.int64), np.empty((0, target.vocab_size))
 
     while stats.new_tokens < max_new_tokens:
@@ -129,7 +130,7 @@ def decode(
         #    exact sample is an exact sample).
         new = np.asarray(new[:remaining], dtype=np.int64)
         if eos_token_ids:
-            hits = np.flatnonzero(np.isin(new, list(eos_token_ids)))
+            hits = np.flatnonzero(np.isin(new, eos_array))
             if len(hits):
                 new = new[: hits[0] + 1]
                 stats.finish_reason = "eos"

@@ -28,6 +28,17 @@ class NonFiniteLogitsError(ValueError):
     """The graph produced NaN or +inf logits: no token may be drawn from such a distribution."""
 
 
+def _check_finite(logits: np.ndarray) -> np.ndarray:
+    """Row maxima of logits [..., V]; raises if any row holds NaN or +inf, or only -inf."""
+    row_max = logits.max(axis=-1)
+    if not np.all(np.isfinite(row_max)):
+        raise NonFiniteLogitsError(
+            "logits contain NaN or +inf (or a row is all -inf): the exported graph or its inputs "
+            "are corrupt; re-run `specexport build` and `specexport verify`"
+        )
+    return row_max
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How logits become the distribution that is sampled.
@@ -68,12 +79,7 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     top_p (always at least one).
     """
     logits = np.asarray(logits)
-    row_max = logits.max(axis=-1, keepdims=True)
-    if not np.all(np.isfinite(row_max)):
-        raise NonFiniteLogitsError(
-            "logits contain NaN or +inf (or a row is all -inf): the exported graph or its inputs "
-            "are corrupt; re-run `specexport build` and `specexport verify`"
-        )
+    row_max = _check_finite(logits)[..., None]
     if params.greedy:
         probs = np.zeros(logits.shape, dtype=np.float64)
         np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
@@ -170,12 +176,7 @@ def verify_greedy(draft_tokens: np.ndarray, logits: np.ndarray) -> list[int]:
     same tokens as verify(draft_tokens, one-hot q, warp(logits), rng), without building V-wide
     rows or drawing random numbers.
     """
-    row_max = logits.max(axis=-1)
-    if not np.all(np.isfinite(row_max)):
-        raise NonFiniteLogitsError(
-            "logits contain NaN or +inf (or a row is all -inf): the exported graph or its inputs "
-            "are corrupt; re-run `specexport build` and `specexport verify`"
-        )
+    _check_finite(logits)
     best = logits.argmax(axis=-1)
     gamma = len(draft_tokens)
     n_acc = int(np.argmin(np.r_[best[:gamma] == draft_tokens, False]))  # first mismatch

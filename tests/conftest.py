@@ -10,19 +10,23 @@ def _quiet_exporters():
     yield
 
 
-@pytest.fixture(scope="session")
-def llama_pair(tmp_path_factory):
+def build_llama_pair(root, **build_kwargs):
     """(target dir, draft dir, bundle dir): a 3-layer GQA Llama and its 1-layer truncation."""
     from tiny_models import llama, save, truncated
 
     from spec_export.build import build_bundle
 
-    root = tmp_path_factory.mktemp("llama_pair")
     target = llama(0, layers=3)
     t = save(target, root / "target")
     d = save(truncated(target, 1), root / "draft")
-    bundle = build_bundle(str(t), str(d), root / "bundle", max_len=96, gamma=4, progress=False)
+    bundle = build_bundle(str(t), str(d), root / "bundle", max_len=96, gamma=4, progress=False,
+                          **build_kwargs)
     return t, d, bundle
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory):
+    return build_llama_pair(tmp_path_factory.mktemp("llama_pair"))
 
 
 @pytest.fixture(scope="session")

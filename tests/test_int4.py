@@ -17,16 +17,9 @@ from spec_runtime.manifest import BundleError
 
 @pytest.fixture(scope="module")
 def int4_pair(tmp_path_factory):
-    from tiny_models import llama, save, truncated
+    from conftest import build_llama_pair
 
-    from spec_export.build import build_bundle
-
-    root = tmp_path_factory.mktemp("int4")
-    target = llama(0, layers=3)
-    t = save(target, root / "target")
-    d = save(truncated(target, 1), root / "draft")
-    return build_bundle(str(t), str(d), root / "bundle", max_len=96, precision="int4",
-                        progress=False)
+    return build_llama_pair(tmp_path_factory.mktemp("int4"), precision="int4")[2]
 
 
 def test_manifest_records_the_quantization(int4_pair):
