@@ -27,13 +27,22 @@ def quantize_int4(src: Path, dst: Path, block_size: int = 32) -> dict:
     one scale per `block_size` inputs), via onnxruntime's MatMulNBitsQuantizer. The lm_head is
     quantized too (the exporter gives it its own copy of a tied embedding); the embedding gather
     and the attention MatMuls stay float32."""
+    import logging
+
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(src))
     quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=True,
                                      accuracy_level=INT4_ACCURACY_LEVEL)
-    quantizer.process()
+    # the quantizer logs two INFO lines per MatMul through its own handler; keep its warnings
+    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        quantizer.process()
+    finally:
+        logger.setLevel(level)
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
     n_q = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
     return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": 4, "block_size": block_size,
