@@ -34,12 +34,17 @@ def main():
               help="the draft model's precision [default: --precision]")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="int4 quantization block (inputs per scale)")
+@click.option("--kernels", type=click.Choice(["auto", "fused", "portable"]), default="auto",
+              show_default=True,
+              help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
+                   "(llama family); portable: standard ONNX for any runtime, TensorRT included; "
+                   "auto: fused where available")
 @click.option("--gguf-file", default=None, help="GGUF file name inside --target's directory")
 @click.option("--draft-gguf-file", default=None, help="GGUF file name inside --draft's directory")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @input_errors
 def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
-          draft_precision, block_size, gguf_file, draft_gguf_file, quiet):
+          draft_precision, block_size, kernels, gguf_file, draft_gguf_file, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
 
@@ -48,7 +53,7 @@ def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill
                             gamma=gamma, max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,
                             draft_precision=draft_precision, block_size=block_size,
-                            gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
+                            kernels=kernels, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
                             progress=not quiet)
     click.echo(f"bundle written to {path}")
 

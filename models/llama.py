@@ -93,6 +93,12 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def rope_table(inv_freq: torch.Tensor, length: int) -> torch.Tensor:
+    """Angles [length, D] for positions 0..length-1, both halves (HF's rotate_half layout)."""
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
+    return torch.cat([freqs, freqs], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., n, D], cos/sin [n, D]; HF's rotate_half layout (halves, not interleaved pairs)."""
     half = x.shape[-1] // 2
@@ -139,8 +145,8 @@ class Llama(CachedDecoder):
         self.d = d
         self.n_layers, self.n_kv_heads, self.head_dim = d.n_layers, d.n_kv_heads, d.head_dim
         self.max_len, self.vocab_size = max_len, d.vocab_size
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [L, D]
+        self.inv_freq = inv_freq  # [D/2]; the fused writer tabulates its own (longer) cos/sin
+        emb = rope_table(inv_freq, max_len)  # [L, D]
         # gathered at position + arange(n) in the graph; cos/sin computed here once, in float32
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)

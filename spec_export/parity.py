@@ -33,8 +33,12 @@ class NumpyCacheRunner:
         self.extra_feeds = dict(extra_feeds or {})  # per-request inputs (cross K/V, source_mask)
         pasts = [i for i in session.get_inputs() if i.name.startswith("past_")]
         self.kv_shape = tuple(pasts[0].shape)  # (1, KVH, L, D), static by contract
-        self.max_len = self.kv_shape[2]
         self.out_names = [o.name for o in session.get_outputs()]
+        # a fused graph's present is the whole updated cache (kv_cache "in-place", with one
+        # spare slot: see onnx_fused.py), a portable graph's only the n new slots
+        self.in_place = any(o.name.startswith("present_") and o.shape[2] == self.kv_shape[2]
+                            for o in session.get_outputs())
+        self.max_len = self.kv_shape[2] - self.in_place
         rng = rng or np.random.default_rng(0)
         # stale slots hold finite garbage; the graph must mask it
         self.cache = {i.name: (3 * rng.standard_normal(self.kv_shape)).astype(np.float32) for i in pasts}
@@ -55,9 +59,13 @@ class NumpyCacheRunner:
         outs = dict(zip(self.out_names, self.session.run(self.out_names, feeds)))
         for name, new in outs.items():
             if name.startswith("present_"):
-                assert new.shape[2] == n, (name, new.shape)
                 past = "past_" + name[len("present_") :]
-                self.cache[past][:, :, self.position : self.position + n] = new
+                if self.in_place:
+                    assert new.shape == self.kv_shape, (name, new.shape)
+                    self.cache[past] = new
+                else:
+                    assert new.shape[2] == n, (name, new.shape)
+                    self.cache[past][:, :, self.position : self.position + n] = new
         self.position += n
         return outs["logits"][0]
 

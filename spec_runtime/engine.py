@@ -26,7 +26,10 @@ class Engine(Protocol):
         """Start a new request (the cache may keep stale values: positions make them invisible)."""
 
     def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
-        """tokens int64 [n] at positions pos..pos+n-1 -> logits float32 [num_logits, V]."""
+        """tokens int64 [n] at positions pos..pos+n-1 -> logits float32 [num_logits, V].
+
+        The logits may live in a buffer the engine reuses: they are valid until its next
+        forward (copy them to keep them longer)."""
 
 
 class CacheCapacityError(ValueError):

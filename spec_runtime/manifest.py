@@ -1,8 +1,14 @@
 """The bundle manifest: the only contract between `specexport` and the runtime.
 
 A bundle is a directory holding `manifest.json`, `tokenizer.json` and the graphs. The exporter
-writes the manifest with `SCHEMA_VERSION`; the runtime refuses any other version, any missing
-file and any file whose sha256 differs, each with a hint naming the command that fixes it.
+writes the manifest with `SCHEMA_VERSION`; the runtime reads the versions in `READABLE_SCHEMAS`
+and refuses any other, any missing file and any file whose sha256 differs, each with a hint
+naming the command that fixes it.
+
+Schema history: 1 — every graph writes only the new cache slots (`present` [.., n, ..]).
+2 — each graph records `kernels` ("portable": standard ONNX ops; "fused": ONNX Runtime contrib
+ops) and `kv_cache` ("new-slots", as in 1; "in-place": `present` is the whole cache, written
+where it lies). A version-1 reader must not run an in-place graph, hence the new version.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import hashlib
 import json
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 REBUILD = "re-run `specexport build`"
@@ -21,6 +28,8 @@ ARCHITECTURES = ("decoder-only", "encoder-decoder")
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 DRAFT_KINDS = ("model", "ngram")
 PRECISIONS = ("fp32", "int8", "int4")  # graph precisions this runtime runs
+KERNELS = ("portable", "fused")
+KV_CACHE_LAYOUTS = ("new-slots", "in-place")
 
 
 class BundleError(ValueError):
@@ -60,13 +69,13 @@ def read_manifest(bundle_dir, check_files: bool = True) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{path} is not a specedge manifest; {REBUILD}")
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMAS or isinstance(version, bool):
         if isinstance(version, int) and version > SCHEMA_VERSION:
             hint = "upgrade specedge (`pip install -U specedge`) to read it"
         else:
             hint = REBUILD
         raise BundleError(f"bundle schema_version {version!r}, this runtime reads "
-                          f"{SCHEMA_VERSION}: {hint}")
+                          f"{list(READABLE_SCHEMAS)}: {hint}")
     validate(manifest)
     if check_files:
         check_file_hashes(bundle_dir, manifest)
@@ -128,6 +137,13 @@ def _check_graphs(model: dict, files: dict, where: str, required: tuple[str, ...
                               f"{REBUILD}")
         _require(graph, "inputs", list, f"{where}.graphs.{name}")
         _require(graph, "outputs", list, f"{where}.graphs.{name}")
+        for key, allowed, default in (("kernels", KERNELS, "portable"),
+                                      ("kv_cache", KV_CACHE_LAYOUTS, "new-slots")):
+            value = graph.setdefault(key, default)  # schema 1 had neither: portable, new slots
+            if value not in allowed:
+                raise BundleError(f"manifest {where}.graphs.{name}.{key} {value!r} is not one "
+                                  f"this runtime runs {allowed}: upgrade specedge (`pip install "
+                                  f"-U specedge`), or {REBUILD}")
     _require(model, "vocab_size", int, where)
 
 

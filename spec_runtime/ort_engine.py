@@ -1,14 +1,21 @@
 """ONNX Runtime engine: one exported decoder graph and its static KV cache in numpy.
 
-The graph contract (written by spec_export.onnx_export, recorded in the manifest):
+The graph contract (written by spec_export, recorded in the manifest):
 
     inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
              past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len, head_dim]   (static)
     outputs  logits float32 [1, num_logits, vocab]
-             present_key.{i} / present_value.{i} float32 [1, kv_heads, n, head_dim]  (new slots)
+             present_key.{i} / present_value.{i} float32, by the graph's `kv_cache`:
+               "new-slots"  [1, kv_heads, n, head_dim]        (portable graphs)
+               "in-place"   [1, kv_heads, max_len + 1, head_dim]  (fused graphs: the whole
+                            cache; past has that shape too, the spare slot is explained in
+                            spec_export/onnx_fused.py)
 
-The cache buffers are allocated once; ONNX Runtime reads contiguous numpy inputs on the CPU in
-place, and only the n new slots are written back, so a step never copies the whole cache.
+The cache buffers are allocated once. A new-slots graph reads them in place (ONNX Runtime takes
+contiguous numpy inputs on the CPU without a copy) and only the n new slots are copied back. An
+in-place graph is run through an IOBinding that binds each `past` input and its `present` output
+to the same buffer, so the attention kernel writes the new slots where they belong; the logits
+go into a buffer allocated once. Such a step allocates nothing and copies no cache.
 """
 
 from __future__ import annotations
@@ -74,19 +81,53 @@ class OrtEngine:
         self.prefill_chunk = prefill_chunk
         self.vocab_size = int(graph["vocab_size"])
         past = [i for i in graph["inputs"] if i["name"].startswith("past_")]
-        shape = tuple(past[0]["shape"])  # [1, kv_heads, max_len, head_dim]
-        if shape[2] != max_len:
-            raise ValueError(f"graph cache length {shape[2]} != manifest max_len {max_len}")
+        shape = tuple(past[0]["shape"])  # [1, kv_heads, max_len (+ 1 if in place), head_dim]
+        self.in_place = graph.get("kv_cache", "new-slots") == "in-place"
+        # an in-place graph holds one spare slot for its attention padding row (onnx_fused.py)
+        if shape[2] != max_len + self.in_place:
+            raise ValueError(f"graph cache length {shape[2]} does not fit manifest max_len "
+                             f"{max_len} ({graph.get('kv_cache', 'new-slots')} cache)")
         self.cache = {i["name"]: np.zeros(shape, dtype=np.float32) for i in past}
         self.output_names = [o["name"] for o in graph["outputs"]]
         self._present_to_past = {n: "past_" + n[len("present_"):] for n in self.output_names
                                  if n.startswith("present_")}
         self._feeds = dict(self.cache)
+        if self.in_place:
+            self._bind_in_place()
+
+    def _bind_in_place(self) -> None:
+        import onnxruntime as ort
+
+        self._binding = self.session.io_binding()
+        for present, past in self._present_to_past.items():
+            buffer = ort.OrtValue.ortvalue_from_numpy(self.cache[past])  # shares the numpy memory
+            self._binding.bind_ortvalue_input(past, buffer)
+            self._binding.bind_ortvalue_output(present, buffer)
+        # scalars bound once by address; each call writes the value into the same array
+        self._position = np.zeros((), np.int64)
+        self._num_logits = np.zeros((), np.int64)
+        self._binding.bind_cpu_input("position", self._position)
+        self._binding.bind_cpu_input("num_logits", self._num_logits)
+        self._logits = np.empty((1, 0, self.vocab_size), np.float32)  # grown on demand
 
     def reset(self) -> None:
         pass  # positions make the stale slots invisible; nothing to clear
 
+    def _run_in_place(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
+        n = len(tokens)
+        if num_logits > self._logits.shape[1]:
+            self._logits = np.empty((1, max(num_logits, 16), self.vocab_size), np.float32)
+        out = self._logits[:, :num_logits]  # leading rows: contiguous
+        self._position[...] = pos
+        self._num_logits[...] = num_logits
+        self._binding.bind_cpu_input("input_ids", tokens.reshape(1, n))
+        self._binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self.session.run_with_iobinding(self._binding)
+        return out[0]
+
     def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
+        if self.in_place:
+            return self._run_in_place(tokens, pos, num_logits)
         n = len(tokens)
         self._feeds["input_ids"] = tokens.reshape(1, n)
         self._feeds["position"] = np.array(pos, dtype=np.int64)

@@ -30,6 +30,12 @@ def llama_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_portable_pair(tmp_path_factory):
+    """The llama pair exported with standard ONNX ops only (the TensorRT-ready graph)."""
+    return build_llama_pair(tmp_path_factory.mktemp("llama_portable"), kernels="portable")
+
+
+@pytest.fixture(scope="session")
 def gpt2_pair(tmp_path_factory):
     """(target dir, draft dir, bundle dir): GPT-2 target and an unrelated smaller GPT-2."""
     from tiny_models import gpt2, save

@@ -26,7 +26,7 @@ def hf_greedy(model_dir, prompt, n):
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("pair", ["llama_pair", "gpt2_pair"])
+@pytest.mark.parametrize("pair", ["llama_pair", "llama_portable_pair", "gpt2_pair"])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
     target_dir, _, bundle = request.getfixturevalue(pair)
@@ -37,21 +37,46 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
         r = gen.generate(prompt, max_new_tokens=40, gamma=gamma)
         assert r.tokens == hf_greedy(target_dir, prompt, 40), prompt
         accepted += r.stats["accepted"]
-    if pair == "llama_pair":
+    if pair.startswith("llama"):
         assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
 
 
 def test_manifest_records_the_contract(llama_pair):
     _, _, bundle = llama_pair
     m = json.loads((bundle / "manifest.json").read_text())
-    assert m["schema_version"] == 1 and m["architecture"] == "decoder-only"
+    assert m["schema_version"] == 2 and m["architecture"] == "decoder-only"
     assert m["target"]["family"] == "llama" and m["draft"]["kind"] == "model"
     assert m["target"]["parity"]["max_abs_diff_fp32"] <= 1e-3
     assert set(m["files"]) == {"target.onnx", "draft.onnx", "tokenizer.json"}
     assert m["tokenizer"]["eos_token_ids"] == [2]
     assert "im_start" in m["tokenizer"]["chat_template"]
     past = [i for i in m["target"]["graphs"]["decoder"]["inputs"] if i["name"] == "past_key.0"]
-    assert past[0]["shape"] == [1, 2, 96, 16]  # static [1, kv_heads, max_len, head_dim]
+    assert past[0]["shape"] == [1, 2, 97, 16]  # static [1, kv_heads, max_len + 1, head_dim]
+    # head_dim 16: "auto" picks the fused kernels, whose present is the whole cache, in place
+    graph = m["target"]["graphs"]["decoder"]
+    assert graph["kernels"] == "fused" and graph["kv_cache"] == "in-place"
+    present = [o for o in graph["outputs"] if o["name"] == "present_value.2"]
+    assert present[0]["shape"] == [1, 2, 97, 16]  # + the attention padding row's slot
+
+
+def test_portable_kernels_recorded_and_same_logits(llama_pair, llama_portable_pair):
+    """--kernels portable writes standard ONNX with new-slot presents; both graphs of the same
+    model give the same logits through the engines, over a prefill, steps and a rollback."""
+    import onnx
+
+    m = json.loads((llama_portable_pair[2] / "manifest.json").read_text())
+    graph = m["target"]["graphs"]["decoder"]
+    assert graph["kernels"] == "portable" and graph["kv_cache"] == "new-slots"
+    domains = {n.domain for n in onnx.load(str(llama_portable_pair[2] / "target.onnx")).graph.node}
+    assert domains <= {"", "ai.onnx"}, domains  # nothing ONNX Runtime-specific
+    fused, portable = (spec_runtime.load(p[2]).target for p in (llama_pair, llama_portable_pair))
+    assert fused.in_place and not portable.in_place
+    tokens = np.random.default_rng(0).integers(0, fused.vocab_size, 40)
+    for pos, n, rows in [(0, 30, 3), (30, 1, 1), (31, 5, 5), (33, 4, 4), (37, 1, 1)]:
+        a = fused.forward(tokens[pos : pos + n], pos, rows).copy()
+        b = portable.forward(tokens[pos : pos + n], pos, rows)
+        assert a.shape == b.shape == (rows, fused.vocab_size)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
 def test_chat_template_from_the_bundle(llama_pair):
@@ -134,14 +159,37 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
         (lambda b: edit_manifest(b, lambda m: m.pop("target")), "lacks 'target'"),
         (lambda b: edit_manifest(b, lambda m: m.update(max_len=200)), "max_len"),
         (lambda b: edit_manifest(b, lambda m: m["draft"].update(kind="eagle")), "draft.kind"),
+        (lambda b: edit_manifest(b, lambda m: m["target"]["graphs"]["decoder"].update(
+            kv_cache="paged")), "kv_cache 'paged'"),
     ],
     ids=["truncated-graph", "missing-graph", "no-manifest", "bad-json", "newer-schema",
-         "older-schema", "sha-mismatch", "missing-key", "wrong-max-len", "unknown-draft"],
+         "older-schema", "sha-mismatch", "missing-key", "wrong-max-len", "unknown-draft",
+         "unknown-kv-cache"],
 )
 def test_damaged_bundle_is_refused_with_a_hint(bundle_copy, damage, match):
     damage(bundle_copy)
     with pytest.raises(BundleError if match != "max_len" else ValueError, match=match):
         spec_runtime.load(bundle_copy)
+
+
+def test_schema_1_bundle_still_runs(llama_portable_pair, tmp_path):
+    """Bundles written before kernels/kv_cache existed (schema 1) were all portable, new-slots:
+    they load as such and decode the same tokens."""
+    import shutil
+
+    copy = tmp_path / "v1"
+    shutil.copytree(llama_portable_pair[2], copy)
+
+    def as_v1(m):
+        m["schema_version"] = 1
+        for role in ("target", "draft"):
+            for key in ("kernels", "kv_cache"):
+                m[role]["graphs"]["decoder"].pop(key)
+
+    edit_manifest(copy, as_v1)
+    old, new = spec_runtime.load(copy), spec_runtime.load(llama_portable_pair[2])
+    assert not old.target.in_place
+    assert old.generate("hello", max_new_tokens=12).tokens == new.generate("hello", max_new_tokens=12).tokens
 
 
 def test_a_missing_bundle_names_the_build_command(tmp_path):

@@ -36,6 +36,7 @@ CASES = {
         LlamaConfig(**LLAMA, tie_word_embeddings=True, rope_scaling=dict(rope_type="linear", factor=2.0))
     ),
     "llama-rope-llama3": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, rope_scaling=LLAMA3_ROPE)),
+    "llama-bias": lambda: LlamaForCausalLM(LlamaConfig(**LLAMA, attention_bias=True, mlp_bias=True)),
     "gpt2": lambda: GPT2LMHeadModel(
         GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=MAX_LEN, initializer_range=0.2)
     ),
@@ -65,6 +66,51 @@ def test_export_matches_hf(case, tmp_path):
     diff = check_parity(hf, tmp_path / "model.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
     print(f"{case}: max |logits_onnx - logits_hf| = {diff:.3g}")
     assert diff < TOL
+
+
+LLAMA_CASES = [c for c in CASES if c.startswith("llama")]
+
+
+@pytest.mark.parametrize("case", LLAMA_CASES)
+def test_fused_graph_matches_hf(case, tmp_path):
+    """The fused writer (ONNX Runtime contrib ops, in-place cache) against HF, driven like the
+    portable graph: the parity runner takes `present` as the whole updated cache."""
+    import onnx
+
+    from spec_export.onnx_fused import export_fused_llama, fused_io
+
+    hf = saved_and_reloaded(CASES[case], tmp_path)
+    module = for_hf_model(hf, MAX_LEN)
+    desc = export_fused_llama(module, tmp_path / "fused.onnx", MAX_LEN)
+    assert (desc["inputs"], desc["outputs"]) == fused_io(module, MAX_LEN)
+    # present = the whole cache, plus the attention padding row's spare slot
+    assert desc["outputs"][1]["shape"] == desc["inputs"][3]["shape"] == [1, 2, MAX_LEN + 1, 16]
+    graph = onnx.load(str(tmp_path / "fused.onnx")).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("GroupQueryAttention") == 2
+    # the point of fusing: about a dozen kernels per layer (the portable graph runs ~65), plus
+    # a fixed head and tail (lengths, embedding, final norm, row slice, lm_head)
+    per_layer = 15 + (5 if case == "llama-bias" else 0)  # one bias Add per projection
+    assert len(ops) <= 2 * per_layer + 16, ops
+    if module.lm_head is module.embed:  # tied: Gemm(transB) reads the one embedding copy
+        big = [t for t in graph.initializer if 256 in t.dims and 64 in t.dims and len(t.dims) == 2]
+        assert len(big) == 1
+
+    prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    diff = check_parity(hf, tmp_path / "fused.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
+    print(f"{case} fused: max |logits_onnx - logits_hf| = {diff:.3g}")
+    assert diff < TOL
+
+
+@pytest.mark.parametrize("case,why", [("gpt2", "llama family"), ("llama-head-dim-8", "multiple of 16")])
+def test_fused_graph_refused_with_reason(case, why, tmp_path):
+    from spec_export.onnx_fused import export_fused_llama, fused_unsupported
+
+    make = CASES.get(case) or (lambda: LlamaForCausalLM(LlamaConfig(**dict(LLAMA, hidden_size=32))))
+    module = for_hf_model(saved_and_reloaded(make, tmp_path), MAX_LEN)
+    assert why in fused_unsupported(module)
+    with pytest.raises(ValueError, match=why):
+        export_fused_llama(module, tmp_path / "x.onnx", MAX_LEN)
 
 
 def test_tied_embedding_stored_once(tmp_path):

@@ -52,6 +52,38 @@ def test_greedy_speculative_equals_target_only_on_the_int4_bundle(int4_pair, gam
     assert accepted > 0
 
 
+def test_a_position_scores_the_same_in_a_step_and_a_verify_call(int4_pair):
+    """8-bit activations turn any last-bit difference upstream into ~0.5 logits downstream, so
+    greedy speculative = greedy target-only needs each row computed identically whatever the
+    call's length: bit for bit, across steps, verify calls and one prefill call."""
+    gen = spec_runtime.load(int4_pair)
+    eng = gen.target
+    seq = np.random.default_rng(0).integers(0, eng.vocab_size, 30)
+    eng.forward(seq[:20], 0, 1)
+    steps = np.stack([eng.forward(seq[k : k + 1], k, 1)[0].copy() for k in range(20, 30)])
+    verify = np.concatenate([eng.forward(seq[20:25], 20, 5).copy(),
+                             eng.forward(seq[25:30], 25, 5).copy()])
+    prefill = eng.forward(seq, 0, 10).copy()
+    np.testing.assert_array_equal(steps, verify)
+    np.testing.assert_array_equal(steps, prefill)
+
+
+def test_int4_needs_the_fused_graph(tmp_path):
+    from tiny_models import gpt2, llama, save
+
+    from spec_export.build import BuildError, build_bundle
+
+    t = save(llama(0, layers=1), tmp_path / "llama")
+    with pytest.raises(BuildError, match="int4 needs the fused graph.*--kernels portable"):
+        build_bundle(str(t), "ngram", tmp_path / "b1", max_len=32, precision="int4",
+                     kernels="portable", progress=False)
+    g = save(gpt2(0, layers=1), tmp_path / "gpt2")
+    with pytest.raises(BuildError, match="int4 needs the fused graph.*llama family"):
+        build_bundle(str(g), "ngram", tmp_path / "b2", max_len=32, precision="int4",
+                     progress=False)
+    assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
+
+
 @pytest.fixture(scope="module")
 def int4_small_vocab(tmp_path_factory):
     from tiny_models import llama, save, truncated, word_tokenizer

@@ -1,0 +1,207 @@
+"""Write a Llama-family decoder as an ONNX graph of ONNX Runtime's fused kernels.
+
+The portable graph (onnx_export.py) is standard ONNX that any runtime reads (TensorRT included);
+ONNX Runtime then executes about 65 nodes per layer for it. This graph is written node by node
+from the same checked weights (models.llama.Llama) with ONNX Runtime's contrib operators, 11 nodes
+per layer, the way onnxruntime-genai's model builder writes its graphs:
+
+    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv →
+    GroupQueryAttention (RoPE, cache write, causal attention over the valid prefix) → MatMul o →
+    SkipSimplifiedLayerNormalization → MatMul gate, MatMul up → x·σ(x)·up → MatMul down
+
+Contract (kv_cache "in-place"):
+
+    inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
+             past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len + 1, head_dim]
+    outputs  logits float32 [1, num_logits, vocab]
+             present_key.{i} / present_value.{i} float32 [1, kv_heads, max_len + 1, head_dim]
+
+GroupQueryAttention writes the new K/V at [position, position + n) of `present`; when the runtime
+binds `past` and `present` to one buffer (IOBinding) it writes there in place, so the cache is
+never copied. Slots past position + n are stale and never read (seqlens_k bounds every row), so
+rollback stays a position, as in the portable contract.
+
+One spare slot: attention always gets one padding row more than the call has tokens (a copy of
+the last one, at position + n, dropped from the output). ONNX Runtime's CPU attention computes a
+1-row call with a different kernel than a multi-row call, so the same position scored by a step
+and by a verify call would differ in the last bits; with 4-bit weights and 8-bit activations
+(MatMulNBits accuracy level 4) such a difference flips an activation's rounding and grows to
+~0.5 in the logits within a few layers, and greedy speculative decoding would leave the greedy
+path of the very model it runs. With the padding every call takes the multi-row path, every row
+is computed the same whatever the call's length, and a verified token is the token a step would
+have produced, bit for bit. The padding row's K/V land in slot position + n, stale by definition;
+slot max_len exists only for it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .onnx_export import DIM_N, DIM_NUM_LOGITS, check_contract, check_max_len, describe, io_names
+
+MS_DOMAIN = "com.microsoft"
+# ONNX Runtime's CPU GroupQueryAttention rotates in blocks of 16 floats
+HEAD_DIM_MULTIPLE = 16
+
+
+def fused_unsupported(module) -> str | None:
+    """Why `module` cannot be written as a fused graph, or None if it can."""
+    if getattr(module, "model_type", None) != "llama":
+        return f"fused kernels cover the llama family; {getattr(module, 'model_type', None)!r} " \
+               f"exports as a portable graph"
+    if module.head_dim % HEAD_DIM_MULTIPLE:
+        return f"head_dim {module.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} (ONNX " \
+               f"Runtime's GroupQueryAttention needs one)"
+    return None
+
+
+def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
+    """Write `module` (models.llama.Llama) to `path`; returns describe() of the file plus
+    {"exporter", "external_data", "export_s", "max_len"}, like onnx_export.export_decoder."""
+    why = fused_unsupported(module)
+    if why:
+        raise ValueError(why)
+    check_max_len(module, max_len)
+    t0 = time.perf_counter()
+    g = _GraphWriter()
+    d = module.d
+    in_names, out_names = io_names(d.n_layers)
+    cache = [1, d.n_kv_heads, max_len + 1, d.head_dim]  # + the padding row's slot
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, DIM_N]),
+              helper.make_tensor_value_info("position", TensorProto.INT64, []),
+              helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
+    inputs += [helper.make_tensor_value_info(nm, TensorProto.FLOAT, cache) for nm in in_names[3:]]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                             [1, DIM_NUM_LOGITS, d.vocab_size])]
+    outputs += [helper.make_tensor_value_info(nm, TensorProto.FLOAT, cache) for nm in out_names[1:]]
+
+    # GroupQueryAttention's lengths, counting the padding row: seqlens_k = position + n (int32
+    # [1]) is the last slot written, total_sequence_length = position + n + 1 (int32 scalar)
+    n = g.node("Shape", ["input_ids"], start=1, end=2)  # [1]
+    total = g.node("Add", [g.node("Reshape", ["position", g.const("shape1", [1])]), n])  # [1]
+    seqlens_k = g.node("Cast", [total], to=TensorProto.INT32)
+    total_len = g.node("Cast", [g.node("Reshape", [g.node("Add", [total, g.const("one", [1])]),
+                                                   g.const("scalar", np.zeros(0, np.int64))])],
+                       to=TensorProto.INT32)
+    from specedge.models.llama import rope_table
+
+    half = d.head_dim // 2
+    angles = rope_table(module.inv_freq, max_len + 1)[:, :half]  # [max_len + 1, D/2]
+    cos, sin = g.init("rope_cos", _np(angles.cos())), g.init("rope_sin", _np(angles.sin()))
+
+    x = g.node("Gather", [g.init("embed", _np(module.embed)), "input_ids"])  # [1, n, C]
+    delta = None
+    for i, layer in enumerate(module.layers):
+        p = f"l{i}."
+        if delta is None:
+            h = g.node("SimplifiedLayerNormalization", [x, g.init(p + "attn_norm", _np(layer.attn_norm))],
+                       axis=-1, epsilon=d.norm_eps, stash_type=1)
+        else:
+            h, x = g.skip_norm(x, delta, g.init(p + "attn_norm", _np(layer.attn_norm)), d.norm_eps)
+        qkv = g.linear(h, p + "qkv", layer.wqkv, layer.bqkv)  # packed [1, n, (H + 2 KVH) D]
+        last = g.node("Slice", [qkv, g.const("minus1", [-1]), g.const("end", [2**62]),
+                                g.const("axis1", [1])])
+        padded = g.node("Concat", [qkv, last], axis=1)  # [1, n + 1, ...]: see the module doc
+        attn, _, _ = g.node(
+            "GroupQueryAttention",
+            [padded, "", "", in_names[3 + 2 * i], in_names[4 + 2 * i], seqlens_k, total_len, cos,
+             sin],
+            outputs=[g.name("attn"), out_names[1 + 2 * i], out_names[2 + 2 * i]], domain=MS_DOMAIN,
+            num_heads=d.n_heads, kv_num_heads=d.n_kv_heads, scale=float(d.head_dim ** -0.5),
+            do_rotary=1, rotary_interleaved=0)
+        attn = g.node("Slice", [attn, g.const("zero", [0]), n, g.const("axis1", [1])])  # [1, n, H D]
+        o = g.linear(attn, p + "o", layer.wo, layer.bo)
+        h, x = g.skip_norm(x, o, g.init(p + "ffn_norm", _np(layer.ffn_norm)), d.norm_eps)
+        f = d.ffn_dim
+        b_gu = layer.b_gate_up
+        gate = g.linear(h, p + "gate", layer.w_gate_up[:f], None if b_gu is None else b_gu[:f])
+        up = g.linear(h, p + "up", layer.w_gate_up[f:], None if b_gu is None else b_gu[f:])
+        act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
+        delta = g.linear(act, p + "down", layer.w_down, layer.b_down)
+    h, _ = g.skip_norm(x, delta, g.init("norm", _np(module.norm)), d.norm_eps)
+    # only the last num_logits rows reach the lm_head
+    start = g.node("Sub", [n, g.node("Reshape", ["num_logits", g.const("shape1", [1])])])
+    rows = g.node("Slice", [h, start, n, g.const("axis1", [1])])  # [1, num_logits, C]
+    if module.lm_head is module.embed:  # tied: Gemm reads the embedding transposed, one copy
+        flat = g.node("Reshape", [rows, g.const("rows_c", [-1, d.dim])])
+        logits = g.node("Gemm", [flat, "embed"], transB=1)
+        g.node("Reshape", [logits, g.const("rows_v", [1, -1, d.vocab_size])], outputs=["logits"])
+    else:
+        g.node("MatMul", [rows, g.init("lm_head", _np(module.lm_head).T)], outputs=["logits"])
+
+    graph = helper.make_graph(g.nodes, f"{module.model_type}_fused", inputs, outputs, g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(MS_DOMAIN, 1)],
+                              producer_name="specedge")
+    model.ir_version = 8  # readable by onnxruntime >= 1.10
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(path))
+    desc = describe(path)
+    desc.update(exporter="specedge fused writer", external_data=False,
+                export_s=time.perf_counter() - t0, max_len=max_len)
+    ins, outs = fused_io(module, max_len)
+    check_contract(desc, ins, outs)
+    return desc
+
+
+def fused_io(module, max_len: int) -> tuple[list[dict], list[dict]]:
+    """The in-place contract as describe() prints it: past and present are the whole cache, one
+    spare slot included."""
+    from .onnx_export import expected_io
+
+    ins, outs = expected_io(module)
+    full = [1, module.n_kv_heads, max_len + 1, module.head_dim]
+    return ([dict(i, shape=full) if i["name"].startswith("past_") else i for i in ins],
+            [outs[0]] + [dict(o, shape=full) for o in outs[1:]])
+
+
+def _np(t) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().cpu().numpy().astype(np.float32))
+
+
+class _GraphWriter:
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._consts: dict[str, str] = {}
+        self._count = 0
+
+    def name(self, op: str) -> str:
+        self._count += 1
+        return f"{op}_{self._count}"
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, name: str, values) -> str:
+        if name not in self._consts:
+            self._consts[name] = self.init("const_" + name, np.asarray(values, dtype=np.int64))
+        return self._consts[name]
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | None = None,
+             domain: str = "", **attrs):
+        outputs = outputs or [self.name(op)]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.name(op + "_node"),
+                                           domain=domain, **attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def linear(self, x: str, name: str, weight, bias) -> str:
+        """x @ weightᵀ (+ bias); weight is [out, in] like nn.Linear, stored as [in, out] so that
+        the MatMul's weight is a constant the 4-bit quantizer recognises."""
+        y = self.node("MatMul", [x, self.init(name + ".weight", _np(weight).T)])
+        return y if bias is None else self.node("Add", [y, self.init(name + ".bias", _np(bias))])
+
+    def skip_norm(self, x: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
+        """(RMSNorm(x + delta) · weight, x + delta) in one kernel."""
+        out, total = self.name("norm"), self.name("residual")
+        self.node("SkipSimplifiedLayerNormalization", [x, delta, weight],
+                  outputs=[out, "", "", total], domain=MS_DOMAIN, epsilon=eps)
+        return out, total
