@@ -21,9 +21,9 @@ class OrtEncDecEngine(OrtEngine):
 
     def __init__(self, decoder_path, decoder_graph: dict, encoder_path, encoder_graph: dict, *,
                  max_len: int, max_source_len: int, prefill_chunk: int, device="cpu",
-                 threads: int | None = None):
+                 threads: int | None = None, spinning: bool = True):
         super().__init__(decoder_path, decoder_graph, max_len=max_len, prefill_chunk=prefill_chunk,
-                         device=device, threads=threads)
+                         device=device, threads=threads, spinning=spinning)
         src = next(i for i in encoder_graph["inputs"] if i["name"] == "input_ids")
         if src["shape"][1] != max_source_len:
             raise ValueError(f"encoder graph source length {src['shape'][1]} != manifest "
@@ -34,7 +34,7 @@ class OrtEncDecEngine(OrtEngine):
         if sorted(self.cross_names) != sorted(wanted):
             raise ValueError(f"encoder outputs {self.cross_names} do not match the decoder's cross "
                              f"inputs {wanted}")
-        self.encoder = make_session(encoder_path, device, threads)
+        self.encoder = make_session(encoder_path, device, threads, spinning)
         self._source = np.zeros((1, max_source_len), dtype=np.int64)
         self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
         self.encoded = False

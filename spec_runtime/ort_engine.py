@@ -43,7 +43,7 @@ def physical_cores() -> int:
     return max(1, cpus)
 
 
-def make_session(path, device: str = "cpu", threads: int | None = None):
+def make_session(path, device: str = "cpu", threads: int | None = None, spinning: bool = True):
     import onnxruntime as ort
 
     if device not in PROVIDERS:
@@ -60,6 +60,8 @@ def make_session(path, device: str = "cpu", threads: int | None = None):
     opts.intra_op_num_threads = threads or physical_cores()
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    if not spinning:  # see bundle._engine: sessions that take turns must not spin
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
     except Exception as e:  # onnxruntime's own types (InvalidProtobuf, Fail, NotImplemented...)
@@ -75,8 +77,8 @@ class OrtEngine:
     """Implements spec_runtime.engine.Engine over one contract graph."""
 
     def __init__(self, path, graph: dict, *, max_len: int, prefill_chunk: int, device="cpu",
-                 threads: int | None = None):
-        self.session = make_session(path, device, threads)
+                 threads: int | None = None, spinning: bool = True):
+        self.session = make_session(path, device, threads, spinning)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.vocab_size = int(graph["vocab_size"])

@@ -79,6 +79,26 @@ def test_portable_kernels_recorded_and_same_logits(llama_pair, llama_portable_pa
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
 
 
+def test_sessions_that_take_turns_do_not_spin(llama_pair, bundle_copy):
+    """With a model draft, target and draft sessions alternate: their worker threads must not
+    spin after a run (they would compete with the other session's). Alone, a session spins."""
+    def spinning(engine):
+        opts = engine.session.get_session_options()
+        try:
+            return opts.get_session_config_entry("session.intra_op.allow_spinning") != "0"
+        except Exception:  # not set: ONNX Runtime's default, spinning
+            return True
+
+    gen = spec_runtime.load(llama_pair[2])
+    assert not spinning(gen.target) and not spinning(gen.draft.engine)
+    edit_manifest(bundle_copy, lambda m: m.update(draft={"kind": "ngram", "max_ngram": 3,
+                                                         "min_ngram": 1}))
+    alone = spec_runtime.load(bundle_copy)
+    assert spinning(alone.target)
+    assert gen.generate("hi", max_new_tokens=8).tokens == \
+        alone.generate("hi", max_new_tokens=8, use_draft=False).tokens
+
+
 def test_chat_template_from_the_bundle(llama_pair):
     gen = spec_runtime.load(llama_pair[2])
     assert gen.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
