@@ -8,6 +8,8 @@ Systems (names for --skip):
     hf-lookup         the same with prompt lookup (`prompt_lookup_num_tokens`)
     ortgenai          onnxruntime-genai on its own model-builder build of the same weights
     ortgenai-ngram    the same with its n-gram speculative mode
+    llamacpp          llama.cpp (llama-cpp-python) on the Q4_1 GGUF itself (int4 table only)
+    llamacpp-lookup   the same with its prompt-lookup speculative mode
 
 tokens/s = new tokens / wall time of the whole generate call (prefill included); the table shows
 the median per system and prompt kind. After one warm-up call per system, the systems take turns
@@ -33,17 +35,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (benchmarks/ is not a package)
 import peers  # noqa: E402
 
-SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram")
+SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
+           "llamacpp", "llamacpp-lookup")
 REFERENCE = "hf"
+# without hf (int4), each speculative mode is compared with its own plain mode: exactness is
+# relative to the deployed target
+PLAIN_OF = {"specedge-spec": "specedge", "ortgenai-ngram": "ortgenai",
+            "llamacpp-lookup": "llamacpp", "hf-lookup": "hf"}
+# the issue's speed targets: (ours, peer, wanted ratio) per precision
+TARGETS = {"fp32": [("specedge-spec", "ortgenai-ngram", 1.5)],
+           "int4": [("specedge-spec", "ortgenai-ngram", 1.3), ("specedge-spec", "llamacpp", 1.5)]}
 # What each --precision compares. An int4 entry adds the int4 rows: a specedge bundle exported at
 # int4 (--bundle), onnxruntime-genai's `-p int4` build; PyTorch has no comparable CPU int4 path, so
 # its rows would be skipped with that reason.
 PRECISIONS = {
-    "fp32": {"bundle_precision": "fp32", "genai": "fp32", "hf_skip": None},
+    "fp32": {"bundle_precision": "fp32", "genai": "fp32", "hf_skip": None,
+             "llamacpp_skip": "the shipped GGUF is Q4_1: llama.cpp rows are in the int4 table"},
     # HF transformers has no 4-bit CPU path comparable to MatMulNBits; its fp32 rows stand in
     # the fp32 table
     "int4": {"bundle_precision": "int4", "genai": "int4",
-             "hf_skip": "no comparable int4 CPU path in transformers (see the fp32 table)"},
+             "hf_skip": "no comparable int4 CPU path in transformers (see the fp32 table)",
+             "llamacpp_skip": None},
 }
 
 
@@ -63,6 +75,8 @@ def parse_args(argv=None):
                     "(default: the bundle's)")
     ap.add_argument("--prompt-lookup", type=int, default=10,
                     help="HF prompt_lookup_num_tokens for hf-lookup")
+    ap.add_argument("--llamacpp-lookup", type=int, default=10,
+                    help="llama-cpp-python LlamaPromptLookupDecoding num_pred_tokens")
     ap.add_argument("--genai-ngram-size", type=int, default=3)
     ap.add_argument("--genai-max-draft", type=int, default=8,
                     help="onnxruntime-genai speculative max_draft_tokens (K)")
@@ -135,6 +149,14 @@ def build_systems(args, gen, eos_id: int):
             for name, spec in (("ortgenai", None), ("ortgenai-ngram", ngram)):
                 if name in wanted:
                     systems[name] = peers.OrtGenai(model, spec, stop, eos_id)
+    llamacpp = [n for n in ("llamacpp", "llamacpp-lookup") if n in wanted]
+    why = setup["llamacpp_skip"] or (peers.llamacpp_missing() if llamacpp else None)
+    for name in llamacpp:
+        if why:
+            skipped[name] = why
+        else:
+            lookup = args.llamacpp_lookup if name == "llamacpp-lookup" else 0
+            systems[name] = peers.LlamaCpp(args.threads, lookup, stop, eos_id)
     return systems, skipped, hf_model
 
 
@@ -168,21 +190,24 @@ def divergences(runs, prompts, hf_model, eos_id) -> list[dict]:
     for r in runs:
         by.setdefault((r["prompt"], r["system"]), []).append(r["tokens"])
     for i, p in enumerate(prompts):
-        ref = by.get((i, REFERENCE), [None])[0]
-        if ref is None:
-            continue
-        eos_at = ref.index(eos_id) if eos_id in ref else None
         for name in SYSTEMS:
             if name == REFERENCE or (i, name) not in by:
                 continue
+            ref_name = REFERENCE if (i, REFERENCE) in by else PLAIN_OF.get(name)
+            if (i, ref_name) not in by:
+                continue
+            ref = by[(i, ref_name)][0]
+            eos_at = ref.index(eos_id) if eos_id in ref else None
             outs = by[(i, name)]
             got = outs[0]
             first = next((k for k, (a, b) in enumerate(zip(ref, got)) if a != b), None)
             if first is None and len(ref) != len(got):
                 first = min(len(ref), len(got))
-            row = {"prompt": i, "kind": p["kind"], "system": name, "first_diff": first,
+            row = {"prompt": i, "kind": p["kind"], "system": name, "reference": ref_name,
+                   "first_diff": first,
                    "ref_eos_at": eos_at, "repeats_agree": all(o == got for o in outs)}
-            if first is not None and hf_model is not None and first < min(len(ref), len(got)):
+            if first is not None and hf_model is not None and ref_name == REFERENCE and \
+                    first < min(len(ref), len(got)):
                 row.update(peers.hf_logit_gap(hf_model, p["ids"], ref, first, got[first]))
             out.append(row)
     return out
@@ -248,7 +273,7 @@ def markdown(report: dict) -> str:
         "acc: accepted / proposed draft tokens.",
         "",
         "| system | " + " | ".join(f"{k} tok/s | {k} ×hf" for k in kinds) + f" | acc ({kinds[-1]}) "
-        "| diverged from hf |",
+        "| diverged from (hf, else own plain mode) |",
         "|---|" + "---:|---:|" * len(kinds) + "---:|---|",
     ]
     div = report["divergence"]
@@ -268,23 +293,28 @@ def markdown(report: dict) -> str:
         acc = report["summary"][kinds[-1]].get(name, {}).get("acceptance")
         mine = [d for d in div if d["system"] == name]
         diverged = [d for d in mine if d["first_diff"] is not None]
-        dtext = ("(reference)" if name == REFERENCE else "– (no hf run)" if not mine
-                 else f"{len(diverged)}/{len(mine)} prompts")
+        dtext = ("(reference)" if name == REFERENCE and mine == [] else "–" if not mine
+                 else f"{len(diverged)}/{len(mine)} prompts vs {mine[0]['reference']}")
         lines.append(f"| {name} | " + " | ".join(cells) +
                      f" | {'–' if acc is None else f'{acc:.2f}'} | {dtext} |")
+    lines += targets_lines(report)
     diverged = [d for d in div if d["first_diff"] is not None]
     if diverged:
-        lines += ["", "First divergence from hf greedy (gap = HF logit of its token − logit of "
-                  "the system's token at that position; < ~1e-3 is a near-tie):", "",
-                  "| prompt | kind | system | index | hf token | system token | gap | top-2 gap |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|"]
+        lines += ["", "First divergence from the reference's greedy tokens (gap, with hf as "
+                  "the reference: HF logit of its token − logit of the system's token at that "
+                  "position; < ~1e-3 is a near-tie):", "",
+                  "| prompt | kind | system | reference | index | ref token | system token | gap | "
+                  "top-2 gap |",
+                  "|---:|---|---|---|---:|---:|---:|---:|---:|"]
         for d in diverged:
             gap = f"{d['gap']:.2e}" if "gap" in d else "–"
             top2 = f"{d['top2_gap']:.2e}" if "top2_gap" in d else "–"
-            lines.append(f"| {d['prompt']} | {d['kind']} | {d['system']} | {d['first_diff']} | "
+            lines.append(f"| {d['prompt']} | {d['kind']} | {d['system']} | {d['reference']} | "
+                         f"{d['first_diff']} | "
                          f"{d.get('ref_token', '–')} | {d.get('got_token', '–')} | {gap} | "
                          f"{top2} |")
-    hits = {d["prompt"]: d["ref_eos_at"] for d in div if d["ref_eos_at"] is not None}
+    hits = {d["prompt"]: d["ref_eos_at"] for d in div
+            if d["ref_eos_at"] is not None and d["reference"] == REFERENCE}
     if hits and cfg["eos"] == "continue":
         lines += ["", f"hf greedy emitted EOS early in {len(hits)} prompt(s) (index: "
                   f"{hits}); with `--eos continue` the tokens after it are the model continuing "
@@ -294,6 +324,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def targets_lines(report: dict) -> list[str]:
+    """The issue's speed targets for this precision: our median over the peer's, per kind."""
+    out = []
+    for ours, peer, wanted in TARGETS.get(report["config"]["precision"], []):
+        cells = []
+        for kind, rows in report["summary"].items():
+            if ours in rows and peer in rows:
+                r = rows[ours]["tokens_per_s"]["median"] / rows[peer]["tokens_per_s"]["median"]
+                cells.append(f"{kind} {r:.2f}× {'met' if r >= wanted else 'missed'}")
+        if cells:
+            out.append(f"- target {ours} ≥ {wanted}× {peer}: " + ", ".join(cells))
+    return ["", "Targets (median tokens/s ratios from this run):", ""] + out if out else []
+
+
 def notes(args) -> list[str]:
     out = [
         "onnxruntime-genai n-gram mode is driven from Python: GeneratorParams."
@@ -301,6 +345,12 @@ def notes(args) -> list[str]:
         f"{args.genai_max_draft}, ngram_chained_lookup={args.genai_chained}) on the plain "
         "Generator loop; the same Model object serves both genai rows.",
     ]
+    if args.precision == "int4":
+        out.append("llama.cpp runs through llama-cpp-python's Llama.generate (top_k=1, temp=0), "
+                   "context reset before each call; its lookup row uses LlamaPromptLookupDecoding"
+                   f"(num_pred_tokens={args.llamacpp_lookup}). Its weights are the GGUF's Q4_1, "
+                   "ours and genai's MatMulNBits int4 (block 32): the three int4 models are not "
+                   "the same function, so their tokens differ.")
     if args.eos == "continue":
         out.append("EOS is an ordinary token everywhere: specedge Generator.eos_token_ids "
                    "cleared, HF eos_token_id=None, genai's eos_token_id swapped for "

@@ -206,6 +206,44 @@ def load_ortgenai(path: Path, threads: int, stop_at_eos: bool):
     return og.Model(config)
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on the GGUF file itself (Q4_1), greedy (temp 0); its
+    prompt-lookup speculative mode (LlamaPromptLookupDecoding) when `lookup` > 0. The context is
+    reset before every call, so no call reuses an earlier prompt's KV (prefill is always timed)."""
+
+    def __init__(self, threads: int, lookup: int, stop_at_eos: bool, eos_id: int,
+                 n_ctx: int = 2048):
+        from llama_cpp import Llama
+
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+        directory, name = gguf_source()
+        self.llm = Llama(model_path=str(Path(directory) / name), n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, draft_model=draft, verbose=False)
+        self.stop_at_eos, self.eos_id = stop_at_eos, eos_id
+
+    def run(self, ids, n) -> Run:
+        t0 = time.perf_counter()
+        self.llm.reset()
+        tokens: list[int] = []
+        for tok in self.llm.generate(list(ids), top_k=1, temp=0.0, reset=True):
+            tokens.append(int(tok))
+            if len(tokens) >= n or (self.stop_at_eos and tok == self.eos_id):
+                break
+        return Run(tokens, time.perf_counter() - t0)
+
+
+def llamacpp_missing() -> str | None:
+    """Why llama.cpp rows cannot run here, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("llama-cpp-python is not installed (it compiles llama.cpp: `CMAKE_ARGS=\"-DGGML_NATIVE"
+                "=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON\" pip install llama-cpp-python`)")
+    return None
+
+
 # -- divergence ---------------------------------------------------------------------------------
 
 def hf_logit_gap(model, prompt_ids, ref_tokens, index: int, got: int) -> dict:
