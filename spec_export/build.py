@@ -151,23 +151,26 @@ def _stages(names: list[str], progress: bool):
     return advance
 
 
-def choose_kernels(module, kernels: str, role: str) -> str:
-    """"fused" or "portable" for `module`; an explicit "fused" the model cannot have is refused."""
+def choose_kernels(module, kernels: str, role: str, precision: str) -> str:
+    """"fused" or "portable" for `module`. An explicit "fused" the model cannot have is refused,
+    and so is int4 without the fused graph: MatMulNBits runs on ONNX Runtime only anyway, and
+    only the fused graph scores a position bit for bit the same in a step and in a verify call,
+    which greedy speculative decoding at int4 relies on (see onnx_fused.py)."""
     from .onnx_fused import fused_unsupported
 
     why = fused_unsupported(module)
     if kernels == "fused" and why:
         raise BuildError(f"--kernels fused is not available for the {role}: {why}; use --kernels "
                          f"portable (or auto)")
-    if kernels == "auto":
-        return "portable" if why else "fused"
-    return kernels
-
-
-def choose_reason(module) -> str:
-    from .onnx_fused import fused_unsupported
-
-    return fused_unsupported(module) or "fused kernels available"
+    chosen = ("portable" if why else "fused") if kernels == "auto" else kernels
+    if precision == "int4" and chosen != "fused":
+        raise BuildError(
+            f"--precision int4 needs the fused graph, not used for the {role} "
+            f"({why or '--kernels portable'}): only the fused graph scores a position bit for "
+            f"bit the same in a step and in a verify call, which greedy speculative decoding at "
+            f"int4 relies on; use --kernels auto with a llama-family model, or --precision fp32 "
+            f"/ int8")
+    return chosen
 
 
 def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
@@ -180,15 +183,7 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
     from .parity import check_parity
 
     module = for_hf_model(hf_model, max_len)
-    requested, kernels = kernels, choose_kernels(module, kernels, path.stem)
-    if precision == "int4" and kernels != "fused":
-        why = "--kernels portable" if requested == "portable" else choose_reason(module)
-        raise BuildError(
-            f"--precision int4 needs the fused graph, not used for the {path.stem} ({why}): "
-            f"MatMulNBits runs on ONNX Runtime only, and only the fused graph scores a position "
-            f"bit for bit the same in a step and in a verify call, which greedy speculative "
-            f"decoding at int4 relies on; use --kernels auto with a llama-family model, or "
-            f"--precision fp32 / int8")
+    kernels = choose_kernels(module, kernels, path.stem, precision)
     if precision == "int4":
         module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
     fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
