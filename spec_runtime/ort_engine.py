@@ -35,12 +35,26 @@ PROVIDERS = {
 }
 
 
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
 def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on: ONNX Runtime's threads compete
+    for a core's execution units when two of them share it (SMT), so one thread per core.
+    Falls back to the usable logical CPUs where the topology is not readable (not Linux)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus)
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topo = SYSFS_CPU / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(),
+                       (topo / "core_id").read_text().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
 
 
 def make_session(path, device: str = "cpu", threads: int | None = None, spinning: bool = True):

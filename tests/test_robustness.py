@@ -199,3 +199,20 @@ def test_non_utf8_prompt_on_stdin_or_argv_exits_2(llama_pair):
     assert_exit_2(run("generate", "caf\udce9", "--bundle", b), "not UTF-8")
     assert_exit_2(run("generate", "--prompt-file", "/no/such/file", "--bundle", b),
                   "/no/such/file")
+
+
+def test_threads_default_to_physical_cores(tmp_path, monkeypatch):
+    """Two logical CPUs of one core (SMT siblings) count once; an unreadable topology falls back
+    to the usable logical CPUs."""
+    from spec_runtime import ort_engine
+
+    for cpu, core in enumerate([0, 0, 1, 1, 2, 3]):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    monkeypatch.setattr(ort_engine, "SYSFS_CPU", tmp_path)
+    monkeypatch.setattr(ort_engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert ort_engine.physical_cores() == 4
+    monkeypatch.setattr(ort_engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
+    assert ort_engine.physical_cores() == 7  # cpu6 has no topology: count logical CPUs
