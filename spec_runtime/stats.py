@@ -12,13 +12,32 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Walltime improvement (1 - α^(γ+1)) / ((1 - α)(γc + 1)), the paper's Theorem 3.8."""
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+def expected_speedup(alpha: float, gamma: int, c: float, row_cost: float = 0.0) -> float:
+    """Walltime improvement (1 - α^(γ+1)) / ((1 - α)(γc + 1 + γ·row_cost)): the paper's
+    Theorem 3.8, whose verify call costs one step, when row_cost = 0. row_cost is the measured
+    extra cost of each scored row beyond the first, relative to a 1-token call (0.1–0.2 at fp32,
+    ~0.15–0.2 for int4 MatMulNBits on 2 cores)."""
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0 + gamma * row_cost)
 
 
-def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
-    return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c))
+def best_gamma(alpha: float, c: float, max_gamma: int, row_cost: float = 0.0) -> int:
+    return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c, row_cost))
+
+
+def row_cost(call_rows: dict[int, list[float]]) -> float:
+    """Extra cost per scored row relative to a 1-row call, fitted as t(r) = a + b·(r − 1) by
+    least squares over {rows: [total seconds, calls]} of the target calls after the prefill;
+    b / a, clamped to [0, 1]. 0 (the paper's assumption) until two row counts were seen."""
+    pts = [(r, t / n, n) for r, (t, n) in call_rows.items() if n]
+    if len({r for r, _, _ in pts}) < 2:
+        return 0.0
+    w = sum(n for _, _, n in pts)
+    mr = sum(r * n for r, _, n in pts) / w
+    mt = sum(t * n for _, t, n in pts) / w
+    var = sum(n * (r - mr) ** 2 for r, _, n in pts)
+    b = sum(n * (r - mr) * (t - mt) for r, t, n in pts) / var
+    a = mt - b * (mr - 1)
+    return min(1.0, max(0.0, b / a)) if a > 0 else 0.0
 
 
 @dataclass
@@ -39,6 +58,8 @@ class DecodeStats:
     gammas_used: list[int] = field(default_factory=list)
     alpha_sum: float = 0.0  # Σ over verified positions of Σ_x min(p_target, p_draft)
     alpha_n: int = 0
+    # {rows scored: [total seconds, calls]} of the target calls after the prefill
+    call_rows: dict = field(default_factory=dict)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # target calls after the prefill
     draft_time_s: float = 0.0  # all draft work, its prefill included
@@ -75,6 +96,10 @@ class DecodeStats:
         return (self.draft_step_time_s / self.draft_step_calls) / (self.target_time_s / verify_calls)
 
     @property
+    def row_cost(self) -> float:
+        return row_cost(self.call_rows)
+
+    @property
     def loop_overhead(self) -> float:
         """Fraction of wall time spent outside engine and draft calls (sampling, verification,
         bookkeeping): what the Python loop costs."""
@@ -86,12 +111,14 @@ class DecodeStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("alpha_sum")
+        d.pop("call_rows")
         d["alpha_positions"] = d.pop("alpha_n")
         gamma = round(sum(self.gammas_used) / len(self.gammas_used)) if self.gammas_used else 0
         d.update(
             acceptance_rate=self.acceptance_rate,
             alpha=self.alpha,
             c=self.c,
+            row_cost=self.row_cost,
             tokens_per_target_call=self.new_tokens / self.target_calls if self.target_calls else 0.0,
             mean_gamma=sum(self.gammas_used) / len(self.gammas_used) if self.gammas_used else 0.0,
             predicted_speedup=(

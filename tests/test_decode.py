@@ -7,7 +7,7 @@ from scipy import stats as sps
 from toy_models import ToyEngine, exact_joint
 
 from spec_runtime import CacheCapacityError, Generator, ModelDraft, NgramDraft, SamplingParams, warp
-from spec_runtime.stats import expected_speedup
+from spec_runtime.stats import best_gamma, expected_speedup, row_cost
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram draft finds matches
 VOCAB = 6
@@ -184,6 +184,32 @@ def test_auto_gamma_grows_with_a_perfect_draft_and_stays_small_with_a_poor_one()
     assert r.stats["alpha"] < 0.7
     assert max(r.stats["gammas_used"][4:]) < 6
     assert r.stats["c"] < 0.5
+
+
+def test_auto_gamma_counts_what_each_verified_row_costs():
+    """The same draft (α ≈ 0.7) against a target whose calls cost the same for any length, and
+    against one whose calls cost 60% of a step more per extra token: "auto" drafts long for the
+    first and short for the second (the paper's formula alone would pick the same γ for both)."""
+    used = {}
+    for row_delay in (0.0, 0.0024):
+        gen = make("model", mix=0.35, max_gamma=6)
+        gen.target.delay, gen.target.row_delay = 0.004, row_delay
+        r = gen.generate(PROMPT, max_new_tokens=60, temperature=1.0, seed=2, gamma="auto")
+        assert 0.5 < r.stats["alpha"] < 0.95, r.stats["alpha"]
+        used[row_delay] = sorted(r.stats["gammas_used"][4:-2])
+        print(f"row_delay {row_delay}: alpha {r.stats['alpha']:.2f} row_cost "
+              f"{r.stats['row_cost']:.2f} gammas {used[row_delay]}")
+        if row_delay:
+            assert 0.3 < r.stats["row_cost"] < 1.0  # measured from the calls' own times
+    assert np.median(used[0.0]) >= 4 and np.median(used[0.0024]) <= 2
+
+
+def test_row_cost_is_the_fitted_slope_over_a_one_row_call():
+    assert row_cost({}) == 0.0 and row_cost({5: [0.05, 2]}) == 0.0  # one row count: unknown
+    assert row_cost({1: [0.100, 10], 5: [0.072, 4]}) == pytest.approx(0.2)  # 10 ms + 2 ms/row
+    assert row_cost({1: [0.01, 1], 3: [0.005, 1]}) == 0.0  # noise giving a negative slope
+    # a row costing half a step makes short drafts best at α 0.5; free rows make γ = max best
+    assert best_gamma(0.5, 0.0, 8) == 8 and best_gamma(0.5, 0.0, 8, row_cost=0.5) == 1
 
 
 def test_ngram_draft_proposes_the_continuation_of_the_longest_match():

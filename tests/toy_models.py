@@ -28,6 +28,7 @@ class ToyEngine:
         self.state = np.zeros(max_len, dtype=np.int64)  # "KV": the token at each position
         self.calls = 0
         self.delay = delay  # seconds per call: a cost model for γ selection tests
+        self.row_delay = 0.0  # seconds per token beyond the first (a verify call's extra cost)
 
     def reset(self):
         pass  # stale state stays, as in a real cache; positions decide what is read
@@ -39,7 +40,7 @@ class ToyEngine:
         assert 1 <= num_logits <= n
         self.calls += 1
         if self.delay:
-            time.sleep(self.delay)
+            time.sleep(self.delay + self.row_delay * (n - 1))
         self.state[pos : pos + n] = tokens
         t = np.arange(pos, pos + n)
         prev = np.where(t > 0, self.state[np.maximum(t - 1, 0)], 0)
