@@ -207,6 +207,7 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
         else:
             quantization = quantize.quantize_int8(fp32_path, path)
         fp32_path.unlink()
+        fp32_path.with_name(fp32_path.name + ".data").unlink(missing_ok=True)  # large models
         parity[precision] = quantized_parity(hf_model, path, quant_prompts)
         agree = parity[precision]
         if agree["top1_agreement"] < MIN_TOP1_AGREEMENT and agree["mean_kl"] > MAX_BROKEN_KL:

@@ -43,7 +43,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .onnx_export import DIM_N, DIM_NUM_LOGITS, check_contract, check_max_len, describe, io_names
+from .onnx_export import (DIM_N, DIM_NUM_LOGITS, ONNX_SIZE_LIMIT, check_contract, check_max_len,
+                          describe, io_names)
 
 MS_DOMAIN = "com.microsoft"
 # ONNX Runtime's CPU GroupQueryAttention rotates in blocks of 16 floats
@@ -139,12 +140,15 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid(MS_DOMAIN, 1)],
                               producer_name="specedge")
-    model.ir_version = 8  # readable by onnxruntime >= 1.10
+    model.ir_version = 8
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, str(path))
+    # weights past protobuf's 2 GB limit go to <path>.data, as in onnx_export.export_graph
+    external = sum(t.ByteSize() for t in g.initializers) >= ONNX_SIZE_LIMIT - 64 * 2**20
+    onnx.save_model(model, str(path), save_as_external_data=external,
+                    all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
     desc = describe(path)
-    desc.update(exporter="specedge fused writer", external_data=False,
+    desc.update(exporter="specedge fused writer", external_data=external,
                 export_s=time.perf_counter() - t0, max_len=max_len)
     ins, outs = fused_io(module, max_len)
     check_contract(desc, ins, outs)

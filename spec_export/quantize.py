@@ -43,7 +43,9 @@ def quantize_int4(src: Path, dst: Path, block_size: int = 32) -> dict:
         quantizer.process()
     finally:
         logger.setLevel(level)
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=False)
+    # a model whose 4-bit weights still pass protobuf's 2 GB limit keeps them in <dst>.data
+    big = sum(t.ByteSize() for t in quantizer.model.model.graph.initializer) >= 2**31 - 64 * 2**20
+    quantizer.model.save_model_to_file(str(dst), use_external_data_format=big)
     n_q = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
     return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": 4, "block_size": block_size,
             "symmetric": True, "accuracy_level": INT4_ACCURACY_LEVEL, "quantized_matmuls": n_q,
