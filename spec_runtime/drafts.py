@@ -1,7 +1,8 @@
 """Drafts: what proposes the γ tokens the target verifies.
 
 A draft returns the proposed tokens and the distribution each was drawn from (p_draft), after
-the same `warp` the target's logits go through. Both keep their own notion of which positions of
+the same `warp` the target's logits go through. Greedy verification compares tokens with the
+target's argmax and never reads p_draft, so a draft may return None for it when params.greedy. Both keep their own notion of which positions of
 the sequence they have seen, and the loop tells them how much of it survived verification.
 """
 
@@ -113,8 +114,10 @@ class NgramDraft:
     def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams, rng: np.random.Generator):
         t0 = time.perf_counter()
         tokens = self.lookup(seq, gamma).astype(np.int64)
-        p_draft = np.zeros((len(tokens), self.vocab_size), dtype=np.float64)
-        p_draft[np.arange(len(tokens)), tokens] = 1.0
+        p_draft = None  # greedy: not read; a [γ, V] float64 array per round otherwise
+        if not params.greedy:
+            p_draft = np.zeros((len(tokens), self.vocab_size), dtype=np.float64)
+            p_draft[np.arange(len(tokens)), tokens] = 1.0
         elapsed = time.perf_counter() - t0
         self.step_time_s += elapsed
         self.time_s += elapsed
