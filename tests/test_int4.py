@@ -160,3 +160,22 @@ def test_verify_reports_top1_and_kl_for_int4(int4_pair):
     assert report["precision"] == "int4"
     assert report["top1_agreement"] == pytest.approx(recorded["top1_agreement"])
     assert report["mean_kl"] == pytest.approx(recorded["mean_kl"], rel=1e-3)
+
+
+def test_int4_ngram_bundle_proposes_after_two_token_matches(tmp_path):
+    """int4 verify rows cost more, so the n-gram draft of an int4 bundle waits for a 2-token
+    match; it still decodes exactly the target-only greedy tokens."""
+    from tiny_models import llama, save
+
+    from spec_export.build import build_bundle
+
+    t = save(llama(0, layers=2), tmp_path / "t")
+    bundle = build_bundle(str(t), "ngram", tmp_path / "b", max_len=96, precision="int4",
+                          progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert (m["draft"]["min_ngram"], m["draft"]["max_ngram"]) == (2, 3)
+    gen = spec_runtime.load(bundle)
+    gen.eos_token_ids = frozenset()
+    for prompt in ["abc abc abc abc abc", "the cat the cat the cat"]:
+        spec = gen.generate(prompt, max_new_tokens=30, gamma=4)
+        assert spec.tokens == gen.generate(prompt, max_new_tokens=30, use_draft=False).tokens
