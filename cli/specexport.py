@@ -39,12 +39,16 @@ def main():
               help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
                    "(llama family); portable: standard ONNX for any runtime, TensorRT included; "
                    "auto: fused where available")
+@click.option("--float-embedding", is_flag=True,
+              help="int4: keep a float32 embedding instead of reading it from the 4-bit lm_head "
+                   "(tied models; larger bundle, closer to the float model)")
 @click.option("--gguf-file", default=None, help="GGUF file name inside --target's directory")
 @click.option("--draft-gguf-file", default=None, help="GGUF file name inside --draft's directory")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @input_errors
 def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
-          draft_precision, block_size, kernels, gguf_file, draft_gguf_file, quiet):
+          draft_precision, block_size, kernels, float_embedding, gguf_file, draft_gguf_file,
+          quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
 
@@ -53,7 +57,7 @@ def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill
                             gamma=gamma, max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,
                             draft_precision=draft_precision, block_size=block_size,
-                            kernels=kernels, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
+                            kernels=kernels, float_embedding=float_embedding, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
                             progress=not quiet)
     click.echo(f"bundle written to {path}")
 

@@ -174,7 +174,8 @@ def choose_kernels(module, kernels: str, role: str, precision: str) -> str:
 
 
 def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
-                  quant_prompts=(), block_size: int = 32, kernels: str = "auto"):
+                  quant_prompts=(), block_size: int = 32, kernels: str = "auto",
+                  float_embedding: bool = False):
     """Export one model's decoder graph; returns its manifest entry (minus source)."""
     from specedge.models import for_hf_model
 
@@ -184,6 +185,7 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
 
     module = for_hf_model(hf_model, max_len)
     kernels = choose_kernels(module, kernels, path.stem, precision)
+    tied = module.lm_head is module.embed
     if precision == "int4":
         module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
     fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
@@ -203,7 +205,8 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
         from .parity import quantized_parity
 
         if precision == "int4":
-            quantization = quantize.quantize_int4(fp32_path, path, block_size)
+            quantization = quantize.quantize_int4(fp32_path, path, block_size,
+                                                  tied=tied and not float_embedding)
         else:
             quantization = quantize.quantize_int8(fp32_path, path)
         fp32_path.unlink()
@@ -261,6 +264,7 @@ def build_bundle(
     draft_precision: str | None = None,
     block_size: int = 32,
     kernels: str = "auto",
+    float_embedding: bool = False,
     gguf_file: str | None = None,
     draft_gguf_file: str | None = None,
     progress: bool = True,
@@ -270,7 +274,9 @@ def build_bundle(
     targets only. `draft_precision` defaults to `precision`; `block_size` is int4's
     quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
     with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
-    (TensorRT included), "auto" fused where available."""
+    (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
+    the lm_head's 4-bit weights (SmolLM2-135M: 88 MB instead of 201 MB; top-1 0.52 vs 0.56, KL
+    0.85 vs 0.77 against the float model); `float_embedding` keeps a float32 copy instead."""
     from spec_runtime.bundle import default_bundle_dir
 
     from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
@@ -327,7 +333,8 @@ def build_bundle(
         quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
         export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
                       stage=stage, encdec=encdec, quant_prompts=quant_prompts,
-                      block_size=block_size, kernels=kernels)
+                      block_size=block_size, kernels=kernels,
+                      float_embedding=float_embedding)
         stage("export target")
         t_entry = _export_any(t_model, tmp, "target", precision=precision, **export)
         t_entry.update(t_spec.describe())
@@ -381,7 +388,7 @@ def build_bundle(
 
 def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
                 max_source_len: int, precision: str, parity_ids, stage, quant_prompts,
-                block_size: int, kernels: str) -> dict:
+                block_size: int, kernels: str, float_embedding: bool) -> dict:
     if encdec:
         from .build_seq2seq import export_model
 
@@ -389,7 +396,7 @@ def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len:
                             max_source_len=max_source_len, precision=precision,
                             parity_ids=parity_ids, stage=stage)
     return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
-                         stage, quant_prompts, block_size, kernels)
+                         stage, quant_prompts, block_size, kernels, float_embedding)
 
 
 def _load(spec: ModelSpec):

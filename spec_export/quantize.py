@@ -22,11 +22,13 @@ def quantize_int8(src: Path, dst: Path) -> dict:
             "activations": "int8 dynamic", "embedding": "float32"}
 
 
-def quantize_int4(src: Path, dst: Path, block_size: int = 32) -> dict:
+def quantize_int4(src: Path, dst: Path, block_size: int = 32, tied: bool = False) -> dict:
     """Weight-only 4-bit: every MatMul with a constant weight becomes MatMulNBits (symmetric,
     one scale per `block_size` inputs), via onnxruntime's MatMulNBitsQuantizer. The lm_head is
-    quantized too (the exporter gives it its own copy of a tied embedding); the embedding gather
-    and the attention MatMuls stay float32."""
+    quantized too (the exporter gives it its own copy of a tied embedding). With `tied`, the
+    embedding gather then reads the lm_head's 4-bit weights (GatherBlockQuantized) and the float
+    copy is dropped: one matrix in the file, as in the tied checkpoint. Otherwise the embedding
+    stays float32. The attention stays float32."""
     import logging
 
     import onnx
@@ -43,13 +45,44 @@ def quantize_int4(src: Path, dst: Path, block_size: int = 32) -> dict:
         quantizer.process()
     finally:
         logger.setLevel(level)
+    embedding = "float32"
+    if tied:
+        _gather_from_lm_head(quantizer.model.model.graph, block_size)
+        embedding = "int4, the lm_head's weights (GatherBlockQuantized)"
     # a model whose 4-bit weights still pass protobuf's 2 GB limit keeps them in <dst>.data
     big = sum(t.ByteSize() for t in quantizer.model.model.graph.initializer) >= 2**31 - 64 * 2**20
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=big)
     n_q = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
     return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": 4, "block_size": block_size,
             "symmetric": True, "accuracy_level": INT4_ACCURACY_LEVEL, "quantized_matmuls": n_q,
-            "lm_head": "int4 (untied copy of the embedding)", "embedding": "float32"}
+            "lm_head": "int4" + (" (untied copy of the embedding)" if tied else ""),
+            "embedding": embedding}
+
+
+def _gather_from_lm_head(graph, block_size: int) -> None:
+    """Replace the float embedding Gather of a fused graph (initializer "embed") by
+    GatherBlockQuantized over the lm_head's MatMulNBits weights [V, K/block, block/2] viewed as
+    [V, K/2] bytes, with its [V, K/block] scales (symmetric: no zero points, 8 implied, as in
+    MatMulNBits), and drop the float copy."""
+    from onnx import helper, numpy_helper
+
+    gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] == "embed")
+    head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits")
+    inits = {t.name: t for t in graph.initializer}
+    weight, scales = inits[head.input[1]], inits[head.input[2]]
+    vocab, blocks, half = weight.dims
+    shape = numpy_helper.from_array(np.array([vocab, blocks * half], np.int64), "embed_q4_shape")
+    reshape = helper.make_node("Reshape", [weight.name, shape.name], ["embed_q4"],
+                               name="embed_q4_view")
+    new = helper.make_node("GatherBlockQuantized", ["embed_q4", gather.input[1], scales.name],
+                           list(gather.output), name=gather.name, domain="com.microsoft",
+                           gather_axis=0, quantize_axis=1, block_size=block_size, bits=4)
+    at = list(graph.node).index(gather)
+    graph.node.remove(gather)
+    graph.node.insert(at, new)
+    graph.node.insert(at, reshape)
+    graph.initializer.remove(inits["embed"])
+    graph.initializer.append(shape)
 
 
 def distribution_agreement(reference_logits: np.ndarray, logits: np.ndarray) -> dict:

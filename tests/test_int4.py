@@ -33,6 +33,12 @@ def test_manifest_records_the_quantization(int4_pair):
     graph = onnx.load(str(int4_pair / "target.onnx"))
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("MatMulNBits") == m["target"]["quantization"]["quantized_matmuls"] > 0
+    # the tied embedding is read from the 4-bit lm_head: no float [V, C] matrix in the file
+    assert "GatherBlockQuantized" in ops and "Gather" not in ops
+    assert m["target"]["quantization"]["embedding"].startswith("int4")
+    vocab, hidden = m["target"]["vocab_size"], 64  # conftest's tiny llama
+    assert not [i.name for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+                and sorted(i.dims) == sorted([vocab, hidden])]
     # every weight MatMul is quantized, the lm_head included: what stays MatMul is attention
     inits = {i.name for i in graph.graph.initializer}
     assert not [n.name for n in graph.graph.node if n.op_type == "MatMul"
@@ -66,6 +72,22 @@ def test_a_position_scores_the_same_in_a_step_and_a_verify_call(int4_pair):
     prefill = eng.forward(seq, 0, 10).copy()
     np.testing.assert_array_equal(steps, verify)
     np.testing.assert_array_equal(steps, prefill)
+
+
+def test_float_embedding_keeps_a_float32_copy(tmp_path):
+    from tiny_models import llama, save
+
+    from spec_export.build import build_bundle
+
+    t = save(llama(0, layers=1), tmp_path / "t")
+    bundle = build_bundle(str(t), "ngram", tmp_path / "b", max_len=96, precision="int4",
+                          float_embedding=True, progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["target"]["quantization"]["embedding"] == "float32"
+    ops = [n.op_type for n in onnx.load(str(bundle / "target.onnx")).graph.node]
+    assert "Gather" in ops and "GatherBlockQuantized" not in ops
+    r = spec_runtime.load(bundle).generate("hello", max_new_tokens=5)
+    assert len(r.tokens) >= 1
 
 
 def test_int4_needs_the_fused_graph(tmp_path):
