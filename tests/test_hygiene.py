@@ -101,39 +101,14 @@ def _run_all(gen, rounds=3):
     return [[gen.generate(**req).tokens for req in REQUESTS] for _ in range(rounds)]
 
 
-def test_two_generators_in_two_threads_equal_sequential_calls(llama_pair):
-    bundle = llama_pair[2]
-    gens = [spec_runtime.load(bundle), spec_runtime.load(bundle)]
-    sequential = _run_all(gens[0], rounds=1)[0]
-
-    results, errors = [None, None], []
-    barrier = threading.Barrier(2)
-
-    def worker(i):
-        try:
-            barrier.wait()
-            results[i] = _run_all(gens[i])
-        except Exception as e:  # surfaced below: an exception in a thread is otherwise lost
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    for r in results:
-        assert r == [sequential] * 3
-
-
-def test_one_generator_shared_by_two_threads_serialises_requests(llama_pair):
-    gen = spec_runtime.load(llama_pair[2])
-    sequential = _run_all(gen, rounds=1)[0]
+def _in_two_threads(fn):
+    """[fn(0), fn(1)], run in two threads; an exception in either is raised here (in a thread it
+    would otherwise be lost)."""
     results, errors = [None, None], []
 
     def worker(i):
         try:
-            results[i] = _run_all(gen)
+            results[i] = fn(i)
         except Exception as e:
             errors.append(e)
 
@@ -143,7 +118,28 @@ def test_one_generator_shared_by_two_threads_serialises_requests(llama_pair):
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    assert results == [[sequential] * 3] * 2
+    return results
+
+
+def test_two_generators_in_two_threads_equal_sequential_calls(llama_pair):
+    bundle = llama_pair[2]
+    gens = [spec_runtime.load(bundle), spec_runtime.load(bundle)]
+    sequential = _run_all(gens[0], rounds=1)[0]
+
+    barrier = threading.Barrier(2)
+
+    def work(i):
+        barrier.wait()
+        return _run_all(gens[i])
+
+    for r in _in_two_threads(work):
+        assert r == [sequential] * 3
+
+
+def test_one_generator_shared_by_two_threads_serialises_requests(llama_pair):
+    gen = spec_runtime.load(llama_pair[2])
+    sequential = _run_all(gen, rounds=1)[0]
+    assert _in_two_threads(lambda i: _run_all(gen)) == [[sequential] * 3] * 2
 
 
 def test_a_request_while_a_stream_is_open_in_the_same_thread_raises_instead_of_hanging():
