@@ -99,9 +99,8 @@ def decode(
         else:
             stats.target_time_s += elapsed
             if gamma is not None and gamma.auto:
-                rows = stats.call_rows.setdefault(len(feed), [0.0, 0])
-                rows[0] += elapsed
-                rows[1] += 1
+                total, calls = stats.call_rows.get(len(feed), (0.0, 0))
+                stats.call_rows[len(feed)] = (total + elapsed, calls + 1)
         stats.target_calls += 1
 
         # 3. Accept a prefix of the drafts, then one token from the residual or p_target[k].

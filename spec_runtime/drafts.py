@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from .engine import Engine
-from .sampling import SamplingParams, sample, warp
+from .sampling import SamplingParams, _check_finite, sample, warp
 
 
 class ModelDraft:
@@ -56,14 +56,20 @@ class ModelDraft:
         return logits
 
     def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams, rng: np.random.Generator):
-        """seq int64 [L] -> (draft tokens int64 [γ], p_draft float64 [γ, V])."""
+        """seq int64 [L] -> (draft tokens int64 [γ], p_draft float64 [γ, V], None if greedy)."""
         tokens = np.empty(gamma, dtype=np.int64)
-        p_draft = np.empty((gamma, self.vocab_size), dtype=np.float64)
+        # greedy: the argmax is what sampling the one-hot warp(·) would draw, and greedy
+        # verification never reads q, so no V-wide row is built per step
+        p_draft = None if params.greedy else np.empty((gamma, self.vocab_size), dtype=np.float64)
         logits = self._forward(seq[self.valid :], self.valid)
         self.valid = len(seq)
         for i in range(gamma):
-            p_draft[i] = warp(logits[-1], params)
-            tokens[i] = sample(p_draft[i], rng)
+            if p_draft is None:
+                _check_finite(logits[-1])
+                tokens[i] = logits[-1].argmax()
+            else:
+                p_draft[i] = warp(logits[-1], params)
+                tokens[i] = sample(p_draft[i], rng)
             if i + 1 < gamma:  # the last draft token is fed next round, with the correction
                 logits = self._forward(tokens[i : i + 1], self.valid)
                 self.valid += 1

@@ -24,7 +24,7 @@ def best_gamma(alpha: float, c: float, max_gamma: int, row_cost: float = 0.0) ->
     return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c, row_cost))
 
 
-def row_cost(call_rows: dict[int, list[float]]) -> float:
+def row_cost(call_rows: dict[int, tuple[float, int]]) -> float:
     """Extra cost per scored row relative to a 1-row call, fitted as t(r) = a + b·(r − 1) by
     least squares over {rows: [total seconds, calls]} of the target calls after the prefill;
     b / a, clamped to [0, 1]. 0 (the paper's assumption) until two row counts were seen."""
@@ -58,7 +58,7 @@ class DecodeStats:
     gammas_used: list[int] = field(default_factory=list)
     alpha_sum: float = 0.0  # Σ over verified positions of Σ_x min(p_target, p_draft)
     alpha_n: int = 0
-    # {rows scored: [total seconds, calls]} of the target calls after the prefill
+    # {rows scored: (total seconds, calls)} of the target calls after the prefill
     call_rows: dict = field(default_factory=dict)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # target calls after the prefill
