@@ -43,6 +43,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from specedge.models.llama import rope_table
+
 from .onnx_export import (DIM_N, DIM_NUM_LOGITS, ONNX_SIZE_LIMIT, check_contract, check_max_len,
                           describe, io_names)
 
@@ -90,8 +92,6 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     total_len = g.node("Cast", [g.node("Reshape", [g.node("Add", [total, g.const("one", [1])]),
                                                    g.const("scalar", np.zeros(0, np.int64))])],
                        to=TensorProto.INT32)
-    from specedge.models.llama import rope_table
-
     half = d.head_dim // 2
     angles = rope_table(module.inv_freq, max_len + 1)[:, :half]  # [max_len + 1, D/2]
     cos, sin = g.init("rope_cos", _np(angles.cos())), g.init("rope_sin", _np(angles.sin()))
