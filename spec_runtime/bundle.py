@@ -27,8 +27,11 @@ def _engine(bundle_dir: Path, manifest: dict, model: dict, device: str, threads)
     graph = dict(model["graphs"]["decoder"], vocab_size=model["vocab_size"])
     # With a model draft two sessions take turns many times a round. ONNX Runtime's workers spin
     # for a while after each run, so the other session's run would compete with them for the
-    # cores: measured on 2 cores with an int4 target and draft, speculative 21–24 tok/s with
-    # spinning, 42–46 without. One session alone keeps spinning (it shortens its own calls).
+    # cores; not spinning at all makes every parallel operator wake sleeping workers instead.
+    # Sessions that take turns therefore spin inside a run and stop as soon as it returns
+    # (session.force_spinning_stop). Measured on 2 cores, fp32 SmolLM2 target with its int4
+    # draft, γ 4 (`specrun bench`): always spinning 0.88× target-only, never spinning 1.37×,
+    # stopping at return 1.63×. One session alone keeps spinning (it shortens its own calls).
     spinning = manifest["draft"]["kind"] != "model"
     common = dict(max_len=manifest["max_len"], prefill_chunk=manifest["prefill_chunk"],
                   device=device, threads=threads, spinning=spinning)

@@ -74,8 +74,8 @@ def make_session(path, device: str = "cpu", threads: int | None = None, spinning
     opts.intra_op_num_threads = threads or physical_cores()
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    if not spinning:  # see bundle._engine: sessions that take turns must not spin
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not spinning:  # see bundle._engine: sessions that take turns stop spinning at return
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     try:
         return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
     except Exception as e:  # onnxruntime's own types (InvalidProtobuf, Fail, NotImplemented...)

@@ -80,13 +80,14 @@ def test_portable_kernels_recorded_and_same_logits(llama_pair, llama_portable_pa
 
 
 def test_sessions_that_take_turns_do_not_spin(llama_pair, bundle_copy):
-    """With a model draft, target and draft sessions alternate: their worker threads must not
-    spin after a run (they would compete with the other session's). Alone, a session spins."""
+    """With a model draft, target and draft sessions alternate: their worker threads must stop
+    spinning when a run returns (they would compete with the other session's). Alone, a
+    session keeps spinning between runs."""
     def spinning(engine):
         opts = engine.session.get_session_options()
         try:
-            return opts.get_session_config_entry("session.intra_op.allow_spinning") != "0"
-        except Exception:  # not set: ONNX Runtime's default, spinning
+            return opts.get_session_config_entry("session.force_spinning_stop") != "1"
+        except Exception:  # not set: ONNX Runtime's default, spinning after a run
             return True
 
     gen = spec_runtime.load(llama_pair[2])
