@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models saved with save_pretrained, with a real byte-level tokenizer,
 so that export, bundle and CLI tests run the same code paths as for a downloaded checkpoint."""
 
+import json
 from pathlib import Path
 
 import torch
@@ -64,6 +65,82 @@ def save(model, directory: Path, tokenizer=None) -> Path:
     model.save_pretrained(directory)
     (tokenizer or byte_tokenizer()).save_pretrained(directory)
     return directory
+
+
+def write_gguf(model, tokenizer, path, qtype="Q4_1", embed_qtype="Q8_0") -> Path:
+    """Write a tiny LlamaForCausalLM and its byte-level BPE tokenizer as a GGUF file laid out the way
+    llama.cpp's convert_hf_to_gguf.py (then llama-quantize) writes a llama model with a "gpt2"
+    tokenizer, so that GGUF loading can be tested without downloading one.
+
+    2-D weights are stored in `qtype` (Q4_0, Q4_1 or Q8_0), the token embedding in `embed_qtype`
+    (real Q4_1 files keep it in Q8_0), norms in F32; q/k rows carry llama.cpp's RoPE permutation,
+    which transformers undoes on load."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    path, cfg = Path(path), model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(head_dim)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    # tokenizer, as convert_hf_to_gguf's get_vocab_base() + SpecialVocab write it
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(cfg.vocab_size):
+        tokens.append(by_id.get(i, f"[PAD{i}]"))
+        types.append(gguf.TokenType.UNUSED if i not in by_id else gguf.TokenType.NORMAL if i not in added
+                     else gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m)
+              for m in json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if merges:
+        w.add_token_merges(merges)
+    else:  # gguf-py cannot write an empty array, and without merges transformers derives them from scores
+        w.add_token_scores([0.0] * len(tokens))
+    for kind in ("bos", "eos", "unk", "pad"):
+        if (token_id := getattr(tokenizer, f"{kind}_token_id")) is not None:
+            getattr(w, f"add_{kind}_token_id")(token_id)
+    if tokenizer.chat_template:
+        w.add_chat_template(tokenizer.chat_template)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        name = names.get_name(base) + "." + suffix
+        t = t.detach().float().numpy()
+        if name.endswith(("attn_q.weight", "attn_k.weight")):  # convert_hf_to_gguf's LlamaModel.permute
+            n = heads if "attn_q" in name else kv_heads
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        if t.ndim == 1:
+            w.add_tensor(name, t)
+        else:
+            q = Q[embed_qtype if name == "token_embd.weight" else qtype]
+            w.add_tensor(name, gguf.quants.quantize(t, q), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def word_tokenizer(n: int) -> PreTrainedTokenizerFast:
