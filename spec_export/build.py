@@ -30,6 +30,9 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRECISIONS = ("fp32", "int8", "int4")
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
 KERNEL_CHOICES = ("auto", "fused", "portable")
+# int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
+# "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
+INT4_WEIGHTS = ("auto", "gguf", "quantize")
 FP32_TOLERANCE = 1e-3
 # A quantized graph that both disagrees on the argmax almost everywhere and moves the
 # distribution by more than half a nat on average is broken (a wrong weight layout agrees by
@@ -58,6 +61,17 @@ class ModelSpec:
 
     def describe(self) -> dict:
         return {"source": self.source, "gguf_file": self.gguf_file}
+
+    def gguf_path(self) -> Path | None:
+        """The local GGUF file (a hub repo's is resolved through the cache), or None."""
+        if not self.gguf_file:
+            return None
+        local = Path(self.source) / self.gguf_file
+        if local.is_file():
+            return local
+        from transformers.utils import cached_file
+
+        return Path(cached_file(self.source, self.gguf_file))
 
 
 def default_target() -> ModelSpec:
@@ -175,7 +189,7 @@ def choose_kernels(module, kernels: str, role: str, precision: str) -> str:
 
 def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
                   quant_prompts=(), block_size: int = 32, kernels: str = "auto",
-                  float_embedding: bool = False):
+                  float_embedding: bool = False, gguf_path: Path | None = None):
     """Export one model's decoder graph; returns its manifest entry (minus source)."""
     from specedge.models import for_hf_model
 
@@ -204,7 +218,12 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
         from . import quantize
         from .parity import quantized_parity
 
-        if precision == "int4":
+        if precision == "int4" and gguf_path is not None:
+            from .gguf_blocks import repack_int4
+
+            quantization = repack_int4(fp32_path, path, gguf_path, tied, block_size,
+                                       float_embedding)
+        elif precision == "int4":
             quantization = quantize.quantize_int4(fp32_path, path, block_size,
                                                   tied=tied and not float_embedding)
         else:
@@ -265,6 +284,7 @@ def build_bundle(
     block_size: int = 32,
     kernels: str = "auto",
     float_embedding: bool = False,
+    int4_weights: str = "auto",
     gguf_file: str | None = None,
     draft_gguf_file: str | None = None,
     progress: bool = True,
@@ -276,15 +296,26 @@ def build_bundle(
     with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
     (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
     the lm_head's 4-bit weights (SmolLM2-135M: 88 MB instead of 201 MB; top-1 0.52 vs 0.56, KL
-    0.85 vs 0.77 against the float model); `float_embedding` keeps a float32 copy instead."""
+    0.85 vs 0.77 against the float model); `float_embedding` keeps a float32 copy instead.
+    `int4_weights`: "gguf" writes a GGUF source's own 4/8-bit blocks (no second rounding: see
+    gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources."""
     from spec_runtime.bundle import default_bundle_dir
 
     from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
 
+    if draft == "self":  # the target's own weights, quantized: int4 unless said otherwise
+        draft_precision = draft_precision or ("int4" if precision != "int4" else None)
+        if draft_precision in (None, precision):
+            raise BuildError(f"--draft self drafts with the target's own weights at a lower "
+                             f"precision, and --draft-precision is {draft_precision or precision}"
+                             f" like --precision: use --precision fp32 --draft-precision int4")
     draft_precision = draft_precision or precision
     for name, value in (("--precision", precision), ("--draft-precision", draft_precision)):
         if value not in PRECISIONS:
             raise BuildError(f"{name} {value!r} is not supported: use one of {PRECISIONS}")
+    if int4_weights not in INT4_WEIGHTS:
+        raise BuildError(f"--int4-weights {int4_weights!r} is not supported: use one of "
+                         f"{INT4_WEIGHTS}")
     if kernels not in KERNEL_CHOICES:
         raise BuildError(f"--kernels {kernels!r} is not supported: use one of {KERNEL_CHOICES}")
     if block_size not in (16, 32, 64, 128, 256):
@@ -297,14 +328,22 @@ def build_bundle(
     if gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
     t_spec = model_spec(target, gguf_file) if target else default_target()
-    d_spec = None if draft == "ngram" else model_spec(draft, draft_gguf_file)
+    d_spec = (None if draft == "ngram" else t_spec if draft == "self"
+              else model_spec(draft, draft_gguf_file))
+    if int4_weights == "gguf":
+        for role, spec, prec in (("--target", t_spec, precision),
+                                 ("--draft", d_spec, draft_precision)):
+            if spec is not None and prec == "int4" and not spec.gguf_file:
+                raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and {role} "
+                                 f"{spec.source!r} is not a GGUF: use --int4-weights quantize")
     out = Path(out) if out is not None else default_bundle_dir()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / MANIFEST).is_file():
         raise BuildError(f"--out {str(out)!r} exists and is not a specedge bundle: choose a new or "
                          f"empty directory (a bundle there would be replaced)")
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    names = ["load target"] + (["load draft"] if d_spec else []) + ["export target",
+    loads_draft = d_spec is not None and d_spec is not t_spec
+    names = ["load target"] + (["load draft"] if loads_draft else []) + ["export target",
                                                                     "parity target"]
     if d_spec:
         names += ["export draft", "parity draft"]
@@ -318,7 +357,9 @@ def build_bundle(
         stage("load target")
         t_model, t_tok = _load(t_spec)
         encdec = is_encoder_decoder(t_model.config)
-        if d_spec:  # refuse a mismatched draft before spending minutes on exports
+        if d_spec is t_spec:
+            d_model = t_model
+        elif d_spec:  # refuse a mismatched draft before spending minutes on exports
             stage("load draft")
             d_model, d_tok = _load(d_spec)
             check_vocabularies(t_tok, d_tok)
@@ -335,13 +376,18 @@ def build_bundle(
                       stage=stage, encdec=encdec, quant_prompts=quant_prompts,
                       block_size=block_size, kernels=kernels,
                       float_embedding=float_embedding)
+        use_gguf = int4_weights != "quantize"
         stage("export target")
-        t_entry = _export_any(t_model, tmp, "target", precision=precision, **export)
+        t_entry = _export_any(t_model, tmp, "target", precision=precision,
+                              gguf_path=t_spec.gguf_path() if use_gguf else None, **export)
         t_entry.update(t_spec.describe())
+        _check_blocks(t_entry, "--target", int4_weights)
         if d_spec:
             stage("export draft")
-            d_entry = _export_any(d_model, tmp, "draft", precision=draft_precision, **export)
+            d_entry = _export_any(d_model, tmp, "draft", precision=draft_precision,
+                                  gguf_path=d_spec.gguf_path() if use_gguf else None, **export)
             d_entry.update(d_spec.describe(), kind="model")
+            _check_blocks(d_entry, "--draft", int4_weights)
         else:
             # A 1-token match proposes poorly (α ≈ 0.5 on chat prompts). Each proposed token
             # costs a verify row: ~0.03 of a step at fp32, ~0.2 at int4 on 2 cores, so at int4
@@ -386,9 +432,19 @@ def build_bundle(
     return out
 
 
+def _check_blocks(entry: dict, role: str, int4_weights: str) -> None:
+    """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
+    if int4_weights == "gguf" and entry["precision"] == "int4" \
+            and not (entry["quantization"] or {}).get("gguf_blocks"):
+        raise BuildError(f"{role} {entry['gguf_file']!r} has no Q4_0, Q4_1 or Q8_0 tensor "
+                         f"matching the model's weights (other block types are re-quantized): "
+                         f"use --int4-weights quantize")
+
+
 def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
                 max_source_len: int, precision: str, parity_ids, stage, quant_prompts,
-                block_size: int, kernels: str, float_embedding: bool) -> dict:
+                block_size: int, kernels: str, float_embedding: bool,
+                gguf_path: Path | None = None) -> dict:
     if encdec:
         from .build_seq2seq import export_model
 
@@ -396,7 +452,7 @@ def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len:
                             max_source_len=max_source_len, precision=precision,
                             parity_ids=parity_ids, stage=stage)
     return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
-                         stage, quant_prompts, block_size, kernels, float_embedding)
+                         stage, quant_prompts, block_size, kernels, float_embedding, gguf_path)
 
 
 def _load(spec: ModelSpec):

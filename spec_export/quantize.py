@@ -22,21 +22,25 @@ def quantize_int8(src: Path, dst: Path) -> dict:
             "activations": "int8 dynamic", "embedding": "float32"}
 
 
-def quantize_int4(src: Path, dst: Path, block_size: int = 32, tied: bool = False) -> dict:
+def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool = False,
+                  model=None, exclude: tuple[str, ...] = ()) -> dict:
     """Weight-only 4-bit: every MatMul with a constant weight becomes MatMulNBits (symmetric,
     one scale per `block_size` inputs), via onnxruntime's MatMulNBitsQuantizer. The lm_head is
     quantized too (the exporter gives it its own copy of a tied embedding). With `tied`, the
-    embedding gather then reads the lm_head's 4-bit weights (GatherBlockQuantized) and the float
-    copy is dropped: one matrix in the file, as in the tied checkpoint. Otherwise the embedding
-    stays float32. The attention stays float32."""
+    embedding gather then reads the lm_head's quantized weights (GatherBlockQuantized) and the
+    float copy is dropped: one matrix in the file, as in the tied checkpoint. Otherwise the
+    embedding stays float32. The attention stays float32. `model` (an onnx ModelProto) is used
+    instead of loading `src`; MatMul nodes named in `exclude` stay float."""
     import logging
 
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    model = onnx.load(str(src))
+    model = model if model is not None else onnx.load(str(src))
+    before = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=True,
-                                     accuracy_level=INT4_ACCURACY_LEVEL)
+                                     accuracy_level=INT4_ACCURACY_LEVEL,
+                                     nodes_to_exclude=list(exclude))
     # the quantizer logs two INFO lines per MatMul through its own handler; keep its warnings
     logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = logger.level
@@ -45,44 +49,55 @@ def quantize_int4(src: Path, dst: Path, block_size: int = 32, tied: bool = False
         quantizer.process()
     finally:
         logger.setLevel(level)
+    graph = quantizer.model.model.graph
     embedding = "float32"
     if tied:
-        _gather_from_lm_head(quantizer.model.model.graph, block_size)
-        embedding = "int4, the lm_head's weights (GatherBlockQuantized)"
+        bits = _gather_from_lm_head(graph)
+        if bits:
+            embedding = f"int{bits}, the lm_head's weights (GatherBlockQuantized)"
     # a model whose 4-bit weights still pass protobuf's 2 GB limit keeps them in <dst>.data
-    big = sum(t.ByteSize() for t in quantizer.model.model.graph.initializer) >= 2**31 - 64 * 2**20
+    big = sum(t.ByteSize() for t in graph.initializer) >= 2**31 - 64 * 2**20
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=big)
-    n_q = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
+    n_q = sum(n.op_type == "MatMulNBits" for n in graph.node) - before
     return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": 4, "block_size": block_size,
             "symmetric": True, "accuracy_level": INT4_ACCURACY_LEVEL, "quantized_matmuls": n_q,
             "lm_head": "int4" + (" (untied copy of the embedding)" if tied else ""),
             "embedding": embedding}
 
 
-def _gather_from_lm_head(graph, block_size: int) -> None:
+def _gather_from_lm_head(graph) -> int | None:
     """Replace the float embedding Gather of a fused graph (initializer "embed") by
-    GatherBlockQuantized over the lm_head's MatMulNBits weights [V, K/block, block/2] viewed as
-    [V, K/2] bytes, with its [V, K/block] scales (symmetric: no zero points, 8 implied, as in
-    MatMulNBits), and drop the float copy."""
+    GatherBlockQuantized over the lm_head's MatMulNBits weights [V, K/block, block·bits/8]
+    viewed as [V, K·bits/8] bytes, with its [V, K/block] scales (no zero points: the implied
+    2^(bits−1), as in MatMulNBits), and drop the float copy. Returns the head's bits, or None
+    (nothing changed) when the head is not a plain MatMulNBits over the hidden state."""
     from onnx import helper, numpy_helper
 
-    gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] == "embed")
-    head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits")
+    gather = next((n for n in graph.node if n.op_type == "Gather" and n.input[0] == "embed"), None)
+    head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits"), None)
     inits = {t.name: t for t in graph.initializer}
+    if gather is None or head is None or len(head.input) > 3 or "embed" not in inits:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+    hidden = inits["embed"].dims[1]
+    if attrs["K"] != hidden:  # the head reads more than the hidden state (gguf_blocks' Q4_1)
+        return None
     weight, scales = inits[head.input[1]], inits[head.input[2]]
-    vocab, blocks, half = weight.dims
-    shape = numpy_helper.from_array(np.array([vocab, blocks * half], np.int64), "embed_q4_shape")
-    reshape = helper.make_node("Reshape", [weight.name, shape.name], ["embed_q4"],
-                               name="embed_q4_view")
-    new = helper.make_node("GatherBlockQuantized", ["embed_q4", gather.input[1], scales.name],
+    vocab, blocks, per_block = weight.dims
+    shape = numpy_helper.from_array(np.array([vocab, blocks * per_block], np.int64), "embed_q_shape")
+    reshape = helper.make_node("Reshape", [weight.name, shape.name], ["embed_q"],
+                               name="embed_q_view")
+    new = helper.make_node("GatherBlockQuantized", ["embed_q", gather.input[1], scales.name],
                            list(gather.output), name=gather.name, domain="com.microsoft",
-                           gather_axis=0, quantize_axis=1, block_size=block_size, bits=4)
+                           gather_axis=0, quantize_axis=1, block_size=attrs["block_size"],
+                           bits=attrs["bits"])
     at = list(graph.node).index(gather)
     graph.node.remove(gather)
     graph.node.insert(at, new)
     graph.node.insert(at, reshape)
     graph.initializer.remove(inits["embed"])
     graph.initializer.append(shape)
+    return attrs["bits"]
 
 
 def distribution_agreement(reference_logits: np.ndarray, logits: np.ndarray) -> dict:
