@@ -153,3 +153,20 @@ def test_self_draft_is_the_targets_own_weights_at_int4(q4_1, tmp_path):
     with pytest.raises(BuildError, match="--draft self.*--draft-precision int4"):
         build_bundle(str(q4_1[0]), "self", tmp_path / "b2", max_len=96, precision="int4",
                      progress=False)
+
+
+def test_auto_draft_is_self_for_an_fp32_gguf_target_only(q4_1, tmp_path):
+    from specedge.cli.specexport import main as specexport
+
+    r = CliRunner().invoke(specexport, ["build", "--target", str(q4_1[0]), "--out",
+                                        str(tmp_path / "fp32"), "--max-len", "64", "--quiet"])
+    assert r.exit_code == 0, r.output
+    m = manifest(tmp_path / "fp32")
+    assert m["draft"]["kind"] == "model" and m["draft"]["precision"] == "int4"
+    # an int4 target has no lower precision to draft at; a non-GGUF target would be quantized
+    # twice: both keep prompt lookup
+    int4 = build_bundle(str(q4_1[0]), out=tmp_path / "int4", max_len=64, precision="int4",
+                        progress=False)
+    hf = save(llama(0, layers=1), tmp_path / "hf")
+    plain = build_bundle(str(hf), out=tmp_path / "hf_bundle", max_len=64, progress=False)
+    assert manifest(int4)["draft"]["kind"] == manifest(plain)["draft"]["kind"] == "ngram"
