@@ -3,7 +3,8 @@ tokens, greedy, tokens/s measured in one run.
 
 Systems (names for --skip):
     specedge          spec_runtime, target-only (use_draft=False)
-    specedge-spec     spec_runtime, speculative with the bundle's draft (n-gram for the default)
+    specedge-spec     spec_runtime, speculative with the bundle's draft (the default bundle's:
+                      the target's own GGUF blocks at int4)
     hf                transformers `generate` in PyTorch, greedy
     hf-lookup         the same with prompt lookup (`prompt_lookup_num_tokens`)
     ortgenai          onnxruntime-genai on its own model-builder build of the same weights
@@ -88,6 +89,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS, metavar="NAME",
                     help=f"leave a system out (repeatable): {', '.join(SYSTEMS)}")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--float-reference", type=Path, default=None,
+                    help="a compare-fp32.json of the same prompts: report how many tokens each "
+                    "system's greedy output follows the float model's (hf) before it differs")
     args = ap.parse_args(argv)
     if args.gamma not in (None, "auto"):
         if not args.gamma.isdigit():
@@ -213,6 +217,30 @@ def divergences(runs, prompts, hf_model, eos_id) -> list[dict]:
     return out
 
 
+def float_agreement(runs, prompts, reference: Path) -> dict:
+    """Per system: tokens of its greedy output (first repeat) equal to the float model's (the
+    reference run's hf row on the same prompt ids) before the first difference. A quantized
+    model that follows its float model for long is close to it where it counts: on its own
+    greedy path."""
+    ref = json.loads(reference.read_text())
+    ref_ids = [p["ids"] for p in ref["prompts"]]
+    hf = {r["prompt"]: r["tokens"] for r in ref["runs"] if r["system"] == REFERENCE
+          and r["repeat"] == 0}
+    out = {}
+    for r in runs:
+        if r["repeat"] or prompts[r["prompt"]]["ids"] not in ref_ids:
+            continue
+        want = hf.get(ref_ids.index(prompts[r["prompt"]]["ids"]))
+        if want is None:
+            continue
+        same = next((k for k, (a, b) in enumerate(zip(want, r["tokens"])) if a != b),
+                    min(len(want), len(r["tokens"])))
+        out.setdefault(r["system"], []).append(same)
+    return {name: {"median": float(np.median(v)), "mean": float(np.mean(v)),
+                   "identical": sum(x == len(hf[0]) for x in v), "prompts": len(v)}
+            for name, v in out.items()}
+
+
 def quartiles(values) -> dict:
     v = np.asarray(values, dtype=float)
     return {"median": float(np.median(v)), "p25": float(np.percentile(v, 25)),
@@ -264,7 +292,8 @@ def markdown(report: dict) -> str:
         f"MiB, read+write); target weights {w['bytes'] / 1e6:.0f} MB → bandwidth floor "
         f"{w['floor_ms_per_token']:.1f} ms/token, ceiling **{w['ceiling_tokens_per_s']:.1f} "
         f"tok/s** for target-only decoding",
-        f"- specedge-spec: draft {report['draft']}, γ {cfg['gamma_used']}; "
+        f"- specedge target: {target_summary(report)}",
+        f"- specedge-spec: draft {draft_summary(report['draft'])}, γ {cfg['gamma_used']}; "
         f"HF prompt_lookup_num_tokens "
         f"{cfg['prompt_lookup']}; onnxruntime-genai n-gram: ngram_size {cfg['genai_ngram_size']}"
         f", max_draft_tokens {cfg['genai_max_draft']}, chained {cfg['genai_chained']}",
@@ -319,9 +348,38 @@ def markdown(report: dict) -> str:
         lines += ["", f"hf greedy emitted EOS early in {len(hits)} prompt(s) (index: "
                   f"{hits}); with `--eos continue` the tokens after it are the model continuing "
                   "past its answer, which the n-gram drafts can find easy to predict."]
+    if report.get("float_agreement"):
+        lines += ["", f"Greedy tokens equal to the float model's (hf in "
+                  f"{report['config']['float_reference']}) before the first difference, per "
+                  "prompt:", "", "| system | median | mean | identical over all tokens |",
+                  "|---|---:|---:|---:|"]
+        for name, a in report["float_agreement"].items():
+            lines.append(f"| {name} | {a['median']:.0f} | {a['mean']:.1f} | "
+                         f"{a['identical']}/{a['prompts']} |")
     if report.get("notes"):
         lines += [""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def target_summary(report: dict) -> str:
+    q = report.get("target_quantization")
+    return report["config"]["precision"] + (f", {q['method']}" if q else "") + \
+        f" (bundle {report['bundle']})"
+
+
+def draft_summary(draft: dict) -> str:
+    """The manifest's draft entry without its graph contract."""
+    if draft.get("kind") != "model":
+        return json.dumps(draft)
+    q = draft.get("quantization") or {}
+    agree = (draft.get("parity") or {}).get(draft.get("precision"), {})
+    text = f"model {draft.get('gguf_file') or draft.get('source')} at {draft.get('precision')}"
+    if q:
+        text += f" ({q.get('method')})"
+    if agree:
+        text += (f", top-1 {agree['top1_agreement']:.2f} / KL {agree['mean_kl']:.3f} vs the "
+                 "float model")
+    return text
 
 
 def targets_lines(report: dict) -> list[str]:
@@ -348,9 +406,10 @@ def notes(args) -> list[str]:
     if args.precision == "int4":
         out.append("llama.cpp runs through llama-cpp-python's Llama.generate (top_k=1, temp=0), "
                    "context reset before each call; its lookup row uses LlamaPromptLookupDecoding"
-                   f"(num_pred_tokens={args.llamacpp_lookup}). Its weights are the GGUF's Q4_1, "
-                   "ours and genai's MatMulNBits int4 (block 32): the three int4 models are not "
-                   "the same function, so their tokens differ.")
+                   f"(num_pred_tokens={args.llamacpp_lookup}). llama.cpp computes with the "
+                   "GGUF's Q4_1 blocks, ours (by default) with the same blocks in MatMulNBits, "
+                   "genai with its builder's own int4 re-quantization of the de-quantized "
+                   "weights; activations are 8-bit in all three, so their tokens differ.")
     if args.eos == "continue":
         out.append("EOS is an ordinary token everywhere: specedge Generator.eos_token_ids "
                    "cleared, HF eos_token_id=None, genai's eos_token_id swapped for "
@@ -397,6 +456,7 @@ def main(argv=None) -> None:
         "config": config,
         "bundle": str(bundle_dir),
         "draft": gen.manifest["draft"],
+        "target_quantization": gen.manifest["target"].get("quantization"),
         "machine": machine.info(args.threads),
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),
@@ -410,6 +470,8 @@ def main(argv=None) -> None:
                                                                         os.getloadavg()[0]),
         "summary": summarise(runs, systems),
         "divergence": divergences(runs, prompts, hf_model, eos_id),
+        "float_agreement": (float_agreement(runs, prompts, args.float_reference)
+                            if args.float_reference else None),
         "runs": runs,
         "prompts": [{"kind": p["kind"], "text": p["text"], "ids": p["ids"]} for p in prompts],
     }
