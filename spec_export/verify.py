@@ -7,7 +7,8 @@ from pathlib import Path
 from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.manifest import read_manifest
 
-from .build import FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, BuildError, ModelSpec, _load
+from .build import FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, BuildError
+from .sources import ModelSpec, load_model
 
 
 def verify_bundle(bundle_dir=None) -> dict:
@@ -17,12 +18,12 @@ def verify_bundle(bundle_dir=None) -> dict:
     manifest = read_manifest(bundle_dir, check_files=True)
     report = {"bundle": str(bundle_dir), "files": "ok", "graphs": {}}
     roles = ["target"] + (["draft"] if manifest["draft"]["kind"] == "model" else [])
-    t_model, t_tok = _load(ModelSpec(manifest["target"]["source"],
+    t_model, t_tok = load_model(ModelSpec(manifest["target"]["source"],
                                      manifest["target"].get("gguf_file")))
     ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
     for role in roles:
         entry = manifest[role]
-        model = t_model if role == "target" else _load(ModelSpec(entry["source"],
+        model = t_model if role == "target" else load_model(ModelSpec(entry["source"],
                                                                  entry.get("gguf_file")))[0]
         for graph, diff in _parity(model, bundle_dir, entry["graphs"], manifest, ids).items():
             ok = entry["precision"] != "fp32" or diff <= FP32_TOLERANCE
