@@ -235,9 +235,10 @@ def float_agreement(runs, prompts, reference: Path) -> dict:
             continue
         same = next((k for k, (a, b) in enumerate(zip(want, r["tokens"])) if a != b),
                     min(len(want), len(r["tokens"])))
-        out.setdefault(r["system"], []).append(same)
-    return {name: {"median": float(np.median(v)), "mean": float(np.mean(v)),
-                   "identical": sum(x == len(hf[0]) for x in v), "prompts": len(v)}
+        out.setdefault(r["system"], []).append((same, same == len(want)))
+    return {name: {"median": float(np.median([n for n, _ in v])),
+                   "mean": float(np.mean([n for n, _ in v])),
+                   "identical": sum(whole for _, whole in v), "prompts": len(v)}
             for name, v in out.items()}
 
 

@@ -33,7 +33,7 @@ def main():
 @click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="fp32",
               show_default=True, help="int8: dynamic, per channel; int4: weight-only MatMulNBits")
 @click.option("--draft-precision", type=click.Choice(["fp32", "int8", "int4"]), default=None,
-              help="the draft model's precision [default: --precision]")
+              help="the draft model's precision [default: --precision; int4 for a self draft]")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="int4 quantization block (inputs per scale)")
 @click.option("--kernels", type=click.Choice(["auto", "fused", "portable"]), default="auto",

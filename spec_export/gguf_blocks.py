@@ -151,13 +151,17 @@ def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_s
     model = onnx.load(str(src))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
     nodes, new_inits, dropped, extended = [], [], set(), {}
     kinds: dict[str, int] = {}
     head = None
     for node in graph.node:
         weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         blocks = None
-        if weight in inits:
+        if weight in inits and uses[weight] == 1:  # a weight read elsewhere stays as it is
             w = numpy_helper.to_array(inits[weight])  # [K, N]
             if w.ndim == 2 and w.shape[0] % BLOCK == 0:
                 blocks = index.find(w.T)
