@@ -231,8 +231,8 @@ def build_bundle(
     quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
     with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
     (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
-    the lm_head's 4-bit weights (SmolLM2-135M: 88 MB instead of 201 MB; top-1 0.52 vs 0.56, KL
-    0.85 vs 0.77 against the float model); `float_embedding` keeps a float32 copy instead.
+    the lm_head's quantized weights (re-quantized SmolLM2-135M: 88 MB instead of 201 MB);
+    `float_embedding` keeps a float32 copy instead.
     `int4_weights`: "gguf" writes a GGUF source's own 4/8-bit blocks (no second rounding: see
     gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources."""
     from spec_runtime.bundle import default_bundle_dir
@@ -242,8 +242,8 @@ def build_bundle(
     t_spec = model_spec(target, gguf_file) if target else default_target()
     if draft == "auto":
         # The target's own GGUF blocks at int4 draft for an fp32 target: SmolLM2-135M accepts
-        # 97-99% of their tokens at c ≈ 0.4 (1.6x target-only on chat and grounded prompts,
-        # where the n-gram draft gives 1.05-1.5x). Without a GGUF the int4 draft would be
+        # 97-99% of their tokens at c ≈ 0.4 (`specrun bench`, γ 4: 1.5x target-only on chat
+        # and grounded prompts alike, where the n-gram draft gives 1.1x and 1.5-1.9x). Without a GGUF the int4 draft would be
         # quantized again (top-1 ~0.5 on SmolLM2), so prompt lookup stays the default there.
         draft = "self" if (precision == "fp32" and draft_precision in (None, "int4")
                            and t_spec.gguf_file and int4_weights != "quantize"
