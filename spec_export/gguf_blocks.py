@@ -47,41 +47,30 @@ class Blocks:
     m: np.ndarray | None  # float32 [rows, blocks] (Q4_1) or None
 
 
+def _parse(t) -> Blocks | None:
+    """A gguf-py ReaderTensor's blocks, or None unless it is a 2-D Q4_0, Q4_1 or Q8_0 tensor."""
+    kind = t.tensor_type.name
+    if kind not in KINDS or len(t.shape) != 2:
+        return None
+    raw = np.asarray(t.data)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blk = raw.reshape(raw.shape[0], -1, size)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        return Blocks(kind, blk[..., 2:].copy().view(np.int8), d, None)
+    start = 4 if kind == "Q4_1" else 2
+    m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    qs = blk[..., start:]
+    # ggml packs element j in the low nibble and j + 16 in the high nibble of byte j
+    return Blocks(kind, np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint8), d, m)
+
+
 def read_blocks(gguf_path: str | Path) -> dict[str, Blocks]:
     """The 2-D tensors of `gguf_path` stored as Q4_0, Q4_1 or Q8_0 (others are left out)."""
     import gguf
 
-    out = {}
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
-        kind = t.tensor_type.name
-        if kind not in KINDS or len(t.shape) != 2:
-            continue
-        raw = np.asarray(t.data)
-        rows = raw.shape[0]
-        size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-        blk = raw.reshape(rows, -1, size)
-        d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if kind == "Q8_0":
-            out[t.name] = Blocks(kind, blk[..., 2:].copy().view(np.int8), d, None)
-            continue
-        start = 4 if kind == "Q4_1" else 2
-        m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
-        qs = blk[..., start:]
-        # ggml packs element j in the low nibble and j + 16 in the high nibble of byte j
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint8)
-        out[t.name] = Blocks(kind, q, d, m)
-    return out
-
-
-def dequantize(b: Blocks) -> np.ndarray:
-    """float32 [rows, K], as gguf-py (and so transformers) de-quantizes."""
-    if b.kind == "Q8_0":
-        w = b.d[..., None] * b.q.astype(np.float32)
-    elif b.kind == "Q4_0":
-        w = b.d[..., None] * (b.q.astype(np.float32) - 8)
-    else:
-        w = b.d[..., None] * b.q.astype(np.float32) + b.m[..., None]
-    return w.reshape(len(w), -1)
+    tensors = gguf.GGUFReader(str(gguf_path)).tensors
+    return {t.name: b for t in tensors if (b := _parse(t)) is not None}
 
 
 def _digest(row: np.ndarray) -> bytes:
@@ -89,14 +78,23 @@ def _digest(row: np.ndarray) -> bytes:
 
 
 class RowIndex:
-    """Where each de-quantized row of a GGUF's block tensors lives."""
+    """Where each de-quantized row of a GGUF's block tensors lives. Rows are de-quantized by
+    gguf-py, as transformers does when it loads the file, so the float weights match bit for
+    bit."""
 
-    def __init__(self, tensors: dict[str, Blocks]):
-        self.tensors = tensors
+    def __init__(self, gguf_path: str | Path):
+        import gguf
+
+        self.tensors: dict[str, Blocks] = {}
         self.where: dict[bytes, tuple[str, int]] = {}
-        for name, b in tensors.items():
-            for r, row in enumerate(dequantize(b)):
-                self.where.setdefault(_digest(row), (name, r))
+        for t in gguf.GGUFReader(str(gguf_path)).tensors:
+            b = _parse(t)
+            if b is None:
+                continue
+            self.tensors[t.name] = b
+            rows = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            for r, row in enumerate(rows.reshape(len(rows), -1)):
+                self.where.setdefault(_digest(row), (t.name, r))
 
     def find(self, weight_rows: np.ndarray) -> Blocks | None:
         """The blocks whose de-quantization is exactly `weight_rows` [N, K], gathered row by
@@ -147,7 +145,7 @@ def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_s
 
     from . import quantize
 
-    index = RowIndex(read_blocks(gguf_path))
+    index = RowIndex(gguf_path)
     model = onnx.load(str(src))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}

@@ -13,7 +13,7 @@ from tiny_models import byte_tokenizer, llama, save, truncated, write_gguf
 
 import spec_runtime
 from spec_export.build import BuildError, build_bundle
-from spec_export.gguf_blocks import BLOCK, _offset_blocks, dequantize, read_blocks
+from spec_export.gguf_blocks import BLOCK, _offset_blocks, read_blocks
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +101,14 @@ def test_blocks_read_back_as_the_file_dequantizes(q4_1):
     import gguf
 
     tensors = {t.name: t for t in gguf.GGUFReader(str(q4_1[0])).tensors}
-    for name, b in read_blocks(q4_1[0]).items():
+    blocks = read_blocks(q4_1[0])
+    assert {b.kind for b in blocks.values()} == {"Q4_1", "Q8_0"}
+    for name, b in blocks.items():
         t = tensors[name]
         want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        np.testing.assert_array_equal(dequantize(b), want.reshape(len(want), -1))
+        q = b.q.astype(np.float32)
+        got = b.d[..., None] * q if b.kind == "Q8_0" else b.d[..., None] * q + b.m[..., None]
+        np.testing.assert_array_equal(got.reshape(len(got), -1), want.reshape(len(want), -1))
 
 
 def test_offsets_are_encoded_within_their_bound():
@@ -132,7 +136,7 @@ def test_bad_int4_weights_requests(tmp_path, monkeypatch):
 
     (tmp_path / "g").mkdir()
     path = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf")
-    monkeypatch.setattr("spec_export.gguf_blocks.read_blocks", lambda _: {})  # e.g. K-quants
+    monkeypatch.setattr("spec_export.gguf_blocks._parse", lambda _: None)  # e.g. K-quants only
     with pytest.raises(BuildError, match="has no Q4_0, Q4_1 or Q8_0 tensor.*--int4-weights quantize"):
         build_bundle(str(path), "ngram", tmp_path / "b2", max_len=64, precision="int4",
                      int4_weights="gguf", progress=False)
