@@ -238,19 +238,19 @@ def build_bundle(
     from spec_runtime.bundle import default_bundle_dir
 
     from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
+    from .onnx_fused import fused_unsupported
 
     t_spec = model_spec(target, gguf_file) if target else default_target()
-    if draft == "auto":
+    auto_draft = draft == "auto"
+    if auto_draft:
         # The target's own GGUF blocks at int4 draft for an fp32 target: SmolLM2-135M accepts
         # 97-99% of their tokens at c ≈ 0.4 (`specrun bench`, γ 4: 1.5x target-only on chat
-        # and grounded prompts alike, where the n-gram draft gives 1.1x and 1.5-1.9x). Without a GGUF the int4 draft would be
-        # quantized again (top-1 ~0.5 on SmolLM2), so prompt lookup stays the default there.
+        # and grounded prompts alike, where the n-gram draft gives 1.1x and 1.5-1.9x). Without
+        # a GGUF the int4 draft would be quantized again (top-1 ~0.5 on SmolLM2), so prompt
+        # lookup stays the default there.
         draft = "self" if (precision == "fp32" and draft_precision in (None, "int4")
                            and t_spec.gguf_file and int4_weights != "quantize"
                            and kernels != "portable") else "ngram"
-        auto_self = draft == "self"
-    else:
-        auto_self = False
     if draft == "self":  # the target's own weights, quantized: int4 unless said otherwise
         draft_precision = draft_precision or ("int4" if precision != "int4" else None)
         if draft_precision in (None, precision):
@@ -304,8 +304,8 @@ def build_bundle(
         stage("load target")
         t_model, t_tok = load_model(t_spec)
         encdec = is_encoder_decoder(t_model.config)
-        if auto_self and not _fused_int4_fits(t_model):  # a family without the fused graph
-            d_spec, draft_precision = None, precision
+        if auto_draft and d_spec is t_spec and fused_unsupported(t_model.config):
+            d_spec, draft_precision = None, precision  # no int4 graph for this family: lookup
         if d_spec is t_spec:
             d_model = t_model
         elif d_spec:  # refuse a mismatched draft before spending minutes on exports
@@ -379,15 +379,6 @@ def build_bundle(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _fused_int4_fits(hf_model) -> bool:
-    """Whether `hf_model` can be written at int4 (the fused llama graph), from its config."""
-    from .onnx_fused import HEAD_DIM_MULTIPLE
-
-    c = hf_model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return getattr(c, "model_type", None) == "llama" and head_dim % HEAD_DIM_MULTIPLE == 0
 
 
 def _check_blocks(entry: dict, role: str, int4_weights: str) -> None:

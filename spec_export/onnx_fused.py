@@ -54,7 +54,8 @@ HEAD_DIM_MULTIPLE = 16
 
 
 def fused_unsupported(module) -> str | None:
-    """Why `module` cannot be written as a fused graph, or None if it can."""
+    """Why `module` cannot be written as a fused graph, or None if it can. Anything with
+    `model_type` and `head_dim` does: a models.llama module or a Hugging Face config."""
     if getattr(module, "model_type", None) != "llama":
         return f"fused kernels cover the llama family; {getattr(module, 'model_type', None)!r} " \
                f"exports as a portable graph"

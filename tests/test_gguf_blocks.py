@@ -173,4 +173,9 @@ def test_auto_draft_is_self_for_an_fp32_gguf_target_only(q4_1, tmp_path):
                         progress=False)
     hf = save(llama(0, layers=1), tmp_path / "hf")
     plain = build_bundle(str(hf), out=tmp_path / "hf_bundle", max_len=64, progress=False)
+    (tmp_path / "g").mkdir()  # a GGUF whose head_dim (8) has no fused int4 graph
+    narrow = write_gguf(llama(0, layers=1, heads=8, kv_heads=4), byte_tokenizer(),
+                        tmp_path / "g" / "narrow.gguf")
+    no_int4 = build_bundle(str(narrow), out=tmp_path / "narrow", max_len=64, progress=False)
     assert manifest(int4)["draft"]["kind"] == manifest(plain)["draft"]["kind"] == "ngram"
+    assert manifest(no_int4)["draft"]["kind"] == "ngram"
