@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import signal
 import sys
 import threading
@@ -61,3 +62,18 @@ def sigterm_as_interrupt(on_signal=None):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def library_messages(name: str, prefix: str):
+    """While a command runs, the library's warnings (logger `name`) reach stderr as lines
+    `prefix: message`; the library itself never prints."""
+    logger = logging.getLogger(name)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)

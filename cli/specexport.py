@@ -6,7 +6,7 @@ import json
 
 import click
 
-from .common import input_errors, sigterm_as_interrupt
+from .common import input_errors, library_messages, sigterm_as_interrupt
 
 
 @click.group()
@@ -59,7 +59,9 @@ def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
 
-    with sigterm_as_interrupt(request_interrupt):  # a killed build removes its temporary directory
+    with sigterm_as_interrupt(request_interrupt), library_messages("spec_export", "specexport"):
+        # a build stopped by a signal removes its temporary directory; one killed outright is
+        # cleaned up by the next build (spec_export/output.py)
         path = build_bundle(target, draft, out, max_len=max_len, max_source_len=max_source_len,
                             gamma=gamma, max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,

@@ -3,9 +3,8 @@
 Stages: load target (and draft) → check their vocabularies agree → export each to the graph
 contract (an encoder-decoder target, T5, exports an encoder and a decoder graph per model; see
 build_seq2seq.py) → parity vs the PyTorch model → (int8) quantize and re-check → tokenizer.json →
-manifest.json with sha256 of every file → rename the temporary directory into place. A build
-that stops anywhere leaves only a `.<name>.tmp-*` directory without a manifest, which no loader
-accepts, and the previous bundle (if any) untouched.
+manifest.json with sha256 of every file → swap it into place. Where it writes, what it refuses
+to replace and how a killed build's leftovers are found: output.py.
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ import json
 import logging
 import os
 import platform
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 
+from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
 from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
 
 PRECISIONS = ("fp32", "int8", "int4")
@@ -237,9 +235,6 @@ def build_bundle(
     gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources."""
     from spec_runtime.bundle import default_bundle_dir
 
-    from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
-    from .onnx_fused import fused_unsupported
-
     t_spec = model_spec(target, gguf_file) if target else default_target()
     auto_draft = draft == "auto"
     if auto_draft:
@@ -283,102 +278,122 @@ def build_bundle(
             if spec is not None and prec == "int4" and not spec.gguf_file:
                 raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and {role} "
                                  f"{spec.source!r} is not a GGUF: use --int4-weights quantize")
-    out = Path(out) if out is not None else default_bundle_dir()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / MANIFEST).is_file():
-        raise BuildError(f"--out {str(out)!r} exists and is not a specedge bundle: choose a new or "
-                         f"empty directory (a bundle there would be replaced)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    loads_draft = d_spec is not None and d_spec is not t_spec
-    names = ["load target"] + (["load draft"] if loads_draft else []) + ["export target",
-                                                                    "parity target"]
-    if d_spec:
-        names += ["export draft", "parity draft"]
-    names += ["write bundle"]
-    stage = _stages(names, progress)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would make the bundle private
-    try:
-        stage("load target")
-        t_model, t_tok = load_model(t_spec)
-        encdec = is_encoder_decoder(t_model.config)
-        if auto_draft and d_spec is t_spec and fused_unsupported(t_model.config):
-            d_spec, draft_precision = None, precision  # no int4 graph for this family: lookup
-        if d_spec is t_spec:
-            d_model = t_model
-        elif d_spec:  # refuse a mismatched draft before spending minutes on exports
-            stage("load draft")
-            d_model, d_tok = load_model(d_spec)
-            check_vocabularies(t_tok, d_tok)
-            check_pair(t_model, d_model)
-        parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
-        if encdec and "int4" in (precision, draft_precision):
-            raise BuildError("--precision int4 is supported for decoder-only models so far: use "
-                             "fp32 or int8 for encoder-decoder bundles")
-        if encdec and kernels == "fused":
-            raise BuildError("--kernels fused covers decoder-only llama-family models; "
-                             "encoder-decoder bundles are portable: use --kernels portable or auto")
-        quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
-        export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
-                      stage=stage, encdec=encdec, quant_prompts=quant_prompts,
-                      block_size=block_size, kernels=kernels,
-                      float_embedding=float_embedding)
-        use_gguf = int4_weights != "quantize"
-        stage("export target")
-        t_entry = _export_any(t_model, tmp, "target", precision=precision,
-                              gguf_path=t_spec.gguf_path() if use_gguf else None, **export)
-        t_entry.update(t_spec.describe())
-        _check_blocks(t_entry, "--target", int4_weights)
+    out = resolve_out(Path(out) if out is not None else default_bundle_dir())
+    with file_system_errors(out):
+        check_out(out)  # before minutes of work: what is in the way, and why
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temporaries(out.parent)
+        loads_draft = d_spec is not None and d_spec is not t_spec
+        names = ["load target"] + (["load draft"] if loads_draft else []) + ["export target",
+                                                                        "parity target"]
         if d_spec:
-            stage("export draft")
-            d_entry = _export_any(d_model, tmp, "draft", precision=draft_precision,
-                                  gguf_path=d_spec.gguf_path() if use_gguf else None, **export)
-            d_entry.update(d_spec.describe(), kind="model")
-            _check_blocks(d_entry, "--draft", int4_weights)
-        else:
-            # A 1-token match proposes poorly (α ≈ 0.5 on chat prompts). Each proposed token
-            # costs a verify row: ~0.03 of a step at fp32, ~0.2 at int4 on 2 cores, so at int4
-            # proposing only after 2-token matches pays (`specrun bench`, int4, γ 4: chat 1.02× →
-            # 1.16–1.18×, grounded 1.46× → 1.41–1.42×) and at fp32 it does not (1.38× → 1.35×).
-            d_entry = {"kind": "ngram", "max_ngram": 3,
-                       "min_ngram": 2 if precision == "int4" else 1}
-        stage("write bundle")
-        t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-        manifest = {
-            "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
-            "architecture": "encoder-decoder" if encdec else "decoder-only",
-            "max_len": max_len,
-            "max_gamma": max_gamma,
-            "default_gamma": gamma,
-            "prefill_chunk": prefill_chunk,
-            "precision": precision,
-            "target": t_entry,
-            "draft": d_entry,
-            "tokenizer": {
-                "file": "tokenizer.json",
-                "eos_token_ids": eos_ids(t_model, t_tok),
-                "bos_token_id": t_tok.bos_token_id,
-                "special_tokens": {"bos_token": t_tok.bos_token or "",
-                                   "eos_token": t_tok.eos_token or ""},
-                "chat_template": t_tok.chat_template if isinstance(t_tok.chat_template, str)
-                else None,
-            },
-            "created_by": library_versions(),
-            "files": {},
-        }
-        if encdec:
-            manifest.update(max_source_len=max_source_len,
-                            decoder_start_token_id=decoder_start_token_id(t_model))
-        write_manifest(tmp, manifest)
-        if _interrupt:  # the last point at which stopping leaves the old bundle untouched
-            raise _interrupt[0]
-        _replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            names += ["export draft", "parity draft"]
+        names += ["write bundle"]
+        stage = _stages(names, progress)
+        with BuildDir(out) as work:
+            _write_bundle(work.bundle, stage, t_spec, d_spec, auto_draft=auto_draft,
+                          precision=precision, draft_precision=draft_precision,
+                          int4_weights=int4_weights, kernels=kernels, max_len=max_len,
+                          max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
+                          prefill_chunk=prefill_chunk, block_size=block_size,
+                          float_embedding=float_embedding)
+            if _interrupt:  # the last point at which stopping leaves the old bundle untouched
+                raise _interrupt[0]
+            work.commit()
     return out
+
+
+def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precision: str,
+                  draft_precision: str, int4_weights: str, kernels: str, max_len: int,
+                  max_source_len: int, gamma: int, max_gamma: int, prefill_chunk: int,
+                  block_size: int, float_embedding: bool) -> None:
+    """Load, export, check and describe both models into the directory `tmp`."""
+    from spec_runtime.contract import graph_metadata
+
+    from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
+    from .onnx_export import stamp_metadata
+    from .onnx_fused import fused_unsupported
+
+    stage("load target")
+    t_model, t_tok = load_model(t_spec)
+    eos = eos_ids(t_model, t_tok)
+    if not eos:
+        raise BuildError("the target has no end-of-sequence token (eos_token_id in config.json "
+                         "or generation_config.json, or the tokenizer's eos_token): set one, so "
+                         "that generation can stop")
+    encdec = is_encoder_decoder(t_model.config)
+    if auto_draft and d_spec is t_spec and fused_unsupported(t_model.config):
+        d_spec, draft_precision = None, precision  # no int4 graph for this family: lookup
+    if d_spec is t_spec:
+        d_model = t_model
+    elif d_spec:  # refuse a mismatched draft before spending minutes on exports
+        stage("load draft")
+        d_model, d_tok = load_model(d_spec)
+        check_vocabularies(t_tok, d_tok)
+        check_pair(t_model, d_model)
+    parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
+    if encdec and "int4" in (precision, draft_precision):
+        raise BuildError("--precision int4 is supported for decoder-only models so far: use "
+                         "fp32 or int8 for encoder-decoder bundles")
+    if encdec and kernels == "fused":
+        raise BuildError("--kernels fused covers decoder-only llama-family models; "
+                         "encoder-decoder bundles are portable: use --kernels portable or auto")
+    quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
+    export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
+                  stage=stage, encdec=encdec, quant_prompts=quant_prompts,
+                  block_size=block_size, kernels=kernels,
+                  float_embedding=float_embedding)
+    use_gguf = int4_weights != "quantize"
+    stage("export target")
+    t_entry = _export_any(t_model, tmp, "target", precision=precision,
+                          gguf_path=t_spec.gguf_path() if use_gguf else None, **export)
+    t_entry.update(t_spec.describe())
+    _check_blocks(t_entry, "--target", int4_weights)
+    if d_spec:
+        stage("export draft")
+        d_entry = _export_any(d_model, tmp, "draft", precision=draft_precision,
+                              gguf_path=d_spec.gguf_path() if use_gguf else None, **export)
+        d_entry.update(d_spec.describe(), kind="model")
+        _check_blocks(d_entry, "--draft", int4_weights)
+    else:
+        # A 1-token match proposes poorly (α ≈ 0.5 on chat prompts). Each proposed token
+        # costs a verify row: ~0.03 of a step at fp32, ~0.2 at int4 on 2 cores, so at int4
+        # proposing only after 2-token matches pays (`specrun bench`, int4, γ 4: chat 1.02× →
+        # 1.16–1.18×, grounded 1.46× → 1.41–1.42×) and at fp32 it does not (1.38× → 1.35×).
+        d_entry = {"kind": "ngram", "max_ngram": 3,
+                   "min_ngram": 2 if precision == "int4" else 1}
+    stage("write bundle")
+    for role, entry in (("target", t_entry), ("draft", d_entry)):
+        for name, graph in entry.get("graphs", {}).items():
+            stamp_metadata(tmp / graph["file"], graph_metadata(role, name, entry["precision"]))
+    t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+    manifest = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "architecture": "encoder-decoder" if encdec else "decoder-only",
+        "max_len": max_len,
+        "max_gamma": max_gamma,
+        "default_gamma": gamma,
+        "prefill_chunk": prefill_chunk,
+        "precision": precision,
+        "target": t_entry,
+        "draft": d_entry,
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "eos_token_ids": eos,
+            "bos_token_id": t_tok.bos_token_id,
+            "special_tokens": {"bos_token": t_tok.bos_token or "",
+                               "eos_token": t_tok.eos_token or ""},
+            "chat_template": t_tok.chat_template if isinstance(t_tok.chat_template, str)
+            else None,
+        },
+        "created_by": library_versions(),
+        "files": {},
+    }
+    if encdec:
+        manifest.update(max_source_len=max_source_len,
+                        decoder_start_token_id=decoder_start_token_id(t_model))
+    write_manifest(tmp, manifest)
 
 
 def _check_blocks(entry: dict, role: str, int4_weights: str) -> None:
@@ -413,19 +428,3 @@ def write_manifest(bundle_dir: Path, manifest: dict) -> None:
     tmp = bundle_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, bundle_dir / MANIFEST)
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Move the finished `new` to `out`. An existing bundle is renamed aside first and removed
-    only after the new one is in place, so `out` is always either old or new, never partial."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}" if out.exists() else None
-    try:
-        if old is not None:
-            os.replace(out, old)
-        os.replace(new, out)
-    except BaseException:  # Ctrl-C or SIGTERM between the two renames: put the old one back
-        if old is not None and old.exists() and not out.exists():
-            os.replace(old, out)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

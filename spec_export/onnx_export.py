@@ -1,9 +1,5 @@
-"""Export a models.CachedDecoder to one ONNX graph that follows the runtime's contract.
-
-    inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
-             past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len, head_dim]   (static)
-    outputs  logits float32 [1, num_logits, vocab]
-             present_key.{i} / present_value.{i} float32 [1, kv_heads, n, head_dim]  (new slots only)
+"""Export a models.CachedDecoder to one ONNX graph that follows the runtime's contract
+(spec_runtime/contract.py) with the "new-slots" cache layout.
 
 Exporter: the dynamo exporter (`torch.onnx.export(dynamo=True)`), see _export_dynamo for why.
 `export_graph` (export, opset-17 downgrade, describe) is shared with the encoder-decoder graphs of
@@ -22,17 +18,22 @@ import onnx.helper
 import onnx.numpy_helper
 import torch
 
+from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
+
 ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
 # dim names the runtime may read; torch.export calls them s0 / u0 / ...
-DIM_N, DIM_NUM_LOGITS = "n", "num_logits"
 
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
 
 
 def io_names(n_layers: int) -> tuple[list[str], list[str]]:
     """The graph's input and output names, in the order the forward takes and returns them."""
-    kv = lambda prefix: [f"{prefix}_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
-    return ["input_ids", "position", "num_logits", *kv("past")], ["logits", *kv("present")]
+    return (["input_ids", "position", "num_logits", *kv_names("past", n_layers)],
+            ["logits", *kv_names("present", n_layers)])
+
+
+def module_dims(module) -> Dims:
+    return Dims(module.n_layers, module.n_kv_heads, module.head_dim, module.vocab_size)
 
 
 def export_decoder(module, path: str | os.PathLike, max_len: int, opset: int = 17) -> dict:
@@ -184,24 +185,26 @@ def describe(path: str | os.PathLike) -> dict:
     return {"inputs": [one(v) for v in m.graph.input], "outputs": [one(v) for v in m.graph.output], "opset": opset}
 
 
+def stamp_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """Write `metadata` into the file's metadata_props (ONNX Runtime reports them; the runtime
+    checks that a graph is the one the manifest names). Weights in an external-data file stay
+    where they are."""
+    m = onnx.load(str(path), load_external_data=False)
+    kept = [p for p in m.metadata_props if p.key not in metadata]
+    del m.metadata_props[:]
+    m.metadata_props.extend(kept)
+    for key, value in metadata.items():
+        m.metadata_props.add(key=key, value=value)
+    onnx.save(m, str(path))
+
+
 def expected_io(module) -> tuple[list[dict], list[dict]]:
     """The contract, as describe() would print it for a correct export of `module`."""
-    in_names, out_names = io_names(module.n_layers)
-    past = list(module.cache_shape())
-    present = [1, module.n_kv_heads, DIM_N, module.head_dim]
-    ins = [
-        {"name": "input_ids", "dtype": "int64", "shape": [1, DIM_N]},
-        {"name": "position", "dtype": "int64", "shape": []},
-        {"name": "num_logits", "dtype": "int64", "shape": []},
-    ] + [{"name": nm, "dtype": "float32", "shape": past} for nm in in_names[3:]]
-    outs = [{"name": "logits", "dtype": "float32", "shape": [1, DIM_NUM_LOGITS, module.vocab_size]}]
-    outs += [{"name": nm, "dtype": "float32", "shape": present} for nm in out_names[1:]]
-    return ins, outs
+    return decoder_io(module_dims(module), module.max_len, "new-slots")
 
 
 def check_contract(desc: dict, ins: list[dict], outs: list[dict]) -> None:
     """Raise unless describe() of a written graph equals the expected inputs and outputs."""
-    for kind, got, want in (("input", desc["inputs"], ins), ("output", desc["outputs"], outs)):
-        if got != want:
-            bad = [(g, w) for g, w in zip(got, want) if g != w] or [(len(got), len(want))]
-            raise RuntimeError(f"exported graph breaks the contract on its {kind}s; got vs expected: {bad[:3]}")
+    why = mismatch((desc["inputs"], desc["outputs"]), (ins, outs))
+    if why:
+        raise RuntimeError(f"exported graph breaks the contract: {why}")

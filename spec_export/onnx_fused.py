@@ -45,8 +45,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specedge.models.llama import rope_table
 
-from .onnx_export import (DIM_N, DIM_NUM_LOGITS, ONNX_SIZE_LIMIT, check_contract, check_max_len,
-                          describe, io_names)
+from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
+
+from .onnx_export import (ONNX_SIZE_LIMIT, check_contract, check_max_len, describe, io_names,
+                          module_dims)
 
 MS_DOMAIN = "com.microsoft"
 # ONNX Runtime's CPU GroupQueryAttention rotates in blocks of 16 floats
@@ -159,12 +161,7 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
 def fused_io(module, max_len: int) -> tuple[list[dict], list[dict]]:
     """The in-place contract as describe() prints it: past and present are the whole cache, one
     spare slot included."""
-    from .onnx_export import expected_io
-
-    ins, outs = expected_io(module)
-    full = [1, module.n_kv_heads, max_len + 1, module.head_dim]
-    return ([dict(i, shape=full) if i["name"].startswith("past_") else i for i in ins],
-            [outs[0]] + [dict(o, shape=full) for o in outs[1:]])
+    return decoder_io(module_dims(module), max_len, "in-place")
 
 
 def _np(t) -> np.ndarray:

@@ -27,7 +27,8 @@ def build_until_first_graph_then(sig, target, draft, out: Path) -> tuple[int, st
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            tmp = [p for p in out.parent.glob(f".{out.name}.tmp-*") if (p / "target.onnx").exists()]
+            tmp = [p for p in out.parent.glob(f".{out.name}.tmp-*")
+                   if (p / "bundle" / "target.onnx").exists()]
             if tmp:
                 proc.send_signal(sig)
                 break

@@ -1,0 +1,291 @@
+"""Where a build writes, and the rule that it never deletes a file it did not write.
+
+    <parent>/.<name>.tmp-XXXX/          made by mkdtemp (private, unique), removed at the end
+        build.json                      marker: pid, host, out; flock-ed while the build runs
+        bundle/                         the new bundle, renamed to <parent>/<name> when done
+        old/                            the bundle it replaces, moved aside for the swap
+
+- `--out` may be missing, an empty directory, or a specedge bundle that holds nothing but the
+  files its manifest lists. Anything else is refused before any work, naming what is in the way.
+- The swap renames the old bundle to `old/`, the new one into place, then unlinks the old
+  bundle's listed files one by one and removes the directory with rmdir, which fails (and keeps
+  the directory) if anything else appeared in it meanwhile.
+- A build killed with SIGKILL leaves its temporary directory behind. Its lock dies with the
+  process, so the next build into the same parent can prove it stale (marker ours, written on
+  this host, lock free) and remove it; one that a running build holds is left alone. A
+  directory that cannot be proved stale is reported with the command that removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from spec_runtime.manifest import FORMAT, MANIFEST
+
+from .sources import BuildError
+
+log = logging.getLogger(__name__)
+
+MARKER = "build.json"
+MARKER_FORMAT = "specedge-build"
+TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-[A-Za-z0-9_]+$")
+OLD_PATTERN = re.compile(r"^\.(?P<name>.+)\.old-\d+$")  # what builds before this module left
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, so no temporary directory is ever proved stale
+    fcntl = None
+
+_HINTS = {
+    errno.EACCES: "check its permissions",
+    errno.EPERM: "check its permissions",
+    errno.EROFS: "the file system is read-only",
+    errno.ENOSPC: "the disk is full: free some space",
+    errno.EDQUOT: "the disk quota is exhausted: free some space",
+    errno.ENOTDIR: "a part of that path is a file, not a directory",
+    errno.EEXIST: "it is a file, where a directory is needed",
+    errno.ENAMETOOLONG: "the path is too long",
+}
+
+
+@contextlib.contextmanager
+def file_system_errors(out: Path):
+    """The file system's refusals (permissions, read-only, full disk, a file where a directory
+    should be) are the user's environment, not a bug: a BuildError naming path and reason."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _HINTS:
+            raise
+        path = Path(e.filename) if e.filename is not None else out
+        writing = path == out or out.parent in path.parents or path == out.parent
+        fix = _HINTS[e.errno] + (", or choose another --out" if writing else "")
+        raise BuildError(f"{e.strerror}: {str(path)!r}: {fix}") from None
+
+
+def resolve_out(out: Path) -> Path:
+    """`out`, through a symbolic link if it is one (the link stays; its target is replaced)."""
+    return out.resolve() if out.is_symlink() else out
+
+
+def check_out(out: Path) -> None:
+    """Refuse an `out` whose replacement would delete something a build did not write."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise BuildError(f"--out {str(out)!r} is a file, not a directory: choose a new or empty "
+                         f"directory")
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    listed = bundle_files(out)
+    if listed is None:
+        raise BuildError(f"--out {str(out)!r} is not empty and not a specedge bundle (it holds "
+                         f"{_names(entries)}): choose a new or empty directory")
+    foreign = [e for e in entries if e not in listed or not _plain_file(out / e)]
+    if foreign:
+        raise BuildError(f"--out {str(out)!r} is a specedge bundle but also holds "
+                         f"{_names(foreign)}, which its manifest does not list and a rebuild would "
+                         f"delete: move them away, or choose another --out")
+
+
+def bundle_files(directory: Path) -> set[str] | None:
+    """The names a bundle's manifest says the directory holds (manifest.json included), or None
+    when `directory/manifest.json` is not a specedge manifest."""
+    try:
+        with open(directory / MANIFEST, "rb") as f:
+            manifest = json.loads(f.read(1 << 24))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or not isinstance(manifest.get("files"), dict):
+        return None
+    names = {n for n in manifest["files"] if isinstance(n, str) and n == Path(n).name
+             and n not in ("", ".", "..")}
+    return names | {MANIFEST}
+
+
+def _plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _names(entries: list[str], most: int = 5) -> str:
+    shown = ", ".join(repr(e) for e in entries[:most])
+    return shown + (f" and {len(entries) - most} more" if len(entries) > most else "")
+
+
+class BuildDir:
+    """A build's temporary directory: `self.bundle` is where the graphs go. Use as a context
+    manager; `commit()` swaps the finished bundle into `out`."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.root = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        self.bundle = self.root / "bundle"
+        self._lock = None
+        try:
+            self._lock = _take_marker(self.root, out)
+            self.bundle.mkdir()  # mode from the umask: mkdtemp's 0700 would make it private
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def commit(self) -> None:
+        """Move the bundle to `out`: at every instant `out` is the old bundle or the new one."""
+        check_out(self.out)  # again: someone may have added a file while the build ran
+        old = self.root / "old"
+        if self.out.exists():
+            os.replace(self.out, old)
+        try:
+            os.replace(self.bundle, self.out)
+        except BaseException:  # Ctrl-C or SIGTERM between the two renames: put the old one back
+            if old.exists() and not self.out.exists():
+                os.replace(old, self.out)
+            raise
+        if old.exists():
+            remove_bundle(old)
+
+    def close(self) -> None:
+        """Remove the temporary directory (see `_remove_root`) and release the lock."""
+        _remove_root(self.root)
+        _release(self._lock)
+
+
+def _remove_root(root: Path) -> None:
+    """Remove a build's temporary directory. mkdtemp made it under a unique name and only the
+    build wrote into it, except `old/`, a bundle moved aside: of that, only the files its
+    manifest lists are removed. If anything else is there, the directory stays, without its
+    marker, so that no later build removes it either (it is reported instead)."""
+    old = root / "old"
+    if old.is_dir():
+        remove_bundle(old)
+    if old.exists():
+        (root / MARKER).unlink(missing_ok=True)
+        return
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_bundle(directory: Path) -> None:
+    """Unlink the files a bundle's manifest lists, then rmdir: anything else stays."""
+    for name in bundle_files(directory) or ():
+        with contextlib.suppress(FileNotFoundError):
+            (directory / name).unlink()
+    try:
+        directory.rmdir()
+    except OSError:
+        extra = sorted(os.listdir(directory)) if directory.is_dir() else []
+        log.warning("kept %s: it holds %s, which the build did not write", directory,
+                    _names(extra))
+
+
+def _take_marker(root: Path, out: Path):
+    """Write the marker under another name, lock it, then rename it into place: a directory
+    that shows the marker is locked for as long as its build runs."""
+    if fcntl is None:
+        return None
+    tmp = root / (MARKER + ".new")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"format": MARKER_FORMAT, "pid": os.getpid(),
+                             "host": socket.gethostname(), "out": out.name,
+                             "started": time.time()}).encode())
+    os.replace(tmp, root / MARKER)
+    return fd
+
+
+def _release(fd) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def stale_temporaries(parent: Path) -> tuple[list[Path], list[Path]]:
+    """Leftovers of earlier builds in `parent`: (provably stale, not provably so). Running builds
+    hold their marker's lock and appear in neither list."""
+    stale, unknown = [], []
+    try:
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return stale, unknown
+    for name in entries:
+        path = parent / name
+        if OLD_PATTERN.match(name) and path.is_dir() and not path.is_symlink():
+            unknown.append(path)
+        elif TMP_PATTERN.match(name) and path.is_dir() and not path.is_symlink():
+            state = _marker_state(path)
+            if state == "stale":
+                stale.append(path)
+            elif state == "unknown":
+                unknown.append(path)
+    return stale, unknown
+
+
+def _marker_state(root: Path) -> str:
+    """"stale", "running" or "unknown" (not ours, another host's, or no way to tell)."""
+    try:
+        fd = os.open(root / MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return "unknown"
+    try:
+        try:
+            marker = json.loads(os.read(fd, 1 << 16))
+        except ValueError:
+            return "unknown"
+        if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT \
+                or marker.get("host") != socket.gethostname() or fcntl is None:
+            return "unknown"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return "running"
+        return "stale"
+    finally:
+        os.close(fd)
+
+
+def clean_stale_temporaries(parent: Path) -> list[Path]:
+    """Remove the provable leftovers of killed builds in `parent` (putting back a bundle one of
+    them had moved aside mid-swap, if its place is empty); report the others with the command
+    that removes them. Returns what was removed."""
+    stale, unknown = stale_temporaries(parent)
+    for root in stale:
+        old = root / "old"
+        try:
+            name = json.loads((root / MARKER).read_text())["out"]
+        except (OSError, ValueError, KeyError, TypeError):
+            name = None
+        if old.is_dir() and isinstance(name, str) and name == Path(name).name \
+                and not (parent / name).exists():
+            os.replace(old, parent / name)  # killed between the swap's two renames
+            log.warning("restored %s, which a killed build had moved aside", parent / name)
+        _remove_root(root)
+        log.warning("removed %s, left by a build that was killed", root)
+    if unknown:
+        log.warning("found %d director%s that earlier builds may have left (%s); if no build is "
+                    "running, remove %s with: rm -r %s", len(unknown),
+                    "y" if len(unknown) == 1 else "ies", _names([str(p) for p in unknown]),
+                    "it" if len(unknown) == 1 else "them",
+                    " ".join(_quote(str(p)) for p in unknown))
+    return stale
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)

@@ -1,0 +1,147 @@
+"""The graph contract between `specexport` and the runtime, described once: the exporter checks
+every graph it writes against it, and the runtime checks every graph it loads (the manifest's
+description of it, and what ONNX Runtime itself reports).
+
+    decoder  inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
+                      past_key.{i} / past_value.{i} float32 [1, kv_heads, S, head_dim]  (static)
+                      encoder-decoder only: cross_key.{i} / cross_value.{i} float32
+                        [1, kv_heads, max_source_len, head_dim] · source_mask int64
+                        [1, max_source_len]
+             outputs  logits float32 [1, num_logits, vocab_size]
+                      present_key.{i} / present_value.{i} float32, by the graph's kv_cache:
+                        "new-slots" [1, kv_heads, n, head_dim], S = max_len  (portable graphs)
+                        "in-place"  [1, kv_heads, S, head_dim], S = max_len + 1  (fused
+                                    graphs: the whole cache, written where it lies; the spare
+                                    slot holds the attention padding row, see
+                                    spec_export/onnx_fused.py)
+    encoder  inputs   input_ids int64 [1, max_source_len] · attention_mask int64
+                      [1, max_source_len]   (the source right-padded, padding masked)
+             outputs  cross_key.{i} / cross_value.{i}, as the decoder's cross inputs
+
+i runs over the decoder layers, key before value. A description is a pair of lists (inputs,
+outputs) of {"name", "dtype", "shape"}, symbolic dims as strings: what the manifest records and
+spec_export.onnx_export.describe() reads from a file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
+KV_CACHE_LAYOUTS = ("new-slots", "in-place")
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32")
+# ONNX metadata_props of every graph in a bundle: which model, graph and precision it is, so
+# that a graph copied over another (its sha256 updated) is caught even when the shapes agree
+METADATA = ("specedge.role", "specedge.graph", "specedge.precision")
+
+
+@dataclass(frozen=True)
+class Dims:
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def kv_names(prefix: str, n_layers: int) -> list[str]:
+    """past_key.0, past_value.0, past_key.1, ... (or present_ / cross_)."""
+    return [f"{prefix}_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
+
+
+def _io(name: str, dtype: str, shape: list) -> dict:
+    return {"name": name, "dtype": dtype, "shape": shape}
+
+
+def decoder_io(dims: Dims, max_len: int, kv_cache: str,
+               max_source_len: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The decoder graph's description; `max_source_len` makes it an encoder-decoder's."""
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        raise ValueError(f"kv_cache {kv_cache!r} is not one of {KV_CACHE_LAYOUTS}")
+    in_place = kv_cache == "in-place"
+    cache = [1, dims.kv_heads, max_len + in_place, dims.head_dim]
+    present = cache if in_place else [1, dims.kv_heads, DIM_N, dims.head_dim]
+    ins = [_io("input_ids", "int64", [1, DIM_N]), _io("position", "int64", []),
+           _io("num_logits", "int64", [])]
+    ins += [_io(n, "float32", cache) for n in kv_names("past", dims.n_layers)]
+    if max_source_len is not None:
+        cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
+        ins += [_io(n, "float32", cross) for n in kv_names("cross", dims.n_layers)]
+        ins += [_io("source_mask", "int64", [1, max_source_len])]
+    outs = [_io("logits", "float32", [1, DIM_NUM_LOGITS, dims.vocab_size])]
+    outs += [_io(n, "float32", present) for n in kv_names("present", dims.n_layers)]
+    return ins, outs
+
+
+def encoder_io(dims: Dims, max_source_len: int) -> tuple[list[dict], list[dict]]:
+    ids = [1, max_source_len]
+    cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
+    return ([_io("input_ids", "int64", ids), _io("attention_mask", "int64", ids)],
+            [_io(n, "float32", cross) for n in kv_names("cross", dims.n_layers)])
+
+
+def dims_of(inputs: list[dict], outputs: list[dict]) -> Dims | None:
+    """The dimensions a decoder description claims (layers from its past_key inputs, heads and
+    head_dim from past_key.0, vocabulary from logits), or None if it lacks those."""
+    n_layers = sum(1 for i in inputs if str(i.get("name", "")).startswith("past_key."))
+    first = next((i for i in inputs if i.get("name") == "past_key.0"), None)
+    logits = next((o for o in outputs if o.get("name") == "logits"), None)
+    try:
+        _, kv_heads, _, head_dim = first["shape"]
+        vocab = logits["shape"][-1]
+    except (TypeError, KeyError, ValueError, IndexError):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1
+               for v in (n_layers, kv_heads, head_dim, vocab)):
+        return None
+    return Dims(n_layers, kv_heads, head_dim, vocab)
+
+
+def mismatch(got: tuple[list[dict], list[dict]], want: tuple[list[dict], list[dict]],
+             exact_dims: bool = True, said: str = "expected") -> str | None:
+    """None when the descriptions agree, else the first difference in words ("... is X,
+    {said} Y"). Without `exact_dims` any symbolic dim (a string, or None as ONNX Runtime
+    reports an unnamed one) matches any other."""
+    for kind, g_list, w_list in (("input", got[0], want[0]), ("output", got[1], want[1])):
+        g_names, w_names = [g.get("name") for g in g_list], [w["name"] for w in w_list]
+        if g_names != w_names:
+            extra = [n for n in g_names if n not in w_names]
+            missing = [n for n in w_names if n not in g_names]
+            if extra or missing:
+                return (f"its {kind}s differ: {_few(missing)} missing, {_few(extra)} "
+                        f"unexpected")
+            return f"its {kind}s are in another order"
+        for g, w in zip(g_list, w_list):
+            if g.get("dtype") != w["dtype"] or not _same_shape(g.get("shape"), w["shape"],
+                                                               exact_dims):
+                return (f"{kind} {w['name']} is {g.get('dtype')} {_shape(g.get('shape'))}, "
+                        f"{said} {w['dtype']} {_shape(w['shape'])}")
+    return None
+
+
+def _same_shape(got, want, exact_dims: bool) -> bool:
+    if not isinstance(got, list) or len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if isinstance(w, int):
+            if not (isinstance(g, int) and not isinstance(g, bool) and g == w):
+                return False
+        elif exact_dims and g != w or not exact_dims and isinstance(g, int):
+            return False
+    return True
+
+
+def _shape(shape) -> str:
+    if not isinstance(shape, list):
+        return repr(shape)
+    return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
+
+
+def _few(names: list, most: int = 3) -> str:
+    if not names:
+        return "none"
+    return ", ".join(map(str, names[:most])) + (f" (+{len(names) - most})" if len(names) > most
+                                                else "")
+
+
+def graph_metadata(role: str, graph: str, precision: str) -> dict[str, str]:
+    return dict(zip(METADATA, (role, graph, precision)))

@@ -1,0 +1,271 @@
+"""`specexport build` never deletes a file it did not write: it replaces only an empty directory
+or a specedge bundle that holds nothing but what its manifest lists, refuses anything else
+before any work (exit 2, naming what is in the way), reports the file system's refusals as
+input errors, and finds the temporary directories of builds that were killed outright."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spec_export import output
+from specedge.cli.specexport import main as specexport
+from helpers import assert_input_error, run
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from tiny_models import llama, save
+
+    return save(llama(11, layers=1), tmp_path_factory.mktemp("safety") / "target")
+
+
+def build(target, out, *extra):
+    return run(specexport, "build", "--target", target, "--draft", "ngram", "--out", out,
+               "--max-len", 64, "--quiet", *extra)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file below `root` (links as links) and a digest of its content."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = Path(dirpath) / name
+            out[str(p.relative_to(root))] = ("link:" + os.readlink(p) if p.is_symlink()
+                                             else hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+def user_files(root: Path) -> dict[str, str]:
+    (root / "notes.txt").write_text("mine")
+    (root / "project").mkdir()
+    (root / "project" / "manifest.json").write_text('{"name": "app"}')
+    (root / "project" / "important.txt").write_text("keep")
+    return snapshot(root)
+
+
+def test_a_directory_with_someone_elses_manifest_is_refused_and_kept(tmp_path, target):
+    """The reported data loss: any file named manifest.json made the directory 'a bundle'."""
+    w = tmp_path / "w"
+    w.mkdir()
+    (w / "manifest.json").write_text('{"name":"app"}')
+    (w / "important.txt").write_text("notes")
+    before = snapshot(w)
+    assert_input_error(build(target, w), "'important.txt'", "not a specedge bundle",
+                       "choose a new or empty directory")
+    assert snapshot(w) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["w"]  # nothing else written either
+
+
+def test_a_bundle_with_files_a_user_added_is_refused_and_kept(tmp_path, target):
+    out = tmp_path / "bundle"
+    assert build(target, out).exit_code == 0
+    (out / "my-notes.txt").write_text("keep")
+    (out / "extra").mkdir()
+    before = snapshot(out)
+    assert_input_error(build(target, out), "'extra'", "'my-notes.txt'", "does not list",
+                       "move them away")
+    assert snapshot(out) == before
+
+
+def test_rebuilding_replaces_the_bundle_and_nothing_else(tmp_path, target):
+    theirs = user_files(tmp_path)
+    out = tmp_path / "bundle"
+    assert build(target, out).exit_code == 0
+    first = json.loads((out / "manifest.json").read_text())
+    r = build(target, out, "--gamma", "3")  # a rebuild with another setting replaces it
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["default_gamma"] == 3 != \
+        first["default_gamma"]
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("bundle/")} == theirs
+    assert sorted(os.listdir(out)) == sorted([*first["files"], "manifest.json"])
+    assert sorted(os.listdir(tmp_path)) == ["bundle", "notes.txt", "project"]  # no leftovers
+
+
+def test_an_empty_directory_is_used(tmp_path, target):
+    (tmp_path / "empty").mkdir()
+    assert build(target, tmp_path / "empty").exit_code == 0
+    assert (tmp_path / "empty" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["is-a-file", "under-a-file"])
+def test_out_that_is_or_lies_under_a_file(tmp_path, target, where):
+    (tmp_path / "f").write_text("data")
+    out = tmp_path / "f" if where == "is-a-file" else tmp_path / "f" / "bundle"
+    r = build(target, out)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert str(out if where == "is-a-file" else tmp_path / "f") in r.output
+    assert (tmp_path / "f").read_text() == "data"
+
+
+@pytest.mark.parametrize("err, reason", [(errno.EROFS, "Read-only file system"),
+                                         (errno.EACCES, "Permission denied"),
+                                         (errno.ENOSPC, "No space left on device")])
+def test_file_system_refusals_exit_2_with_path_and_reason(tmp_path, target, monkeypatch, err,
+                                                          reason):
+    """Injected where the build writes its first file (a read-only parent, a full disk), since
+    the tests may run as root, whom permissions do not stop."""
+    def refuse(*args, **kwargs):
+        raise OSError(err, os.strerror(err), str(tmp_path))
+
+    monkeypatch.setattr(output.tempfile, "mkdtemp", refuse)
+    assert_input_error(build(target, tmp_path / "b"), reason, str(tmp_path), "--out")
+
+
+def test_disk_full_while_writing_keeps_the_old_bundle(tmp_path, target, monkeypatch):
+    from spec_export import build as build_module
+
+    out = tmp_path / "bundle"
+    assert build(target, out).exit_code == 0
+    before = snapshot(tmp_path)
+
+    def full(directory, manifest):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "manifest.json"))
+
+    monkeypatch.setattr(build_module, "write_manifest", full)
+    assert_input_error(build(target, out), "No space left on device", "manifest.json")
+    assert snapshot(tmp_path) == before  # old bundle intact, temporary directory gone
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories anyway; "
+                    "the injected refusals above cover it")
+def test_a_real_read_only_parent(tmp_path, target):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        assert_input_error(build(target, parent / "b"), "Permission denied", str(parent))
+    finally:
+        parent.chmod(0o755)
+
+
+class Deletions:
+    """Records every path the process deletes through os/shutil while a build runs."""
+
+    def __init__(self, monkeypatch):
+        self.paths: list[Path] = []
+        for mod, name in ((os, "unlink"), (os, "remove"), (os, "rmdir"), (shutil, "rmtree")):
+            real = getattr(mod, name)
+
+            def wrapper(path, *args, _real=real, **kwargs):
+                if kwargs.get("dir_fd") is None:  # rmtree's own calls are inside its root
+                    self.paths.append(Path(os.path.abspath(path)))
+                return _real(path, *args, **kwargs)
+
+            monkeypatch.setattr(mod, name, wrapper)
+
+
+def test_no_build_deletes_a_file_it_did_not_write(tmp_path, target, monkeypatch):
+    """Over a fresh build, a rebuild, a refused build, a failed build and a build beside the
+    leftovers of killed ones, every deletion is of a file this or an earlier build wrote: a
+    listed file of a replaced bundle, or something inside a build's own temporary directory."""
+    theirs = user_files(tmp_path)
+    out = tmp_path / "bundle"
+    deleted = Deletions(monkeypatch)
+    assert build(target, out).exit_code == 0
+    old_files = {out / n for n in os.listdir(out)}
+    assert build(target, out).exit_code == 0
+    (out / "added.txt").write_text("keep")
+    assert build(target, out).exit_code == 2  # refused
+    (out / "added.txt").unlink()  # (the user's own deletion, not the build's)
+    deleted.paths.remove(out / "added.txt")
+
+    from spec_export import build as build_module
+
+    def fail(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    with monkeypatch.context() as m:
+        m.setattr(build_module, "write_manifest", fail)
+        assert build(target, out).exit_code == 2
+    assert all(p.is_relative_to(tmp_path) for p in deleted.paths)
+    listed = {f.name for f in old_files}
+    for p in deleted.paths:
+        parts = p.relative_to(tmp_path).parts
+        assert output.TMP_PATTERN.match(parts[0]), p  # inside a build's temporary directory
+        if parts[1:2] == ("old",) and len(parts) > 2:  # the replaced bundle: its listed files
+            assert parts[2:] in [(name,) for name in listed], p
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("bundle/")} == theirs
+
+
+# -- builds killed outright -----------------------------------------------------------------
+
+
+def start_build(target, out: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specedge.cli.specexport", "build", "--target", str(target),
+           "--draft", "ngram", "--out", str(out), "--max-len", "64", "--quiet"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_builds_leftover_is_removed_by_the_next_build(tmp_path, target):
+    theirs = user_files(tmp_path)
+    out = tmp_path / "bundle"
+    proc = start_build(target, out)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any((p / "bundle" / "target.onnx").exists() for p in tmp_path.glob(".bundle.tmp-*")):
+            proc.send_signal(signal.SIGKILL)  # the OOM killer or a CI timeout: no cleanup
+            break
+        time.sleep(0.02)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the build ended before it could be killed"
+    left = list(tmp_path.glob(".bundle.tmp-*"))
+    assert len(left) == 1 and not out.exists()
+    assert output.stale_temporaries(tmp_path) == (left, [])
+
+    r = build(target, out)
+    assert r.exit_code == 0, r.output
+    assert f"removed {left[0]}, left by a build that was killed" in r.stderr
+    assert not left[0].exists() and (out / "manifest.json").is_file()
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("bundle/")} == theirs
+
+
+def test_a_running_builds_directory_is_left_alone(tmp_path):
+    """Its lock is held: not stale, not even reported; once it closes, it is gone."""
+    work = output.BuildDir(tmp_path / "bundle")
+    (work.bundle / "target.onnx").write_bytes(b"half written")
+    assert output.stale_temporaries(tmp_path) == ([], [])
+    assert output.clean_stale_temporaries(tmp_path) == []
+    assert (work.bundle / "target.onnx").exists()
+    work.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_leftovers_that_are_not_provably_ours_are_reported_not_removed(tmp_path, caplog):
+    """A hidden directory that looks like a temporary one but has no marker (made by hand, or by
+    a build before markers existed) stays; the report names the command that removes it."""
+    mine = tmp_path / ".bundle.tmp-abc123"
+    mine.mkdir()
+    (mine / "data.bin").write_text("someone's")
+    old = tmp_path / ".bundle.old-4242"
+    old.mkdir()
+    with caplog.at_level("WARNING"):
+        assert output.clean_stale_temporaries(tmp_path) == []
+    assert (mine / "data.bin").exists() and old.exists()
+    assert f"rm -r {old} {mine}" in caplog.text
+
+
+def test_a_build_killed_mid_swap_gets_its_old_bundle_back(tmp_path):
+    """Killed between the swap's two renames: the old bundle sits in the leftover's old/ and
+    `out` is missing. The next cleanup puts it back."""
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    (out / "manifest.json").write_text(json.dumps({"format": "specedge-bundle", "files": {
+        "tokenizer.json": {}}}))
+    work = output.BuildDir(out)
+    os.replace(out, work.root / "old")
+    os.close(work._lock)  # what the kernel does when the process dies
+    assert output.clean_stale_temporaries(tmp_path) == [work.root]
+    assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
+    assert os.listdir(tmp_path) == ["bundle"]
