@@ -7,7 +7,9 @@ from pathlib import Path
 
 from .drafts import ModelDraft, NgramDraft
 from .generator import Generator
-from .manifest import REBUILD, BundleError, read_manifest
+from .chat import compile_chat_template
+from .contract import graph_metadata
+from .manifest import REBUILD, BundleError, read_manifest, unreadable
 
 DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
@@ -21,10 +23,12 @@ def default_bundle_dir() -> Path:
     return Path(data) / "specedge" / "default"
 
 
-def _engine(bundle_dir: Path, manifest: dict, model: dict, device: str, threads):
+def _engine(bundle_dir: Path, manifest: dict, role: str, device: str, threads):
     """One model's engine: OrtEngine over its decoder graph, or for an encoder-decoder bundle
     OrtEncDecEngine over its encoder and decoder graphs."""
+    model = manifest[role]
     graph = dict(model["graphs"]["decoder"], vocab_size=model["vocab_size"])
+    precision = model.get("precision", "fp32")
     # With a model draft two sessions take turns many times a round. ONNX Runtime's workers spin
     # for a while after each run, so the other session's run would compete with them for the
     # cores; not spinning at all makes every parallel operator wake sleeping workers instead.
@@ -34,21 +38,29 @@ def _engine(bundle_dir: Path, manifest: dict, model: dict, device: str, threads)
     # stopping at return 1.63×. One session alone keeps spinning (it shortens its own calls).
     spinning = manifest["draft"]["kind"] != "model"
     common = dict(max_len=manifest["max_len"], prefill_chunk=manifest["prefill_chunk"],
-                  device=device, threads=threads, spinning=spinning)
+                  device=device, threads=threads, spinning=spinning,
+                  metadata=graph_metadata(role, "decoder", precision))
     if manifest["architecture"] == "encoder-decoder":
         from .ort_encdec import OrtEncDecEngine
 
         enc = model["graphs"]["encoder"]
         return OrtEncDecEngine(bundle_dir / graph["file"], graph, bundle_dir / enc["file"], enc,
-                               max_source_len=manifest["max_source_len"], **common)
+                               max_source_len=manifest["max_source_len"], where=role,
+                               encoder_metadata=graph_metadata(role, "encoder", precision),
+                               **common)
     from .ort_engine import OrtEngine
 
-    return OrtEngine(bundle_dir / graph["file"], graph, **common)
+    return OrtEngine(bundle_dir / graph["file"], graph, where=f"{role}.graphs.decoder", **common)
 
 
 def load_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
+    try:
+        with open(path, "rb"):  # a file system refusal is named as such
+            pass
+    except OSError as e:
+        raise unreadable(path, e) from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
@@ -69,7 +81,7 @@ def check_tokenizer(tokenizer, tok: dict) -> None:
         if got not in ids:
             raise BundleError(
                 f"tokenizer.json maps the {key} {text!r} to {got!r}, the manifest says "
-                f"{ids[0] if len(ids) == 1 else ids}: the tokenizer belongs to another model; "
+                f"{ids[0] if len(ids) == 1 else ids!r}: the tokenizer belongs to another model; "
                 f"{REBUILD}"
             )
 
@@ -81,7 +93,9 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     tok = manifest["tokenizer"]
     tokenizer = load_tokenizer(bundle_dir / tok["file"])
     check_tokenizer(tokenizer, tok)
-    target = _engine(bundle_dir, manifest, manifest["target"], device, threads)
+    if tok.get("chat_template"):
+        compile_chat_template(tok["chat_template"])  # syntax and a test render, before sessions
+    target = _engine(bundle_dir, manifest, "target", device, threads)
     if tokenizer.get_vocab_size() > target.vocab_size:
         raise BundleError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the target graph only "
@@ -89,10 +103,10 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         )
     d = manifest["draft"]
     if d["kind"] == "model":
-        draft = ModelDraft(_engine(bundle_dir, manifest, d, device, threads))
+        draft = ModelDraft(_engine(bundle_dir, manifest, "draft", device, threads))
     else:
-        draft = NgramDraft(target.vocab_size, max_ngram=d.get("max_ngram", 3),
-                           min_ngram=d.get("min_ngram", 1))
+        draft = NgramDraft(target.vocab_size, max_ngram=d.get("max_ngram") or 3,
+                           min_ngram=d.get("min_ngram") or 1)
     gen = Generator(
         target,
         draft,

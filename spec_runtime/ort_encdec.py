@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .engine import CacheCapacityError
-from .ort_engine import OrtEngine, make_session
+from .ort_engine import OrtEngine, open_session
 
 
 class OrtEncDecEngine(OrtEngine):
@@ -21,20 +21,18 @@ class OrtEncDecEngine(OrtEngine):
 
     def __init__(self, decoder_path, decoder_graph: dict, encoder_path, encoder_graph: dict, *,
                  max_len: int, max_source_len: int, prefill_chunk: int, device="cpu",
-                 threads: int | None = None, spinning: bool = True):
+                 threads: int | None = None, spinning: bool = True, where: str = "graph",
+                 metadata: dict | None = None, encoder_metadata: dict | None = None):
+        """The graphs' manifest entries were checked against the contract (the encoder's
+        outputs are the decoder's cross inputs, its source length max_source_len)."""
         super().__init__(decoder_path, decoder_graph, max_len=max_len, prefill_chunk=prefill_chunk,
-                         device=device, threads=threads, spinning=spinning)
-        src = next(i for i in encoder_graph["inputs"] if i["name"] == "input_ids")
-        if src["shape"][1] != max_source_len:
-            raise ValueError(f"encoder graph source length {src['shape'][1]} != manifest "
-                             f"max_source_len {max_source_len}")
+                         device=device, threads=threads, spinning=spinning,
+                         where=f"{where}.graphs.decoder", metadata=metadata)
         self.max_source_len = max_source_len
         self.cross_names = [o["name"] for o in encoder_graph["outputs"]]
-        wanted = [i["name"] for i in decoder_graph["inputs"] if i["name"].startswith("cross_")]
-        if sorted(self.cross_names) != sorted(wanted):
-            raise ValueError(f"encoder outputs {self.cross_names} do not match the decoder's cross "
-                             f"inputs {wanted}")
-        self.encoder = make_session(encoder_path, device, threads, spinning)
+        self.encoder = open_session(encoder_path, encoder_graph, where=f"{where}.graphs.encoder",
+                                    metadata=encoder_metadata, device=device, threads=threads,
+                                    spinning=spinning)
         self._source = np.zeros((1, max_source_len), dtype=np.int64)
         self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
         self.encoded = False

@@ -1,30 +1,28 @@
-"""ONNX Runtime engine: one exported decoder graph and its static KV cache in numpy.
-
-The graph contract (written by spec_export, recorded in the manifest):
-
-    inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
-             past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len, head_dim]   (static)
-    outputs  logits float32 [1, num_logits, vocab]
-             present_key.{i} / present_value.{i} float32, by the graph's `kv_cache`:
-               "new-slots"  [1, kv_heads, n, head_dim]        (portable graphs)
-               "in-place"   [1, kv_heads, max_len + 1, head_dim]  (fused graphs: the whole
-                            cache; past has that shape too, the spare slot is explained in
-                            spec_export/onnx_fused.py)
+"""ONNX Runtime engine: one exported decoder graph (the contract in contract.py) and its static
+KV cache in numpy.
 
 The cache buffers are allocated once. A new-slots graph reads them in place (ONNX Runtime takes
 contiguous numpy inputs on the CPU without a copy) and only the n new slots are copied back. An
 in-place graph is run through an IOBinding that binds each `past` input and its `present` output
 to the same buffer, so the attention kernel writes the new slots where they belong; the logits
 go into a buffer allocated once. Such a step allocates nothing and copies no cache.
+
+Sessions are opened by `open_session`, which checks what ONNX Runtime reports of the graph
+against the manifest's description of it: a graph file swapped or edited after the build is
+refused when the bundle loads, not at the first generate.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from .contract import METADATA, mismatch
+from .manifest import REBUILD, BundleError, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +55,34 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def make_session(path, device: str = "cpu", threads: int | None = None, spinning: bool = True):
-    import onnxruntime as ort
+TELEMETRY_ENV = "ORT_DISABLE_TELEMETRY"
+ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
+              "tensor(bfloat16)": "bfloat16", "tensor(int64)": "int64", "tensor(int32)": "int32"}
 
+
+def onnxruntime():
+    """Import onnxruntime with its telemetry off. Its Linux/macOS builds (1.2x and later) write
+    a device id under ~/.cache/Microsoft/DeveloperTools and may upload usage events unless
+    ORT_DISABLE_TELEMETRY=1 is set when it is first imported; a host's own setting of that
+    variable is kept, and the variable is removed again afterwards, so the process environment
+    is unchanged. A host that imported onnxruntime before keeps the choice it made then."""
+    if "onnxruntime" in sys.modules:
+        import onnxruntime as ort
+
+        return ort
+    unset = TELEMETRY_ENV not in os.environ
+    if unset:
+        os.environ[TELEMETRY_ENV] = "1"
+    try:
+        import onnxruntime as ort
+    finally:
+        if unset:
+            os.environ.pop(TELEMETRY_ENV, None)
+    return ort
+
+
+def make_session(path, device: str = "cpu", threads: int | None = None, spinning: bool = True):
+    ort = onnxruntime()
     if device not in PROVIDERS:
         raise ValueError(f"device {device!r} is not supported: use one of {sorted(PROVIDERS)}")
     available = set(ort.get_available_providers())
@@ -77,33 +100,73 @@ def make_session(path, device: str = "cpu", threads: int | None = None, spinning
     if not spinning:  # see bundle._engine: sessions that take turns stop spinning at return
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     try:
+        with open(path, "rb"):  # a file system refusal is named as such, not as a bad graph
+            pass
+    except OSError as e:
+        raise unreadable(Path(path), e) from None
+    try:
         return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
     except Exception as e:  # onnxruntime's own types (InvalidProtobuf, Fail, NotImplemented...)
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise ValueError(
+        raise BundleError(
             f"ONNX Runtime cannot open {Path(path).name} ({reason}): the graph is damaged or "
-            f"needs a newer onnxruntime; re-run `specexport build`, or `pip install -U "
-            f"onnxruntime`"
+            f"needs a newer onnxruntime; {REBUILD}, or `pip install -U onnxruntime`"
         ) from None
+
+
+def open_session(path, graph: dict, *, where: str, metadata: dict | None = None,
+                 device: str = "cpu", threads: int | None = None, spinning: bool = True):
+    """make_session, then check that ONNX Runtime sees the graph the manifest describes as
+    `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own specedge
+    metadata, where it has any (bundles built before it was written have none), names the
+    same role, graph and precision."""
+    session = make_session(path, device, threads, spinning)
+    name = Path(path).name
+    seen = (_io(session.get_inputs()), _io(session.get_outputs()))
+    why = mismatch(seen, (graph["inputs"], graph["outputs"]), exact_dims=False,
+                   said="the manifest says")
+    if why:
+        raise BundleError(f"{name} is not the graph the manifest describes as {where}: to ONNX "
+                          f"Runtime its {why}; the file was replaced or the manifest edited; "
+                          f"{REBUILD}")
+    meta = session.get_modelmeta().custom_metadata_map
+    for key, value in (metadata or {}).items():
+        if key in meta and meta[key] != value:
+            theirs = "/".join(meta.get(k, "?") for k in METADATA)
+            ours = "/".join(metadata.get(k, "?") for k in METADATA)
+            raise BundleError(f"{name} is the {theirs} graph, but the manifest names it as "
+                              f"{ours}: a graph was copied over another; {REBUILD}")
+    return session
+
+
+def _io(args) -> list[dict]:
+    return [{"name": a.name, "dtype": ORT_DTYPES.get(a.type, a.type), "shape": list(a.shape)}
+            for a in args]
 
 
 class OrtEngine:
     """Implements spec_runtime.engine.Engine over one contract graph."""
 
     def __init__(self, path, graph: dict, *, max_len: int, prefill_chunk: int, device="cpu",
-                 threads: int | None = None, spinning: bool = True):
-        self.session = make_session(path, device, threads, spinning)
+                 threads: int | None = None, spinning: bool = True, where: str = "graph",
+                 metadata: dict | None = None):
+        """`graph`: the manifest's entry (checked by manifest.read_manifest against the
+        contract) plus `vocab_size`."""
+        self.session = open_session(path, graph, where=where, metadata=metadata, device=device,
+                                    threads=threads, spinning=spinning)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.vocab_size = int(graph["vocab_size"])
         past = [i for i in graph["inputs"] if i["name"].startswith("past_")]
         shape = tuple(past[0]["shape"])  # [1, kv_heads, max_len (+ 1 if in place), head_dim]
         self.in_place = graph.get("kv_cache", "new-slots") == "in-place"
-        # an in-place graph holds one spare slot for its attention padding row (onnx_fused.py)
-        if shape[2] != max_len + self.in_place:
-            raise ValueError(f"graph cache length {shape[2]} does not fit manifest max_len "
-                             f"{max_len} ({graph.get('kv_cache', 'new-slots')} cache)")
-        self.cache = {i["name"]: np.zeros(shape, dtype=np.float32) for i in past}
+        try:
+            self.cache = {i["name"]: np.zeros(shape, dtype=np.float32) for i in past}
+        except MemoryError:
+            raise BundleError(f"the KV cache of {Path(path).name} needs "
+                              f"{4 * len(past) * np.prod(shape) / 2**30:.1f} GiB, more than "
+                              f"this machine can allocate: rebuild with a smaller `specexport "
+                              f"build --max-len`") from None
         self.output_names = [o["name"] for o in graph["outputs"]]
         self._present_to_past = {n: "past_" + n[len("present_"):] for n in self.output_names
                                  if n.startswith("present_")}
@@ -112,8 +175,7 @@ class OrtEngine:
             self._bind_in_place()
 
     def _bind_in_place(self) -> None:
-        import onnxruntime as ort
-
+        ort = onnxruntime()
         self._binding = self.session.io_binding()
         for present, past in self._present_to_past.items():
             buffer = ort.OrtValue.ortvalue_from_numpy(self.cache[past])  # shares the numpy memory

@@ -1,9 +1,11 @@
 """A library that can live inside someone else's process: importing spec_runtime (and every
 submodule) installs no signal handler, reads or changes no sys.argv, prints nothing, starts no
-thread and configures no logging; loading and generating print nothing either. Generators are
-safe to use from several threads."""
+thread and configures no logging; loading and generating print nothing either, write nothing
+outside the bundle (ONNX Runtime's telemetry is off) and leave the environment as it was.
+Generators are safe to use from several threads."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ import spec_runtime
 
 SCRIPT = textwrap.dedent(
     """
-    import importlib, io, json, logging, pkgutil, signal, sys, threading
+    import importlib, io, json, logging, os, pkgutil, signal, sys, threading
 
     bundle = sys.argv[1]  # "-": import only
     argv = sys.argv = ["host-program", "--not-for-the-library"]
@@ -40,6 +42,7 @@ SCRIPT = textwrap.dedent(
     sys.stdout, sys.stderr = out, err
     print(json.dumps({
         "printed": printed,
+        "telemetry_env": os.environ.get("ORT_DISABLE_TELEMETRY"),
         "argv_same_object": sys.argv is argv,
         "argv_unchanged": sys.argv == saved_argv,
         "changed_handlers": [s.name for s in signals if signal.getsignal(s) != handlers[s]],
@@ -51,9 +54,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def run_script(bundle_arg: str) -> dict:
+def run_script(bundle_arg: str, **env) -> dict:
     out = subprocess.run([sys.executable, "-c", SCRIPT, bundle_arg], capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     assert out.stderr == "", out.stderr  # nothing at interpreter exit either
     return json.loads(out.stdout)
@@ -74,6 +77,34 @@ def test_load_and_generate_print_nothing_and_leave_the_process_alone(llama_pair)
     assert r["argv_unchanged"] and r["changed_handlers"] == []
     assert r["threads"][2] == r["threads"][0]  # ONNX Runtime's pool is native, not Python threads
     assert r["root_handlers_unchanged"]
+
+
+def files_under(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_load_and_generate_write_nothing_under_home(llama_pair, tmp_path, monkeypatch):
+    """ONNX Runtime's POSIX builds write a telemetry device id under ~/.cache unless
+    ORT_DISABLE_TELEMETRY is set when they are imported: the runtime sets it for that import
+    only, and a host's own choice stands (with 0, the file appears: the switch is what keeps
+    the home directory clean)."""
+    monkeypatch.delenv("ORT_DISABLE_TELEMETRY", raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    r = run_script(str(llama_pair[2]), HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    assert r["printed"] == "" and r["telemetry_env"] is None
+    assert files_under(home) == []
+
+    (tmp_path / "file").write_text("not a directory")  # a HOME no one can write to, root neither
+    r = run_script(str(llama_pair[2]), HOME=str(tmp_path / "file" / "home"))
+    assert r["printed"] == "", r["printed"]  # no warning about an unwritable cache
+
+    r = run_script(str(llama_pair[2]), HOME=str(home), ORT_DISABLE_TELEMETRY="0")
+    assert r["telemetry_env"] == "0"
+    import onnxruntime
+
+    if not any("DeveloperTools" in f for f in files_under(home)):
+        print(f"onnxruntime {onnxruntime.__version__} writes no telemetry id even when allowed")
 
 
 def test_runtime_logs_through_logging_not_print():

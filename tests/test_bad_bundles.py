@@ -1,0 +1,257 @@
+"""A bundle is untrusted input: every way it can disagree with itself, with its graphs or with the
+file system ends at load time in one BundleError naming the field or file and the fix, and in
+`specrun` as exit code 2 with one line on stderr, never a traceback, a hang or a wrong graph run.
+
+Each case damages a copy of the tiny llama bundle the way a user or a bad copy would; where the
+damage is to a file, the manifest's size and sha256 are "fixed" to match, so that only the checks
+beyond the hashes can catch it."""
+
+import builtins
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import spec_runtime
+from spec_runtime.manifest import BundleError, sha256_file
+from specedge.cli.specrun import main as specrun
+from helpers import edit_manifest, run
+
+
+def rehash(bundle: Path, *names: str) -> None:
+    def fix(m):
+        for name in names:
+            m["files"][name] = {"bytes": (bundle / name).stat().st_size,
+                                "sha256": sha256_file(bundle / name)}
+    edit_manifest(bundle, fix)
+
+
+def graph(m, role="target", name="decoder"):
+    return m[role]["graphs"][name]
+
+
+def resize_cache(m, max_len):
+    """max_len edited together with every cache shape the manifest describes: the manifest is
+    consistent with itself, but not with the graph."""
+    m["max_len"] = max_len
+    for role in ("target", "draft"):
+        for io in graph(m, role)["inputs"] + graph(m, role)["outputs"]:
+            if io["name"].startswith(("past_", "present_")):
+                io["shape"][2] = max_len + 1
+
+
+def other_graph_over_target(b):
+    """The draft's graph (one layer, not three) saved as target.onnx, with its producer changed
+    so that it is not byte for byte the draft file."""
+    import onnx
+
+    model = onnx.load(str(b / "draft.onnx"))
+    model.producer_version = "edited"
+    onnx.save(model, str(b / "target.onnx"))
+    rehash(b, "target.onnx")
+
+
+def copy_draft_over_target(b):
+    shutil.copy(b / "draft.onnx", b / "target.onnx")
+    rehash(b, "target.onnx")
+
+
+def swap_graphs(b):
+    """target.onnx and draft.onnx exchanged, and the manifest made to describe each file as what
+    it now holds (shapes, sizes, hashes): only the graphs' own metadata still tell."""
+    t, d = (b / "target.onnx").read_bytes(), (b / "draft.onnx").read_bytes()
+    (b / "target.onnx").write_bytes(d)
+    (b / "draft.onnx").write_bytes(t)
+
+    def swap(m):
+        gt, gd = graph(m, "target"), graph(m, "draft")
+        for key in ("inputs", "outputs"):
+            gt[key], gd[key] = gd[key], gt[key]
+    edit_manifest(b, swap)
+    rehash(b, "target.onnx", "draft.onnx")
+
+
+def same_file_twice(b):
+    edit_manifest(b, lambda m: graph(m, "draft").update(graph(m, "target")))
+
+
+def same_graph_copied(b):
+    """draft.onnx replaced by a copy of target.onnx, described as the target is."""
+    shutil.copy(b / "target.onnx", b / "draft.onnx")
+    rehash(b, "draft.onnx")
+    edit_manifest(b, lambda m: graph(m, "draft").update(inputs=graph(m)["inputs"],
+                                                         outputs=graph(m)["outputs"]))
+
+
+def link_outside(b, name):
+    outside = b.parent / f"outside-{name}"
+    shutil.move(b / name, outside)
+    os.symlink(outside, b / name)
+
+
+def set_template(template):
+    return lambda b: edit_manifest(b, lambda m: m["tokenizer"].update(chat_template=template))
+
+
+def tok(**fields):
+    return lambda b: edit_manifest(b, lambda m: m["tokenizer"].update(fields))
+
+
+CASES = {
+    # manifest vs graph
+    "vocab-size-edited": (lambda b: edit_manifest(b, lambda m: m["target"].update(
+        vocab_size=300)), ["target.graphs.decoder", "vocab_size 300", "logits"]),
+    "max-len-and-cache-shapes-edited": (lambda b: edit_manifest(b, lambda m: resize_cache(m, 200)),
+                                        ["target.onnx", "past_key.0", "[1, 2, 201, 16]"]),
+    "other-graph-saved-as-target": (other_graph_over_target, [
+        "target.onnx", "is not the graph the manifest describes as target.graphs.decoder"]),
+    "draft-graph-copied-over-target": (copy_draft_over_target, ["same graph", "target.onnx"]),
+    "graphs-swapped-and-described": (swap_graphs, ["target.onnx", "draft/decoder/fp32",
+                                                   "target/decoder/fp32"]),
+    "draft-names-the-target-file": (same_file_twice, ["draft.graphs.decoder.file",
+                                                      "target.graphs.decoder.file"]),
+    "target-copied-as-draft": (same_graph_copied, ["same graph", "draft.onnx"]),
+    "logits-dtype-edited": (lambda b: edit_manifest(b, lambda m: graph(m)["outputs"][0].update(
+        dtype="float16")), ["logits", "float16"]),
+    "negative-cache-dim": (lambda b: edit_manifest(b, lambda m: graph(m)["inputs"][3].update(
+        shape=[1, -2, 97, 16])), ["target.graphs.decoder.inputs[3].shape", "[1, -2, 97, 16]"]),
+    "input-renamed": (lambda b: edit_manifest(b, lambda m: graph(m)["inputs"][1].update(
+        name="pos")), ["target.graphs.decoder", "position"]),
+    # optional fields of the wrong type
+    "special-tokens-a-list": (tok(special_tokens=["<s>"]), ["tokenizer.special_tokens"]),
+    "special-token-an-id": (tok(special_tokens={"eos_token": 2}), ["tokenizer.special_tokens"]),
+    "chat-template-a-number": (tok(chat_template=5), ["tokenizer.chat_template"]),
+    "eos-ids-empty": (tok(eos_token_ids=[]), ["tokenizer.eos_token_ids", "non-empty"]),
+    "eos-id-a-string": (tok(eos_token_ids=["2"]), ["tokenizer.eos_token_ids", "'2'"]),
+    "eos-id-outside-vocab": (tok(eos_token_ids=[259]), ["tokenizer.eos_token_ids", "259"]),
+    "bos-id-a-string": (tok(bos_token_id="1"), ["tokenizer.bos_token_id", "'1'"]),
+    "ngram-size-a-string": (lambda b: edit_manifest(b, lambda m: m.update(draft={
+        "kind": "ngram", "max_ngram": "3"})), ["draft.max_ngram", "'3'"]),
+    "ngram-sizes-reversed": (lambda b: edit_manifest(b, lambda m: m.update(draft={
+        "kind": "ngram", "max_ngram": 2, "min_ngram": 3})), ["draft.max_ngram"]),
+    "max-gamma-huge": (lambda b: edit_manifest(b, lambda m: m.update(max_gamma=10**12)),
+                       ["max_gamma", "1000000000000"]),
+    "max-len-a-bool": (lambda b: edit_manifest(b, lambda m: m.update(max_len=True)),
+                       ["max_len", "True", "an integer"]),
+    "file-size-a-string": (lambda b: edit_manifest(b, lambda m: m["files"]["target.onnx"].update(
+        bytes="12")), ["files['target.onnx'].bytes"]),
+    "sha256-not-hex": (lambda b: edit_manifest(b, lambda m: m["files"]["target.onnx"].update(
+        sha256="z" * 64)), ["files['target.onnx'].sha256"]),
+    # manifest.json itself
+    "manifest-deeply-nested": (lambda b: (b / "manifest.json").write_text("[" * 100000),
+                               ["not valid JSON"]),
+    "manifest-huge": (lambda b: (b / "manifest.json").write_bytes(b" " * (17 << 20)),
+                      ["larger than 16 MB"]),
+    "manifest-not-utf8": (lambda b: (b / "manifest.json").write_bytes(b"\xff\xfe{}"),
+                          ["not valid JSON"]),
+    # paths
+    "file-name-climbs-out": (lambda b: edit_manifest(b, lambda m: (
+        m["files"].update({"../tokenizer.json": m["files"].pop("tokenizer.json")}),
+        m["tokenizer"].update(file="../tokenizer.json"))), ["'../tokenizer.json'",
+                                                           "not a plain file name"]),
+    "file-name-absolute": (lambda b: edit_manifest(b, lambda m: m["files"].update(
+        {"/etc/hostname": {"bytes": 1, "sha256": "0" * 64}})), ["'/etc/hostname'"]),
+    "tokenizer-links-outside": (lambda b: link_outside(b, "tokenizer.json"),
+                                ["'tokenizer.json'", "outside the bundle"]),
+    "graph-links-outside": (lambda b: link_outside(b, "target.onnx"),
+                            ["'target.onnx'", "outside the bundle"]),
+    "unlisted-link-outside": (lambda b: os.symlink("/etc/hostname", b / "target.onnx.data"),
+                              ["'target.onnx.data'", "outside the bundle"]),
+    # chat templates
+    "template-syntax": (set_template("{% for %}"), ["chat template does not compile", "line 1"]),
+    "template-undefined": (set_template("{{ nothing.here }}"), ["chat template failed",
+                                                                "undefined"]),
+    "template-escape": (set_template("{{ ''.__class__.__mro__[1].__subclasses__() }}"),
+                        ["chat template failed", "SecurityError"]),
+    "template-huge-string": (set_template("{{ 'a' * 100000000 }}"), ["chat template failed",
+                                                                     "100000000"]),
+    "template-endless-loops": (set_template(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
+        ["chat template failed", "took more than 1 s"]),
+    "template-doubling": (set_template(
+        "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s }}"), ["chat template failed", "characters"]),
+    "template-refuses-everything": (set_template("{{ raise_exception('no') }}"),
+                                    ["refuses a one-message conversation", "no"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_bundle_is_refused_at_load_and_by_the_cli(bundle_copy, case):
+    damage, words = CASES[case]
+    damage(bundle_copy)
+    with pytest.raises(BundleError) as err:
+        spec_runtime.load(bundle_copy)
+    message = str(err.value)
+    for w in words:
+        assert w in message, message
+    assert "\n" not in message and ("specexport build" in message or "copy" in message), message
+    r = run(specrun, "generate", "hi", "--bundle", bundle_copy, "--max-new-tokens", 3)
+    assert r.exit_code == 2, r.output
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and words[0] in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case", ["file-name-climbs-out", "tokenizer-links-outside",
+                                  "graph-links-outside", "unlisted-link-outside"])
+def test_files_stay_inside_the_bundle_without_hash_checks(bundle_copy, case):
+    damage, words = CASES[case]
+    damage(bundle_copy)
+    with pytest.raises(BundleError, match="outside the bundle|not a plain file name"):
+        spec_runtime.load(bundle_copy, check_files=False)
+
+
+@pytest.fixture
+def unreadable(monkeypatch):
+    """make(path): opening `path` fails with EACCES, as for a file of another user (a real
+    chmod does not stop root, which the tests may run as)."""
+    denied = set()
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) in denied:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    return lambda path: denied.add(os.path.abspath(path))
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "target.onnx", "tokenizer.json"])
+@pytest.mark.parametrize("check_files", [True, False])
+def test_unreadable_file_names_path_and_reason(bundle_copy, unreadable, name, check_files):
+    unreadable(bundle_copy / name)
+    with pytest.raises(BundleError, match="Permission denied") as err:
+        spec_runtime.load(bundle_copy, check_files=check_files)
+    assert name in str(err.value) and "\n" not in str(err.value)
+    if check_files:
+        r = run(specrun, "generate", "hi", "--bundle", bundle_copy)
+        assert r.exit_code == 2 and "Permission denied" in r.stderr and name in r.stderr, r.output
+        assert "Traceback" not in r.output
+
+
+def test_a_template_that_breaks_on_some_messages_fails_then_with_a_bundle_error(bundle_copy):
+    """Loads (one message renders), then the conversation that triggers the bomb is refused in
+    bounded time; a template's own refusal is the user's input error, not the bundle's."""
+    set_template("{% if messages|length > 1 %}{{ 'a' * 10**9 }}{% endif %}"
+                 "{% for m in messages %}{% if m.role == 'system' %}"
+                 "{{ raise_exception('no system role') }}{% endif %}{{ m.content }}"
+                 "{% endfor %}")(bundle_copy)
+    gen = spec_runtime.load(bundle_copy)
+    assert gen.apply_chat_template("hi") == "hi"
+    two = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(BundleError, match="chat template failed"):
+        gen.apply_chat_template(two)
+    with pytest.raises(ValueError, match="no system role") as err:
+        gen.apply_chat_template([{"role": "system", "content": "x"}])
+    assert not isinstance(err.value, BundleError)
+
+
+def test_loop_controls_and_tojson_render_as_in_hugging_face(bundle_copy):
+    """Templates in the wild use {% break %} and tojson (loopcontrols, Hugging Face's filter)."""
+    set_template("{% for m in messages %}{{ m|tojson }}{% break %}{% endfor %}")(bundle_copy)
+    gen = spec_runtime.load(bundle_copy)
+    messages = [{"role": "user", "content": "é"}, {"role": "user", "content": "b"}]
+    assert gen.apply_chat_template(messages) == json.dumps(messages[0], ensure_ascii=False)
