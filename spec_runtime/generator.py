@@ -27,6 +27,52 @@ class GenerationResult:
     finish_reason: str  # "eos", "length" or "stop"
 
 
+def check_text(text: str, what: str) -> None:
+    """Text must be encodable: a lone surrogate (from bytes decoded with errors="surrogateescape",
+    as Python does for command-line arguments) is not a character any tokenizer knows."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {text[e.start]!r} at character "
+                         f"{e.start} is a lone surrogate; decode the bytes it came from as "
+                         f"UTF-8 (errors='replace' to drop what is not)") from None
+
+
+BYTES_PROMPT = ("the prompt is bytes: decode it to text first (prompt.decode('utf-8')), or pass "
+                "token ids as a list of integers")
+
+
+def token_list(prompt) -> list:
+    """Token ids from a list, tuple, range or 1-D integer array; anything else is refused."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ValueError(BYTES_PROMPT)
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"the prompt is a {prompt.dtype} array of shape {prompt.shape}: "
+                             f"give token ids as a 1-D integer array or a list of integers")
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple, range)):
+        raise ValueError(f"the prompt is a {type(prompt).__name__}: give text (str) or token ids "
+                         f"(a list of integers)")
+    return list(prompt)
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """`stop` as a tuple of strings: None for none, one string for one (as the OpenAI API
+    takes it), or a list or tuple of non-empty strings."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop={stop!r} is invalid: give a string or a list of strings")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop string {s!r} is invalid: each stop string must be non-empty "
+                             f"text")
+    return tuple(stop)
+
+
 class Generator:
     def __init__(
         self,
@@ -64,9 +110,10 @@ class Generator:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this generator has no tokenizer: pass the prompt as token ids")
+            check_text(prompt, "the prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
         else:
-            ids = list(prompt)
+            ids = token_list(prompt)
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
                    or not 0 <= t < self.vocab_size]
             if bad:
@@ -90,8 +137,15 @@ class Generator:
         from .chat import render_chat
 
         if isinstance(messages, str):
+            check_text(messages, "the prompt")
             messages = [{"role": "user", "content": messages}]
-        return render_chat(self.chat_template, messages, self.special_tokens)
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages is a {type(messages).__name__}: give a string or a list "
+                             f"of {{'role', 'content'}} dicts")
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                check_text(m["content"], f"message {i}")
+        return render_chat(self.chat_template, list(messages), self.special_tokens)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -102,6 +156,8 @@ class Generator:
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
         policy = self._gamma_policy(gamma)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):  # before the chat template too
+            raise ValueError(BYTES_PROMPT)
         if isinstance(prompt, str) and not prompt:
             # refused before the chat template, which would wrap "" into a non-empty prompt
             raise ValueError("the prompt is empty: give at least one token of text")
@@ -153,11 +209,13 @@ class Generator:
         seed: int | None = None,
         gamma: int | str | None = None,
         use_draft: bool = True,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] | None = (),
         chat: bool = False,
     ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens. use_draft=False is target-only decoding on the
-        same engines. `stop` strings end generation; the text is cut before the stop string."""
+        same engines. `stop` (a string or a list of them) ends generation; the text is cut before
+        the stop string."""
+        stop = stop_strings(stop)
         tokens: list[int] = []
         stats = None
         finish = None
@@ -179,11 +237,12 @@ class Generator:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, gamma=None, use_draft: bool = True,
-               stop: Sequence[str] = (), chat: bool = False) -> Iterator[str]:
+               stop: str | Sequence[str] | None = (), chat: bool = False) -> Iterator[str]:
         """Yield the new text piece by piece, as rounds complete. Holds back an incomplete UTF-8
         character and any tail that could still become a stop string."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer: use generate() for token ids")
+        stop = stop_strings(stop)
         tokens: list[int] = []
         sent = 0
         hold = max((len(s) for s in stop), default=1) - 1

@@ -12,6 +12,7 @@ exactly the q the draft token was drawn from.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,18 @@ def _check_finite(logits: np.ndarray) -> np.ndarray:
     return row_max
 
 
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _show(x) -> str:
+    return repr(x.item() if isinstance(x, np.generic) else x)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How logits become the distribution that is sampled.
@@ -53,18 +66,27 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # numpy scalars (np.float32(0.5), np.int64(3)) are numbers like any other; stored as
+        # Python numbers, so that a message or a comparison never shows a numpy type
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={t!r} is invalid: use a finite number >= 0 (0 = greedy)")
+        if not _real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature={_show(t)} is invalid: use a finite number >= 0 "
+                             f"(0 = greedy)")
         k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-            raise ValueError(f"top_k={k!r} is invalid: use an integer >= 0 (0 = no top-k)")
+        if not _integer(k) or k < 0:
+            raise ValueError(f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no top-k)")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-            raise ValueError(f"top_p={p!r} is invalid: use a number in (0, 1] (1 = no top-p)")
+        if not _real(p) or not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
-            raise ValueError(f"seed={s!r} is invalid: use an integer >= 0, or None for a random seed")
+        if s is not None and (not _integer(s) or s < 0):
+            raise ValueError(f"seed={_show(s)} is invalid: use an integer >= 0, or none for a "
+                             f"random seed")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "top_p", float(p))
+        if s is not None:
+            object.__setattr__(self, "seed", int(s))
 
     @property
     def greedy(self) -> bool:
@@ -85,7 +107,8 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
         return probs
 
-    x = (logits.astype(np.float64) - row_max) / params.temperature
+    with np.errstate(over="ignore"):  # a tiny temperature sends all but the maximum to -inf
+        x = (logits.astype(np.float64) - row_max) / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = np.partition(x, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]

@@ -216,3 +216,72 @@ def test_threads_default_to_physical_cores(tmp_path, monkeypatch):
     assert ort_engine.physical_cores() == 4
     monkeypatch.setattr(ort_engine.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
     assert ort_engine.physical_cores() == 7  # cpu6 has no topology: count logical CPUs
+
+
+# -- API values of the wrong kind ---------------------------------------------------------------
+
+
+def test_stop_takes_none_one_string_or_a_list_of_non_empty_strings(llama_pair):
+    gen = spec_runtime.load(llama_pair[2])
+    free = gen.generate("hello", max_new_tokens=12)
+    # one string is one stop string, not its characters: a string whose first character the
+    # output holds, but not the whole string, stops nothing
+    lone = free.text[0] + "\x00 never"
+    for stop in (None, (), lone, [lone]):
+        assert gen.generate("hello", max_new_tokens=12, stop=stop).tokens == free.tokens, stop
+        assert "".join(gen.stream("hello", max_new_tokens=12, stop=stop)) == free.text
+    cut = free.text[3:6]
+    assert gen.generate("hello", max_new_tokens=12, stop=cut).text == \
+        gen.generate("hello", max_new_tokens=12, stop=[cut]).text == free.text[:free.text.find(cut)]
+    for bad, words in (([""], "stop string ''"), (["a", 3], "stop string 3"),
+                       (5, "stop=5"), ({"a"}, "stop={'a'}")):
+        with pytest.raises(ValueError, match=words):
+            gen.generate("hello", max_new_tokens=3, stop=bad)
+        with pytest.raises(ValueError, match=words):
+            list(gen.stream("hello", max_new_tokens=3, stop=bad))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompts_of_the_wrong_kind_are_refused_with_the_fix(llama_pair, chat):
+    gen = spec_runtime.load(llama_pair[2])
+    for prompt, words in ((b"Hi", "is bytes: decode it"), (bytearray(b"Hi"), "is bytes"),
+                          ("caf\udce9", "lone surrogate"),
+                          ({"role": "user"}, "dict" if not chat else "messages is a dict")):
+        with pytest.raises(ValueError, match=words):
+            gen.generate(prompt, max_new_tokens=2, chat=chat)
+    assert_exit_2(run("generate", "--bundle", llama_pair[2], input="caf\udce9".encode(
+        "utf-8", "surrogateescape")), "not UTF-8")
+
+
+def test_token_id_arrays_must_be_one_dimensional_integers(llama_pair):
+    gen = spec_runtime.load(llama_pair[2])
+    ids = [5, 6, 7]
+    want = gen.generate(ids, max_new_tokens=4).tokens
+    assert gen.generate(np.array(ids), max_new_tokens=4).tokens == want
+    assert gen.generate(tuple(ids), max_new_tokens=4).tokens == want
+    for bad in (np.array([ids]), np.array(ids, dtype=np.float32)):
+        with pytest.raises(ValueError, match="1-D integer array"):
+            gen.generate(bad, max_new_tokens=2)
+
+
+def test_numpy_scalars_are_numbers(llama_pair):
+    gen = spec_runtime.load(llama_pair[2])
+    plain = gen.generate("hi", max_new_tokens=8, temperature=0.5, top_p=0.75, top_k=20, seed=3)
+    numpy = gen.generate("hi", max_new_tokens=np.int64(8), temperature=np.float32(0.5),
+                         top_p=np.float32(0.75), top_k=np.int32(20), seed=np.uint16(3))
+    assert numpy.tokens == plain.tokens
+    with pytest.raises(ValueError, match=r"temperature=True"):
+        SamplingParams(temperature=np.bool_(True))
+
+
+def test_a_subnormal_temperature_is_greedy_without_warnings(llama_pair):
+    """The limit of sampling as the temperature goes to 0 is the argmax: logits / 5e-324
+    overflow to -inf everywhere but at the maximum, silently."""
+    import warnings
+
+    gen = spec_runtime.load(llama_pair[2])
+    greedy = gen.generate("hello", max_new_tokens=10).tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (5e-324, 1e-310):
+            assert gen.generate("hello", max_new_tokens=10, temperature=t, seed=1).tokens == greedy
