@@ -11,8 +11,12 @@ import threading
 
 import click
 
+from spec_runtime.errors import InputError
 
-class InputError(click.ClickException):
+
+class BadInput(click.ClickException):
+    """Exit code 2 with the message on one line."""
+
     exit_code = 2
 
 
@@ -23,15 +27,15 @@ class Terminated(KeyboardInterrupt):
 
 
 def input_errors(fn):
-    """Turn the library's ValueErrors (bad values, bad bundles, capacity) into exit code 2 with
-    the library's own message; anything else is a bug and keeps its traceback."""
+    """Turn the library's InputErrors (bad values, bundles, models, capacity) into exit code 2
+    with the library's own message; anything else is a bug and keeps its traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except ValueError as e:
-            raise InputError(str(e)) from None
+        except InputError as e:
+            raise BadInput(str(e)) from None
         except KeyboardInterrupt as e:
             click.echo("interrupted", err=True)
             sys.exit(128 + getattr(e, "signum", signal.SIGINT))

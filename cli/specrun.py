@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import InputError, input_errors
+from .common import BadInput, input_errors
 
 
 def _gamma(value):
@@ -16,29 +16,29 @@ def _gamma(value):
     try:
         return int(value)
     except ValueError:
-        raise InputError(f"--gamma {value!r} is invalid: use an integer or 'auto'") from None
+        raise BadInput(f"--gamma {value!r} is invalid: use an integer or 'auto'") from None
 
 
 def _read_prompt(prompt, prompt_file):
     if prompt is not None and prompt_file is not None:
-        raise InputError("give the prompt as an argument or --prompt-file, not both")
+        raise BadInput("give the prompt as an argument or --prompt-file, not both")
     if prompt is not None:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogates)
-            raise InputError("the prompt argument is not UTF-8 text: convert it, or pass it "
+            raise BadInput("the prompt argument is not UTF-8 text: convert it, or pass it "
                              "with --prompt-file") from None
         return prompt
     if prompt_file is not None:
         data, source = click.open_file(prompt_file, "rb").read(), f"--prompt-file {prompt_file!r}"
     else:
         if sys.stdin is None or sys.stdin.isatty():
-            raise InputError("no prompt: give it as an argument, --prompt-file, or on stdin")
+            raise BadInput("no prompt: give it as an argument, --prompt-file, or on stdin")
         data, source = sys.stdin.buffer.read(), "stdin"
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{source} is not UTF-8 text (byte {e.start}): convert it, e.g. "
+        raise BadInput(f"{source} is not UTF-8 text (byte {e.start}): convert it, e.g. "
                          f"`iconv -t UTF-8`") from None
 
 
@@ -135,7 +135,7 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     from spec_runtime.bench import plot as plot_report
 
     if repeats < 1:
-        raise InputError(f"--repeats {repeats} is invalid: use an integer >= 1")
+        raise BadInput(f"--repeats {repeats} is invalid: use an integer >= 1")
     prompts = load_prompts(prompts_file, kind if prompts_file is None else "all")
     gammas = _gammas(gamma)
     gen = spec_runtime.load(bundle, device=device)

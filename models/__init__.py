@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import CachedDecoder
+from .common import CachedDecoder, UnsupportedModel
 from .gpt2 import GPT2
 from .llama import Llama
 from .t5 import T5
@@ -14,8 +14,8 @@ SUPPORTED: dict[str, type[CachedDecoder]] = {"llama": Llama, "gpt2": GPT2}
 ENCODER_DECODER: dict[str, type] = {"t5": T5}
 
 
-def _unsupported(model_type) -> ValueError:
-    return ValueError(f"model_type {model_type!r} is not supported for export; supported: "
+def _unsupported(model_type) -> UnsupportedModel:
+    return UnsupportedModel(f"model_type {model_type!r} is not supported for export; supported: "
                       f"{sorted(SUPPORTED)} (decoder-only), {sorted(ENCODER_DECODER)} (encoder-decoder)")
 
 
@@ -26,7 +26,7 @@ def _check_max_len(max_len: int) -> None:
 
 def for_hf_model(hf_model, max_len: int) -> CachedDecoder:
     """Build the export-friendly float32 forward for a Hugging Face causal LM, with a static
-    KV cache of max_len slots. Raises ValueError for an architecture we do not cover."""
+    KV cache of max_len slots. Raises UnsupportedModel for an architecture we do not cover."""
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type in ENCODER_DECODER:
         raise ValueError(f"model_type {model_type!r} is an encoder-decoder: use for_hf_seq2seq")
@@ -54,5 +54,5 @@ def is_encoder_decoder(config) -> bool:
         getattr(config, "model_type", None) in ENCODER_DECODER
 
 
-__all__ = ["ENCODER_DECODER", "SUPPORTED", "CachedDecoder", "GPT2", "Llama", "T5", "for_hf_model",
+__all__ = ["ENCODER_DECODER", "SUPPORTED", "CachedDecoder", "UnsupportedModel", "GPT2", "Llama", "T5", "for_hf_model",
            "for_hf_seq2seq", "is_encoder_decoder"]

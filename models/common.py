@@ -16,6 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spec_runtime.errors import InputError
+
+
+class UnsupportedModel(InputError):
+    """A checkpoint whose architecture, configuration or weights the export does not cover."""
+
 
 class CachedDecoder(nn.Module):
     """Base for decoders that follow the graph contract above.
@@ -120,10 +126,10 @@ class WeightMap:
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self._sd:
             near = [k for k in self._sd if k.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
-            raise ValueError(f"{self._source}: weight {name!r} missing from the state dict; similar: {near}")
+            raise UnsupportedModel(f"{self._source}: weight {name!r} missing from the state dict; similar: {near}")
         t = self._sd.pop(name)
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{self._source}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            raise UnsupportedModel(f"{self._source}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         # float32 copy: the graph is float32, and the copy keeps our module independent of HF's
         return t.detach().to(torch.float32).clone()
 
@@ -132,7 +138,7 @@ class WeightMap:
 
     def finish(self) -> None:
         if self._sd:
-            raise ValueError(f"{self._source}: weights not mapped (the forward would ignore them): {sorted(self._sd)}")
+            raise UnsupportedModel(f"{self._source}: weights not mapped (the forward would ignore them): {sorted(self._sd)}")
 
 
 def param(t: torch.Tensor | None) -> nn.Parameter | None:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import CachedDecoder, WeightMap, cached_attention, param, step_masks
+from .common import (CachedDecoder, UnsupportedModel, WeightMap, cached_attention, param,
+                     step_masks)
 
 # HF activation name -> F.gelu's `approximate`
 _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -38,9 +39,9 @@ class GPT2Dims:
     @classmethod
     def from_config(cls, c) -> "GPT2Dims":
         if c.activation_function not in _GELU:
-            raise ValueError(f"gpt2: activation {c.activation_function!r} not supported; supported: {list(_GELU)}")
+            raise UnsupportedModel(f"gpt2: activation {c.activation_function!r} not supported; supported: {list(_GELU)}")
         if not getattr(c, "tie_word_embeddings", True):
-            raise ValueError("gpt2: untied lm_head not supported (GPT-2 checkpoints are tied)")
+            raise UnsupportedModel("gpt2: untied lm_head not supported (GPT-2 checkpoints are tied)")
         return cls(
             vocab_size=c.vocab_size,
             dim=c.n_embd,
@@ -84,7 +85,7 @@ class GPT2(CachedDecoder):
     def __init__(self, d: GPT2Dims, max_len: int):
         super().__init__()
         if max_len > d.n_positions:
-            raise ValueError(
+            raise UnsupportedModel(
                 f"gpt2: max_len={max_len} exceeds n_positions={d.n_positions}; learned position "
                 f"embeddings stop there. Use max_len <= {d.n_positions}."
             )
@@ -144,5 +145,5 @@ class GPT2(CachedDecoder):
         self.ln_f_b = param(w.take("transformer.ln_f.bias", (C,)))
         head = w.take_optional("lm_head.weight", (d.vocab_size, C))
         if head is not None and not torch.equal(head, self.wte.data):
-            raise ValueError("gpt2: lm_head.weight differs from transformer.wte.weight (expected tied)")
+            raise UnsupportedModel("gpt2: lm_head.weight differs from transformer.wte.weight (expected tied)")
         w.finish()

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import CachedDecoder, WeightMap, cached_attention, param, rms_norm, step_masks
+from .common import (CachedDecoder, UnsupportedModel, WeightMap, cached_attention, param, rms_norm,
+                     step_masks)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -36,14 +37,14 @@ class LlamaDims:
     @classmethod
     def from_config(cls, c) -> "LlamaDims":
         if getattr(c, "hidden_act", "silu") != "silu":
-            raise ValueError(f"llama: hidden_act={c.hidden_act!r} not supported (only 'silu')")
+            raise UnsupportedModel(f"llama: hidden_act={c.hidden_act!r} not supported (only 'silu')")
         if getattr(c, "pretraining_tp", 1) not in (None, 1):
             # pretraining_tp > 1 only changes HF's matmul split order, i.e. rounding; refuse rather
             # than report a parity gap that is not ours
-            raise ValueError(f"llama: pretraining_tp={c.pretraining_tp} not supported (needs 1)")
+            raise UnsupportedModel(f"llama: pretraining_tp={c.pretraining_tp} not supported (needs 1)")
         n_kv = c.num_key_value_heads or c.num_attention_heads
         if c.num_attention_heads % n_kv:
-            raise ValueError(f"llama: {c.num_attention_heads} heads not a multiple of {n_kv} kv heads")
+            raise UnsupportedModel(f"llama: {c.num_attention_heads} heads not a multiple of {n_kv} kv heads")
         return cls(
             vocab_size=c.vocab_size,
             dim=c.hidden_size,
@@ -68,12 +69,12 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     rp = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
+        raise UnsupportedModel(
             f"llama: rope type {rope_type!r} not supported; supported: {list(SUPPORTED_ROPE_TYPES)}. "
             "Dynamic / yarn / longrope rescale with sequence length and need another graph."
         )
     if rp.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) not in (None, 1.0):
-        raise ValueError("llama: partial_rotary_factor != 1 not supported")
+        raise UnsupportedModel("llama: partial_rotary_factor != 1 not supported")
     theta = rp.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "linear":
@@ -176,9 +177,9 @@ class Llama(CachedDecoder):
         if hf_rope is not None:
             # our frequencies must be HF's; a mismatch means a rope variant we do not model
             if not torch.allclose(hf_rope.inv_freq.float().cpu(), inv_freq, rtol=1e-6, atol=0):
-                raise ValueError("llama: computed RoPE frequencies differ from the HF model's rotary_emb.inv_freq")
+                raise UnsupportedModel("llama: computed RoPE frequencies differ from the HF model's rotary_emb.inv_freq")
             if getattr(hf_rope, "attention_scaling", 1.0) != 1.0:
-                raise ValueError(f"llama: RoPE attention_scaling={hf_rope.attention_scaling} not supported")
+                raise UnsupportedModel(f"llama: RoPE attention_scaling={hf_rope.attention_scaling} not supported")
         m = cls(d, inv_freq, max_len)
         m.load_hf_state_dict(hf_model.state_dict())
         return m.eval()
@@ -223,7 +224,7 @@ class Llama(CachedDecoder):
             # a tied checkpoint may or may not list lm_head.weight; if it does it must be the embedding
             head = w.take_optional("lm_head.weight", (d.vocab_size, C))
             if head is not None and not torch.equal(head, self.embed.data):
-                raise ValueError("llama: tie_word_embeddings=True but lm_head.weight differs from embed_tokens")
+                raise UnsupportedModel("llama: tie_word_embeddings=True but lm_head.weight differs from embed_tokens")
             self.lm_head = self.embed  # one tensor, so the ONNX file stores it once
         else:
             self.lm_head = param(w.take("lm_head.weight", (d.vocab_size, C)))

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import CachedDecoder, WeightMap, cached_attention, param, rms_norm, step_masks
+from .common import (CachedDecoder, UnsupportedModel, WeightMap, cached_attention, param, rms_norm,
+                     step_masks)
 
 # HF activation name (config.dense_act_fn) -> our function
 _ACT = {
@@ -64,7 +65,7 @@ class T5Dims:
     def from_config(cls, c) -> "T5Dims":
         act = getattr(c, "dense_act_fn", "relu")
         if act not in _ACT:
-            raise ValueError(f"t5: feed_forward_proj={c.feed_forward_proj!r} not supported; "
+            raise UnsupportedModel(f"t5: feed_forward_proj={c.feed_forward_proj!r} not supported; "
                              f"supported activations: {sorted(_ACT)}")
         # transformers 5 records the v1.0 rescale as scale_decoder_outputs (and always sets
         # tie_word_embeddings=True); 4.x rescaled exactly when tie_word_embeddings was True
@@ -297,7 +298,7 @@ class T5(nn.Module):
                 theirs = hf_bucket(rel, bidirectional=bidirectional, num_buckets=m.d.num_buckets,
                                    max_distance=m.d.max_distance)
                 if not torch.equal(theirs, rb.buckets):
-                    raise ValueError("t5: relative position buckets differ from Hugging Face's")
+                    raise UnsupportedModel("t5: relative position buckets differ from Hugging Face's")
         return m.eval()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -313,7 +314,7 @@ class T5(nn.Module):
             # encoder/decoder.embed_tokens are tied to shared; a checkpoint may list them
             e = w.take_optional(f"{stack}.embed_tokens.weight", (V, C))
             if e is not None and not torch.equal(e, embed):
-                raise ValueError(f"t5: {stack}.embed_tokens.weight differs from shared.weight")
+                raise UnsupportedModel(f"t5: {stack}.embed_tokens.weight differs from shared.weight")
         enc, dec = self.encoder, self.decoder
         enc.embed, dec.embed = param(embed), param(embed)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .sources import BuildError
+
 
 def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
     """-> (model in eval mode, tokenizer).
@@ -55,7 +57,7 @@ def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype 
 def _drop_gguf_quantized_flag(model, where: str) -> None:
     packed = [n for n, t in model.state_dict().items() if not t.dtype.is_floating_point]
     if packed:
-        raise ValueError(f"{where}: weights still packed after loading, e.g. {packed[:3]}; cannot export them as float")
+        raise BuildError(f"{where}: weights still packed after loading, e.g. {packed[:3]}; cannot export them as float")
     model.hf_quantizer = None  # `is_quantized` is a property over this
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import InputError
 from .stats import expected_speedup, expected_tokens_per_round
 
 KINDS = ("grounded", "chat")
@@ -31,20 +32,20 @@ def load_prompts(path=None, kind: str = "all") -> list[dict]:
         try:
             raw = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"--prompts {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+            raise InputError(f"--prompts {str(path)!r} is not UTF-8 text (byte {e.start})") from None
         except OSError as e:
-            raise ValueError(f"--prompts {str(path)!r} cannot be read: {e.strerror}") from None
+            raise InputError(f"--prompts {str(path)!r} cannot be read: {e.strerror}") from None
         if path.suffix == ".json":
             try:
                 data = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--prompts {str(path)!r} is not valid JSON ({e})") from None
+                raise InputError(f"--prompts {str(path)!r} is not valid JSON ({e})") from None
         else:
             data = {"custom": [line for line in raw.splitlines() if line.strip()]}
     prompts = [{"kind": k, "text": t} for k, texts in data.items() if isinstance(texts, list)
                for t in texts if kind in ("all", k)]
     if not prompts:
-        raise ValueError(f"no prompts of kind {kind!r} found: use --kind all, or give --prompts")
+        raise InputError(f"no prompts of kind {kind!r} found: use --kind all, or give --prompts")
     return prompts
 
 

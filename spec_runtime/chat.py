@@ -26,17 +26,14 @@ import sys
 import time
 from functools import lru_cache
 
-from .manifest import REBUILD, BundleError
+from .errors import BundleError, InputError, TemplateError
+from .manifest import REBUILD
 
 RENDER_SECONDS = 1.0  # a real template renders in well under a millisecond
 MAX_CHARS = 1 << 20  # output beyond the messages' own text; also caps any one value
 TEMPLATE_FILE = "<template>"  # the file name jinja2 gives code compiled from a string
 _WIDTH = re.compile(r"\d{7,}|\*")  # a width or precision of a million or more, or one read
                                   # from the arguments, in a %- or {}-format
-
-
-class TemplateError(ValueError):
-    """The chat template refused the messages (its own raise_exception)."""
 
 
 class _Limit(Exception):
@@ -65,7 +62,7 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict) -> st
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                 or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i} is {m!r}: each message needs a 'role' and a "
+            raise InputError(f"message {i} is {m!r}: each message needs a 'role' and a "
                              f"'content', both strings")
     return _render(compile_chat_template(template), messages, special_tokens)
 

@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 from .decode import check_capacity
+from .errors import InputError
 from .sampling import SamplingParams
 from .twosample import compare
 
@@ -50,7 +51,7 @@ PROMPTS = (
 def _positive(name: str, value, kind=int):
     types = (int, float) if kind is float else int
     if isinstance(value, bool) or not isinstance(value, types) or not value > 0:
-        raise ValueError(f"{name} {value!r} is invalid: use a {kind.__name__} > 0")
+        raise InputError(f"{name} {value!r} is invalid: use a {kind.__name__} > 0")
     return value
 
 
@@ -99,7 +100,7 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     setting = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     SamplingParams(**setting)  # validate everything before spending minutes
     if temperature == 0:
-        raise ValueError("--temperature 0 is greedy, which the greedy parity test covers: "
+        raise InputError("--temperature 0 is greedy, which the greedy parity test covers: "
                          "check sampling at a temperature > 0")
     gen._gamma_policy(gamma)
     start = time.monotonic()

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from .engine import Engine
+from .errors import InputError
 from .sampling import SamplingParams, _check_finite, sample, warp
 
 
@@ -92,7 +93,7 @@ class NgramDraft:
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(
+            raise InputError(
                 f"n-gram sizes min={min_ngram}, max={max_ngram} are invalid: use 1 <= min <= max"
             )
         self.vocab_size = vocab_size

@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import CacheCapacityError  # noqa: F401 (raised by engines; imported from here)
+
 
 @runtime_checkable
 class Engine(Protocol):
@@ -31,6 +33,3 @@ class Engine(Protocol):
         The logits may live in a buffer the engine reuses: they are valid until its next
         forward (copy them to keep them longer)."""
 
-
-class CacheCapacityError(ValueError):
-    """A request needs more positions than the engine's static cache holds."""

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .decode import GammaPolicy, decode
+from .errors import InputError
 from .sampling import SamplingParams
 from .stats import DecodeStats
 
@@ -33,7 +34,7 @@ def check_text(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode: {text[e.start]!r} at character "
+        raise InputError(f"{what} is not valid Unicode: {text[e.start]!r} at character "
                          f"{e.start} is a lone surrogate; decode the bytes it came from as "
                          f"UTF-8 (errors='replace' to drop what is not)") from None
 
@@ -45,14 +46,14 @@ BYTES_PROMPT = ("the prompt is bytes: decode it to text first (prompt.decode('ut
 def token_list(prompt) -> list:
     """Token ids from a list, tuple, range or 1-D integer array; anything else is refused."""
     if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise ValueError(BYTES_PROMPT)
+        raise InputError(BYTES_PROMPT)
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"the prompt is a {prompt.dtype} array of shape {prompt.shape}: "
+            raise InputError(f"the prompt is a {prompt.dtype} array of shape {prompt.shape}: "
                              f"give token ids as a 1-D integer array or a list of integers")
         return prompt.tolist()
     if not isinstance(prompt, (list, tuple, range)):
-        raise ValueError(f"the prompt is a {type(prompt).__name__}: give text (str) or token ids "
+        raise InputError(f"the prompt is a {type(prompt).__name__}: give text (str) or token ids "
                          f"(a list of integers)")
     return list(prompt)
 
@@ -65,10 +66,10 @@ def stop_strings(stop) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop={stop!r} is invalid: give a string or a list of strings")
+        raise InputError(f"stop={stop!r} is invalid: give a string or a list of strings")
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop string {s!r} is invalid: each stop string must be non-empty "
+            raise InputError(f"stop string {s!r} is invalid: each stop string must be non-empty "
                              f"text")
     return tuple(stop)
 
@@ -109,7 +110,7 @@ class Generator:
     def encode(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> np.ndarray:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this generator has no tokenizer: pass the prompt as token ids")
+                raise InputError("this generator has no tokenizer: pass the prompt as token ids")
             check_text(prompt, "the prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
         else:
@@ -117,11 +118,11 @@ class Generator:
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
                    or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
+                raise InputError(
                     f"prompt token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})"
                 )
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token of text")
+            raise InputError("the prompt is empty: give at least one token of text")
         return np.asarray(ids, dtype=np.int64)
 
     def decode_text(self, tokens: Sequence[int]) -> str | None:
@@ -133,14 +134,14 @@ class Generator:
         """Render the bundle's chat template (jinja2, as Hugging Face tokenizers do) for a user
         message or a list of {"role", "content"} messages, ready for generation."""
         if not self.chat_template:
-            raise ValueError("this bundle has no chat template: pass the prompt as plain text")
+            raise InputError("this bundle has no chat template: pass the prompt as plain text")
         from .chat import render_chat
 
         if isinstance(messages, str):
             check_text(messages, "the prompt")
             messages = [{"role": "user", "content": messages}]
         if not isinstance(messages, (list, tuple)):
-            raise ValueError(f"messages is a {type(messages).__name__}: give a string or a list "
+            raise InputError(f"messages is a {type(messages).__name__}: give a string or a list "
                              f"of {{'role', 'content'}} dicts")
         for i, m in enumerate(messages):
             if isinstance(m, dict) and isinstance(m.get("content"), str):
@@ -154,13 +155,13 @@ class Generator:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
+            raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
         policy = self._gamma_policy(gamma)
         if isinstance(prompt, (bytes, bytearray, memoryview)):  # before the chat template too
-            raise ValueError(BYTES_PROMPT)
+            raise InputError(BYTES_PROMPT)
         if isinstance(prompt, str) and not prompt:
             # refused before the chat template, which would wrap "" into a non-empty prompt
-            raise ValueError("the prompt is empty: give at least one token of text")
+            raise InputError("the prompt is empty: give at least one token of text")
         if chat:
             prompt = self.apply_chat_template(prompt)
         ids = self.encode(prompt, add_special_tokens=not chat)
@@ -193,7 +194,7 @@ class Generator:
             gamma = self.default_gamma
         if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer))
                                 or not 1 <= gamma <= self.max_gamma):
-            raise ValueError(
+            raise InputError(
                 f"gamma={gamma!r} is invalid: use an integer in [1, {self.max_gamma}] (the bundle's "
                 f"max_gamma), 'auto', or None for the bundle's default ({self.default_gamma})"
             )
@@ -241,7 +242,7 @@ class Generator:
         """Yield the new text piece by piece, as rounds complete. Holds back an incomplete UTF-8
         character and any tail that could still become a stop string."""
         if self.tokenizer is None:
-            raise ValueError("stream() needs a tokenizer: use generate() for token ids")
+            raise InputError("stream() needs a tokenizer: use generate() for token ids")
         stop = stop_strings(stop)
         tokens: list[int] = []
         sent = 0

@@ -26,6 +26,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from .errors import BundleError
 from .contract import DTYPES, KV_CACHE_LAYOUTS, decoder_io, dims_of, encoder_io, mismatch
 
 SCHEMA_VERSION = 2
@@ -44,10 +45,6 @@ KERNELS = ("portable", "fused")
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
-
-
-class BundleError(ValueError):
-    """A bundle that cannot be used; the message names the problem and the fix."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .engine import CacheCapacityError
+from .errors import CacheCapacityError, InputError
 from .ort_engine import OrtEngine, open_session
 
 
@@ -49,7 +49,7 @@ class OrtEncDecEngine(OrtEngine):
                 f"--max-source-len {n}` (or more)"
             )
         if n == 0:
-            raise ValueError("the source is empty: give at least one token")
+            raise InputError("the source is empty: give at least one token")
         self._source[:] = 0  # padding id is irrelevant: the mask hides it
         self._source[0, :n] = ids
         self._source_mask[:] = 0

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .contract import METADATA, mismatch
-from .manifest import REBUILD, BundleError, unreadable
+from .errors import BundleError, CacheCapacityError, InputError
+from .manifest import REBUILD, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,10 @@ def onnxruntime():
 def make_session(path, device: str = "cpu", threads: int | None = None, spinning: bool = True):
     ort = onnxruntime()
     if device not in PROVIDERS:
-        raise ValueError(f"device {device!r} is not supported: use one of {sorted(PROVIDERS)}")
+        raise InputError(f"device {device!r} is not supported: use one of {sorted(PROVIDERS)}")
     available = set(ort.get_available_providers())
     if PROVIDERS[device][0] not in available:
-        raise ValueError(
+        raise InputError(
             f"device {device!r} needs ONNX Runtime's {PROVIDERS[device][0]}, which this "
             f"onnxruntime build lacks (it has {sorted(available)}): install onnxruntime-gpu "
             f"(`pip install specedge[gpu]`) or use device='cpu'"
@@ -219,8 +220,8 @@ class OrtEngine:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         n = len(tokens)
         if pos + n > self.max_len:
-            raise ValueError(f"positions {pos}..{pos + n - 1} exceed the cache (max_len "
-                             f"{self.max_len})")
+            raise CacheCapacityError(f"positions {pos}..{pos + n - 1} exceed the cache (max_len "
+                                     f"{self.max_len})")
         # Prefill in chunks of at most prefill_chunk tokens, computing one logit row for each;
         # the final call holds the last num_logits tokens (the rows the caller needs).
         last = max(0, n - max(num_logits, self.prefill_chunk))

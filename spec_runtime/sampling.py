@@ -17,16 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import InputError, NonFiniteLogitsError
+
 # A residual max(0, p_target - p_draft) whose mass is below this is floating-point noise left by
 # p_target ~= p_draft; sampling it would amplify rounding error into a wrong distribution.
 RESIDUAL_EPS = 1e-9
 
 
 TOP_P_EPS = 1e-9
-
-
-class NonFiniteLogitsError(ValueError):
-    """The graph produced NaN or +inf logits: no token may be drawn from such a distribution."""
 
 
 def _check_finite(logits: np.ndarray) -> np.ndarray:
@@ -70,17 +68,17 @@ class SamplingParams:
         # Python numbers, so that a message or a comparison never shows a numpy type
         t = self.temperature
         if not _real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature={_show(t)} is invalid: use a finite number >= 0 "
+            raise InputError(f"temperature={_show(t)} is invalid: use a finite number >= 0 "
                              f"(0 = greedy)")
         k = self.top_k
         if not _integer(k) or k < 0:
-            raise ValueError(f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no top-k)")
+            raise InputError(f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no top-k)")
         p = self.top_p
         if not _real(p) or not (0.0 < p <= 1.0):
-            raise ValueError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
+            raise InputError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
         s = self.seed
         if s is not None and (not _integer(s) or s < 0):
-            raise ValueError(f"seed={_show(s)} is invalid: use an integer >= 0, or none for a "
+            raise InputError(f"seed={_show(s)} is invalid: use an integer >= 0, or none for a "
                              f"random seed")
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(k))

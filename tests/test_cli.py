@@ -127,3 +127,20 @@ def test_bad_build_values_exit_2(tmp_path):
                            tmp_path / "b"), "--gamma 9")
     assert_input_error(run(specexport, "build", "--target", tmp_path / "missing", "--out",
                            tmp_path / "b", "--quiet"), "cannot load a model")
+
+
+def test_an_internal_bug_keeps_its_traceback(llama_pair, monkeypatch):
+    """Only the package's own InputErrors are bad input (exit 2); a ValueError from a bug deep
+    inside (here: the sampler) is not the user's fault and must not be dressed up as one."""
+    from spec_runtime import decode
+
+    def broken(*args, **kwargs):
+        raise ValueError("operands could not be broadcast together")
+
+    monkeypatch.setattr(decode, "verify_greedy", broken)
+    r = run(specrun, "generate", "hello", "--bundle", llama_pair[2], "--max-new-tokens", 5)
+    assert r.exit_code == 1 and isinstance(r.exception, ValueError), r.output
+    assert "broadcast" in str(r.exception)
+    from spec_runtime.errors import InputError
+
+    assert not isinstance(r.exception, InputError)
