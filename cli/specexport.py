@@ -6,6 +6,8 @@ import json
 
 import click
 
+from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
+
 from .common import input_errors, library_messages, sigterm_as_interrupt
 
 
@@ -30,13 +32,13 @@ def main():
 @click.option("--gamma", type=int, default=4, show_default=True, help="default draft length γ")
 @click.option("--max-gamma", type=int, default=8, show_default=True, help="largest γ allowed")
 @click.option("--prefill-chunk", type=int, default=128, show_default=True)
-@click.option("--precision", type=click.Choice(["fp32", "int8", "int4"]), default="fp32",
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32",
               show_default=True, help="int8: dynamic, per channel; int4: weight-only MatMulNBits")
-@click.option("--draft-precision", type=click.Choice(["fp32", "int8", "int4"]), default=None,
+@click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
               help="the draft model's precision [default: --precision; int4 for a self draft]")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="int4 quantization block (inputs per scale)")
-@click.option("--kernels", type=click.Choice(["auto", "fused", "portable"]), default="auto",
+@click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
               show_default=True,
               help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
                    "(llama family); portable: standard ONNX for any runtime, TensorRT included; "
@@ -44,7 +46,7 @@ def main():
 @click.option("--float-embedding", is_flag=True,
               help="int4: keep a float32 embedding instead of reading it from the 4-bit lm_head "
                    "(tied models; larger bundle, closer to the float model)")
-@click.option("--int4-weights", type=click.Choice(["auto", "gguf", "quantize"]), default="auto",
+@click.option("--int4-weights", type=click.Choice(INT4_WEIGHTS), default="auto",
               show_default=True,
               help="int4 from a GGUF: gguf writes the file's own Q4_0/Q4_1/Q8_0 blocks (no "
                    "second rounding), quantize re-quantizes its float weights; auto: gguf for "

@@ -17,32 +17,19 @@ import platform
 import warnings
 from pathlib import Path
 
+from spec_runtime.contract import KERNELS, PRECISIONS
 from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
+from .quality import (FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT, PARITY_PROMPT,
+                      QUANT_PROMPTS)
 from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
 
-PRECISIONS = ("fp32", "int8", "int4")
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
-KERNEL_CHOICES = ("auto", "fused", "portable")
+KERNEL_CHOICES = ("auto", *KERNELS)
 # int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
 # "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
 INT4_WEIGHTS = ("auto", "gguf", "quantize")
-FP32_TOLERANCE = 1e-3
-# A quantized graph that both disagrees on the argmax almost everywhere and moves the
-# distribution by more than half a nat on average is broken (a wrong weight layout agrees by
-# chance, ~1/V), not merely approximate. SmolLM2-135M at int4: top-1 0.56, KL 0.77; tiny random
-# models with near-flat logits can flip every argmax at a KL of 0.04.
-MIN_TOP1_AGREEMENT = 0.1
-MAX_BROKEN_KL = 0.5
-PARITY_PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding is exact because"
-# positions on which quantized graphs are compared with the float model (top-1, KL)
-QUANT_PROMPTS = [
-    PARITY_PROMPT,
-    "Rewrite politely: send me the report by Friday and include the sales numbers.",
-    "def average(values):\n    return sum(values) / len(values)\n",
-    "The capital of France is Paris. The capital of Germany is",
-]
 
 
 def eos_ids(hf_model, tokenizer) -> list[int]:

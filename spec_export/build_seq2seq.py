@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .build import FP32_TOLERANCE, BuildError
+from .quality import FP32_TOLERANCE
+from .sources import BuildError
 
 DECODER_PARITY_PREFIX = 4  # forced decoder tokens after the start token in the parity run
 

@@ -21,6 +21,7 @@ import torch
 from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
 
 ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
+GRAPH_ROOM = 64 * 2**20  # what the graph itself (nodes, names) may take beside the weights
 # dim names the runtime may read; torch.export calls them s0 / u0 / ...
 
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
@@ -84,18 +85,16 @@ def export_graph(module, path, args: tuple, input_names: list[str], output_names
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     module = module.float().eval()
-    n_bytes = sum(p.numel() * 4 for p in module.parameters()) + sum(b.numel() * 4 for b in module.buffers())
-    external = n_bytes >= ONNX_SIZE_LIMIT - 64 * 2**20  # leave room for the graph itself
     t0 = time.perf_counter()
-    _export_dynamo(module, path, args, input_names, output_names, dynamic_shapes, opset, external,
-                   logits_axis)
+    external = _dynamo_export(module, path, args, input_names, output_names, dynamic_shapes,
+                              opset, logits_axis)
     desc = describe(path)
     desc.update(exporter="torch.onnx dynamo", external_data=external, export_s=time.perf_counter() - t0)
     return desc
 
 
-def _export_dynamo(module, path: Path, args, in_names, out_names, dynamic_shapes, opset: int,
-                   external: bool, logits_axis: bool) -> None:
+def _dynamo_export(module, path: Path, args, in_names, out_names, dynamic_shapes, opset: int,
+                   logits_axis: bool) -> bool:
     """torch.export + onnxscript (`dynamo=True`).
 
     It worked first time and stays: it is torch's default since 2.9 (dynamo=False warns that the
@@ -122,12 +121,24 @@ def _export_dynamo(module, path: Path, args, in_names, out_names, dynamic_shapes
     proto = prog.model_proto
     if opset == 17:
         _downgrade_to_17(proto)
+    external = save_graph(proto, path)
+    onnx.checker.check_model(str(path), full_check=True)  # by path: works with external data
+    return external
+
+
+def save_graph(proto: onnx.ModelProto, path: str | os.PathLike) -> bool:
+    """Write `proto` to `path`; returns whether its weights went to `<path>.data`. Every graph
+    specexport writes goes through here: weights whose size approaches protobuf's 2 GB limit
+    on one message cannot stay inside the file, and ONNX Runtime reads them from a file beside
+    it (inside the bundle directory, where the runtime requires every file to be)."""
+    path = Path(path)
+    external = sum(t.ByteSize() for t in proto.graph.initializer) >= ONNX_SIZE_LIMIT - GRAPH_ROOM
     if external:
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)
     else:
         onnx.save_model(proto, str(path))
-    onnx.checker.check_model(str(path), full_check=True)  # by path: works with external data
+    return external
 
 
 def _downgrade_to_17(proto: onnx.ModelProto) -> None:

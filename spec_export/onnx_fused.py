@@ -2,20 +2,15 @@
 
 The portable graph (onnx_export.py) is standard ONNX that any runtime reads (TensorRT included);
 ONNX Runtime then executes about 65 nodes per layer for it. This graph is written node by node
-from the same checked weights (models.llama.Llama) with ONNX Runtime's contrib operators, 11 nodes
+from the same checked weights (models.llama.Llama) with ONNX Runtime's contrib operators, 14 nodes
 per layer, the way onnxruntime-genai's model builder writes its graphs:
 
-    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv →
-    GroupQueryAttention (RoPE, cache write, causal attention over the valid prefix) → MatMul o →
-    SkipSimplifiedLayerNormalization → MatMul gate, MatMul up → x·σ(x)·up → MatMul down
+    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv → Slice, Concat (the
+    padding row below) → GroupQueryAttention (RoPE, cache write, causal attention over the valid
+    prefix) → Slice → MatMul o → SkipSimplifiedLayerNormalization → MatMul gate, MatMul up →
+    x·σ(x)·up → MatMul down
 
-Contract (kv_cache "in-place"):
-
-    inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
-             past_key.{i} / past_value.{i} float32 [1, kv_heads, max_len + 1, head_dim]
-    outputs  logits float32 [1, num_logits, vocab]
-             present_key.{i} / present_value.{i} float32 [1, kv_heads, max_len + 1, head_dim]
-
+Its I/O is the contract of spec_runtime/contract.py with kv_cache "in-place".
 GroupQueryAttention writes the new K/V at [position, position + n) of `present`; when the runtime
 binds `past` and `present` to one buffer (IOBinding) it writes there in place, so the cache is
 never copied. Slots past position + n are stale and never read (seqlens_k bounds every row), so
@@ -35,6 +30,7 @@ slot max_len exists only for it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -47,8 +43,8 @@ from specedge.models.llama import rope_table
 
 from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
 
-from .onnx_export import (ONNX_SIZE_LIMIT, check_contract, check_max_len, describe, io_names,
-                          module_dims)
+from .onnx_export import (check_contract, check_max_len, describe, io_names, module_dims,
+                          save_graph)
 
 MS_DOMAIN = "com.microsoft"
 # ONNX Runtime's CPU GroupQueryAttention rotates in blocks of 16 floats
@@ -89,55 +85,71 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
 
     # GroupQueryAttention's lengths, counting the padding row: seqlens_k = position + n (int32
     # [1]) is the last slot written, total_sequence_length = position + n + 1 (int32 scalar)
-    n = g.node("Shape", ["input_ids"], start=1, end=2)  # [1]
-    total = g.node("Add", [g.node("Reshape", ["position", g.const("shape1", [1])]), n])  # [1]
-    seqlens_k = g.node("Cast", [total], to=TensorProto.INT32)
-    total_len = g.node("Cast", [g.node("Reshape", [g.node("Add", [total, g.const("one", [1])]),
-                                                   g.const("scalar", np.zeros(0, np.int64))])],
-                       to=TensorProto.INT32)
+    with g.scope("attn_lengths"):
+        n = g.node("Shape", ["input_ids"], start=1, end=2)  # [1]
+        total = g.node("Add", [g.node("Reshape", ["position", g.const("shape1", [1])]), n])
+        seqlens_k = g.node("Cast", [total], to=TensorProto.INT32)  # [1]
+        total_len = g.node("Cast", [g.node("Reshape", [
+            g.node("Add", [total, g.const("one", [1])]), g.const("scalar", np.zeros(0, np.int64))])],
+            to=TensorProto.INT32)  # []
     half = d.head_dim // 2
     angles = rope_table(module.inv_freq, max_len + 1)[:, :half]  # [max_len + 1, D/2]
     cos, sin = g.init("rope_cos", _np(angles.cos())), g.init("rope_sin", _np(angles.sin()))
 
-    x = g.node("Gather", [g.init("embed", _np(module.embed)), "input_ids"])  # [1, n, C]
+    with g.scope("embed_tokens"):
+        x = g.node("Gather", [g.init("embed", _np(module.embed)), "input_ids"])  # [1, n, C]
     delta = None
     for i, layer in enumerate(module.layers):
         p = f"l{i}."
-        if delta is None:
-            h = g.node("SimplifiedLayerNormalization", [x, g.init(p + "attn_norm", _np(layer.attn_norm))],
-                       axis=-1, epsilon=d.norm_eps, stash_type=1)
+        with g.scope(f"layers.{i}"):
+            if delta is None:
+                with g.scope("input_layernorm"):
+                    h = g.node("SimplifiedLayerNormalization",
+                               [x, g.init(p + "attn_norm", _np(layer.attn_norm))], axis=-1,
+                               epsilon=d.norm_eps, stash_type=1)
+            else:
+                h, x = g.skip_norm(x, delta, g.init(p + "attn_norm", _np(layer.attn_norm)),
+                                   d.norm_eps, "input_layernorm")
+            with g.scope("attn"):
+                qkv = g.linear(h, "qkv_proj", p + "qkv", layer.wqkv, layer.bqkv)  # [1, n, (H+2KVH)D]
+                # the padding row: a copy of the last token (module docstring)
+                last = g.node("Slice", [qkv, g.const("minus1", [-1]), g.const("end", [2**62]),
+                                        g.const("axis1", [1])])
+                padded = g.node("Concat", [qkv, last], axis=1)  # [1, n + 1, ...]
+                attn, _, _ = g.node(
+                    "GroupQueryAttention",
+                    [padded, "", "", in_names[3 + 2 * i], in_names[4 + 2 * i], seqlens_k,
+                     total_len, cos, sin],
+                    outputs=[g.name("GroupQueryAttention/output_0"), out_names[1 + 2 * i],
+                             out_names[2 + 2 * i]], domain=MS_DOMAIN,
+                    num_heads=d.n_heads, kv_num_heads=d.n_kv_heads,
+                    scale=float(d.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0)
+                attn = g.node("Slice", [attn, g.const("zero", [0]), n, g.const("axis1", [1])])
+                o = g.linear(attn, "o_proj", p + "o", layer.wo, layer.bo)  # [1, n, C]
+            h, x = g.skip_norm(x, o, g.init(p + "ffn_norm", _np(layer.ffn_norm)), d.norm_eps,
+                               "post_attention_layernorm")
+            f = d.ffn_dim
+            b_gu = layer.b_gate_up
+            with g.scope("mlp"):
+                gate = g.linear(h, "gate_proj", p + "gate", layer.w_gate_up[:f],
+                                None if b_gu is None else b_gu[:f])
+                up = g.linear(h, "up_proj", p + "up", layer.w_gate_up[f:],
+                              None if b_gu is None else b_gu[f:])
+                with g.scope("act_fn"):  # SiLU(gate) · up
+                    act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
+                delta = g.linear(act, "down_proj", p + "down", layer.w_down, layer.b_down)
+    h, _ = g.skip_norm(x, delta, g.init("norm", _np(module.norm)), d.norm_eps, "norm")
+    with g.scope("lm_head"):
+        # only the last num_logits rows reach the lm_head
+        start = g.node("Sub", [n, g.node("Reshape", ["num_logits", g.const("shape1", [1])])])
+        rows = g.node("Slice", [h, start, n, g.const("axis1", [1])])  # [1, num_logits, C]
+        if module.lm_head is module.embed:  # tied: Gemm reads the embedding transposed, one copy
+            flat = g.node("Reshape", [rows, g.const("rows_c", [-1, d.dim])])
+            logits = g.node("Gemm", [flat, "embed"], transB=1)
+            g.node("Reshape", [logits, g.const("rows_v", [1, -1, d.vocab_size])],
+                   outputs=["logits"])
         else:
-            h, x = g.skip_norm(x, delta, g.init(p + "attn_norm", _np(layer.attn_norm)), d.norm_eps)
-        qkv = g.linear(h, p + "qkv", layer.wqkv, layer.bqkv)  # packed [1, n, (H + 2 KVH) D]
-        last = g.node("Slice", [qkv, g.const("minus1", [-1]), g.const("end", [2**62]),
-                                g.const("axis1", [1])])
-        padded = g.node("Concat", [qkv, last], axis=1)  # [1, n + 1, ...]: see the module doc
-        attn, _, _ = g.node(
-            "GroupQueryAttention",
-            [padded, "", "", in_names[3 + 2 * i], in_names[4 + 2 * i], seqlens_k, total_len, cos,
-             sin],
-            outputs=[g.name("attn"), out_names[1 + 2 * i], out_names[2 + 2 * i]], domain=MS_DOMAIN,
-            num_heads=d.n_heads, kv_num_heads=d.n_kv_heads, scale=float(d.head_dim ** -0.5),
-            do_rotary=1, rotary_interleaved=0)
-        attn = g.node("Slice", [attn, g.const("zero", [0]), n, g.const("axis1", [1])])  # [1, n, H D]
-        o = g.linear(attn, p + "o", layer.wo, layer.bo)
-        h, x = g.skip_norm(x, o, g.init(p + "ffn_norm", _np(layer.ffn_norm)), d.norm_eps)
-        f = d.ffn_dim
-        b_gu = layer.b_gate_up
-        gate = g.linear(h, p + "gate", layer.w_gate_up[:f], None if b_gu is None else b_gu[:f])
-        up = g.linear(h, p + "up", layer.w_gate_up[f:], None if b_gu is None else b_gu[f:])
-        act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
-        delta = g.linear(act, p + "down", layer.w_down, layer.b_down)
-    h, _ = g.skip_norm(x, delta, g.init("norm", _np(module.norm)), d.norm_eps)
-    # only the last num_logits rows reach the lm_head
-    start = g.node("Sub", [n, g.node("Reshape", ["num_logits", g.const("shape1", [1])])])
-    rows = g.node("Slice", [h, start, n, g.const("axis1", [1])])  # [1, num_logits, C]
-    if module.lm_head is module.embed:  # tied: Gemm reads the embedding transposed, one copy
-        flat = g.node("Reshape", [rows, g.const("rows_c", [-1, d.dim])])
-        logits = g.node("Gemm", [flat, "embed"], transB=1)
-        g.node("Reshape", [logits, g.const("rows_v", [1, -1, d.vocab_size])], outputs=["logits"])
-    else:
-        g.node("MatMul", [rows, g.init("lm_head", _np(module.lm_head).T)], outputs=["logits"])
+            g.node("MatMul", [rows, g.init("lm_head", _np(module.lm_head).T)], outputs=["logits"])
 
     graph = helper.make_graph(g.nodes, f"{module.model_type}_fused", inputs, outputs, g.initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
@@ -146,10 +158,7 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     model.ir_version = 8
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # weights past protobuf's 2 GB limit go to <path>.data, as in onnx_export.export_graph
-    external = sum(t.ByteSize() for t in g.initializers) >= ONNX_SIZE_LIMIT - 64 * 2**20
-    onnx.save_model(model, str(path), save_as_external_data=external,
-                    all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
+    external = save_graph(model, path)
     desc = describe(path)
     desc.update(exporter="specedge fused writer", external_data=external,
                 export_s=time.perf_counter() - t0, max_len=max_len)
@@ -169,15 +178,31 @@ def _np(t) -> np.ndarray:
 
 
 class _GraphWriter:
+    """Builds the node list. Nodes are named by where they sit in the model, as
+    onnxruntime-genai's builder names them (`/model/layers.0/attn/qkv_proj/MatMul`), and a
+    node's output by its node (`.../MatMul/output_0`), so that a graph reads in Netron."""
+
     def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._consts: dict[str, str] = {}
-        self._count = 0
+        self._scope = ["/model"]
+        self._used: dict[str, int] = {}
 
-    def name(self, op: str) -> str:
-        self._count += 1
-        return f"{op}_{self._count}"
+    @contextlib.contextmanager
+    def scope(self, name: str):
+        self._scope.append(name)
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    def name(self, what: str) -> str:
+        """A unique name for `what` in the current scope."""
+        name = "/".join(self._scope + [what])
+        n = self._used.get(name, 0)
+        self._used[name] = n + 1
+        return name if n == 0 else f"{name}_{n}"
 
     def init(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
@@ -190,20 +215,31 @@ class _GraphWriter:
 
     def node(self, op: str, inputs: list[str], outputs: list[str] | None = None,
              domain: str = "", **attrs):
-        outputs = outputs or [self.name(op)]
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.name(op + "_node"),
-                                           domain=domain, **attrs))
+        name = self.name(op)
+        outputs = outputs or [name + "/output_0"]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def linear(self, x: str, name: str, weight, bias) -> str:
-        """x @ weightᵀ (+ bias); weight is [out, in] like nn.Linear, stored as [in, out] so that
-        the MatMul's weight is a constant the 4-bit quantizer recognises."""
-        y = self.node("MatMul", [x, self.init(name + ".weight", _np(weight).T)])
-        return y if bias is None else self.node("Add", [y, self.init(name + ".bias", _np(bias))])
+    def linear(self, x: str, at: str, weight_name: str, weight, bias) -> str:
+        """x @ weightᵀ (+ bias) under scope `at`; weight is [out, in] like nn.Linear, stored as
+        [in, out] so that the MatMul's weight is a constant the 4-bit quantizer recognises."""
+        with self.scope(at):
+            y = self.node("MatMul", [x, self.init(weight_name + ".weight", _np(weight).T)])
+            if bias is not None:
+                y = self.node("Add", [y, self.init(weight_name + ".bias", _np(bias))])
+        return y
 
-    def skip_norm(self, x: str, delta: str, weight: str, eps: float) -> tuple[str, str]:
-        """(RMSNorm(x + delta) · weight, x + delta) in one kernel."""
-        out, total = self.name("norm"), self.name("residual")
-        self.node("SkipSimplifiedLayerNormalization", [x, delta, weight],
-                  outputs=[out, "", "", total], domain=MS_DOMAIN, epsilon=eps)
+    def skip_norm(self, x: str, delta: str, weight: str, eps: float, at: str) -> tuple[str, str]:
+        """(RMSNorm(x + delta) · weight, x + delta) in one kernel:
+
+            x ──┐
+                Add ──┬── RMSNorm · weight ── out
+            δ ──┘     └── total (the residual stream)
+        """
+        with self.scope(at):
+            name = self.name("SkipSimplifiedLayerNormalization")
+            out, total = name + "/output_0", name + "/output_3"
+            self.nodes.append(helper.make_node(
+                "SkipSimplifiedLayerNormalization", [x, delta, weight], [out, "", "", total],
+                name=name, domain=MS_DOMAIN, epsilon=eps))
         return out, total

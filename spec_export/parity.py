@@ -15,6 +15,7 @@ import onnxruntime as ort
 import torch
 
 
+
 def make_session(onnx_path, threads: int | None = None) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

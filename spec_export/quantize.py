@@ -55,9 +55,10 @@ def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool 
         bits = _gather_from_lm_head(graph)
         if bits:
             embedding = f"int{bits}, the lm_head's weights (GatherBlockQuantized)"
-    # a model whose 4-bit weights still pass protobuf's 2 GB limit keeps them in <dst>.data
-    big = sum(t.ByteSize() for t in graph.initializer) >= 2**31 - 64 * 2**20
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=big)
+    from .onnx_export import save_graph
+
+    quantizer.model.topological_sort()  # what its own save_model_to_file does first
+    save_graph(quantizer.model.model, dst)
     n_q = sum(n.op_type == "MatMulNBits" for n in graph.node) - before
     return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": 4, "block_size": block_size,
             "symmetric": True, "accuracy_level": INT4_ACCURACY_LEVEL, "quantized_matmuls": n_q,

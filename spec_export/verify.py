@@ -7,7 +7,8 @@ from pathlib import Path
 from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.manifest import read_manifest
 
-from .build import FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, BuildError
+from .quality import FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS
+from .sources import BuildError
 from .sources import ModelSpec, load_model
 
 

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 
 DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
 KV_CACHE_LAYOUTS = ("new-slots", "in-place")
+PRECISIONS = ("fp32", "int8", "int4")  # of a graph's weights
+# "portable": standard ONNX ops (any runtime, TensorRT included); "fused": ONNX Runtime's contrib
+# kernels (GroupQueryAttention, skip-RMSNorm, MatMulNBits)
+KERNELS = ("portable", "fused")
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32")
 # ONNX metadata_props of every graph in a bundle: which model, graph and precision it is, so
 # that a graph copied over another (its sha256 updated) is caught even when the shapes agree

@@ -27,7 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .errors import BundleError
-from .contract import DTYPES, KV_CACHE_LAYOUTS, decoder_io, dims_of, encoder_io, mismatch
+from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, decoder_io, dims_of,
+                       encoder_io, mismatch)
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
@@ -40,8 +41,6 @@ ARCHITECTURES = ("decoder-only", "encoder-decoder")
 # graphs every model entry (target, and a model draft) must hold, per architecture
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 DRAFT_KINDS = ("model", "ngram")
-PRECISIONS = ("fp32", "int8", "int4")  # graph precisions this runtime runs
-KERNELS = ("portable", "fused")
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}

@@ -95,6 +95,13 @@ def test_fused_graph_matches_hf(case, tmp_path):
     if module.lm_head is module.embed:  # tied: Gemm(transB) reads the one embedding copy
         big = [t for t in graph.initializer if 256 in t.dims and 64 in t.dims and len(t.dims) == 2]
         assert len(big) == 1
+    # nodes are named by where they sit in the model (onnxruntime-genai's scheme), uniquely
+    names = [n.name for n in graph.node]
+    assert len(set(names)) == len(names) and all(n.startswith("/model/") for n in names)
+    for want in ("/model/layers.0/attn/qkv_proj/MatMul", "/model/layers.1/mlp/down_proj/MatMul",
+                 "/model/layers.1/attn/GroupQueryAttention",
+                 "/model/layers.1/post_attention_layernorm/SkipSimplifiedLayerNormalization"):
+        assert want in names, want
 
     prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     diff = check_parity(hf, tmp_path / "fused.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
@@ -151,9 +158,9 @@ def test_checkpoint_mismatch_names_the_weight():
 def test_fused_graph_past_the_protobuf_limit_keeps_weights_beside_it(tmp_path, monkeypatch):
     """Weights beyond protobuf's 2 GB go to <file>.data (the limit lowered so a tiny model
     crosses it); the graph loads and matches HF the same."""
-    from spec_export import onnx_fused
+    from spec_export import onnx_export, onnx_fused
 
-    monkeypatch.setattr(onnx_fused, "ONNX_SIZE_LIMIT", 64 * 2**20 + 1)
+    monkeypatch.setattr(onnx_export, "ONNX_SIZE_LIMIT", onnx_export.GRAPH_ROOM + 1)
     hf = saved_and_reloaded(CASES["llama-untied"], tmp_path)
     desc = onnx_fused.export_fused_llama(for_hf_model(hf, MAX_LEN), tmp_path / "f.onnx", MAX_LEN)
     assert desc["external_data"] and (tmp_path / "f.onnx.data").stat().st_size > 100_000
