@@ -117,7 +117,7 @@ def prepare_prompts(gen, args) -> list[dict]:
                    [:args.limit]]
     for p in prompts:
         text = gen.apply_chat_template(p["text"]) if gen.chat_template else p["text"]
-        p["ids"] = gen.encode(text, add_special_tokens=not gen.chat_template).tolist()
+        p["ids"] = gen.tokenize(text, add_special_tokens=not gen.chat_template).tolist()
     return prompts
 
 
@@ -436,13 +436,13 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()[0]
     gen = spec_runtime.load(bundle_dir, threads=args.threads)
     want = PRECISIONS[args.precision]["bundle_precision"]
-    if gen.manifest["precision"] != want:
-        raise SystemExit(f"bundle {bundle_dir} is {gen.manifest['precision']}, --precision "
+    if gen.manifest.precision != want:
+        raise SystemExit(f"bundle {bundle_dir} is {gen.manifest.precision}, --precision "
                          f"{args.precision} needs a {want} bundle: pass --bundle")
     if args.gamma is not None:
-        gen._gamma_policy(args.gamma)  # a bad γ fails now, not after minutes of peers
+        gen.gamma_policy(args.gamma)  # a bad γ fails now, not after minutes of peers
     prompts = prepare_prompts(gen, args)
-    target_file = bundle_dir / gen.manifest["target"]["graphs"]["decoder"]["file"]
+    target_file = bundle_dir / gen.manifest.target.graphs["decoder"].file
     weight_bytes = peers.onnx_weight_bytes(target_file)
     eos_id = min(gen.eos_token_ids)
 
@@ -456,8 +456,8 @@ def main(argv=None) -> None:
     report = {
         "config": config,
         "bundle": str(bundle_dir),
-        "draft": gen.manifest["draft"],
-        "target_quantization": gen.manifest["target"].get("quantization"),
+        "draft": gen.manifest.to_json()["draft"],
+        "target_quantization": gen.manifest.target.quantization,
         "machine": machine.info(args.threads),
         "load_before": round(load_before, 2),
         "load_after": round(os.getloadavg()[0], 2),

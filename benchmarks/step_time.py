@@ -42,8 +42,8 @@ def main() -> None:
     engines = {}
     for b in args.bundles:
         gen = spec_runtime.load(b, threads=args.threads)
-        graph = gen.manifest["target"]["graphs"]["decoder"]
-        label = f"{b.name} ({gen.manifest['precision']}, {graph['kernels']})"
+        graph = gen.manifest.target.graphs["decoder"]
+        label = f"{b.name} ({gen.manifest.precision}, {graph.kernels})"
         engines[label] = gen.target
     rng = np.random.default_rng(0)
     times: dict[str, dict[tuple, list[float]]] = {k: {c: [] for c in CALLS} for k in engines}

@@ -25,8 +25,9 @@ def main():
                    "self for an fp32 llama-family target from a GGUF, else ngram")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="bundle directory [default: where specrun looks, see `specrun where`]")
-@click.option("--max-len", type=int, default=2048, show_default=True,
-              help="KV cache capacity: prompt + new tokens")
+@click.option("--max-len", type=int, default=None,
+              help="KV cache capacity: prompt + new tokens [default: the model's position "
+                   "limit, at most 2048]")
 @click.option("--max-source-len", type=int, default=512, show_default=True,
               help="encoder-decoder (T5) targets: longest source, in tokens")
 @click.option("--gamma", type=int, default=4, show_default=True, help="default draft length γ")

@@ -140,7 +140,7 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     gammas = _gammas(gamma)
     gen = spec_runtime.load(bundle, device=device)
     for g in gammas:
-        gen._gamma_policy(g)  # validate every γ before minutes of measuring
+        gen.gamma_policy(g)  # validate every γ before minutes of measuring
     with click.progressbar(length=len(gammas) * len(prompts) * repeats, label="bench",
                            file=sys.stderr) as bar:
         report = run_bench(gen, prompts, gammas, temperature=temperature,

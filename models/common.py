@@ -1,14 +1,12 @@
 """Pieces shared by the export-friendly decoders: the graph contract's forward signature,
 the two-block cached attention, and a weight map that checks every Hugging Face tensor.
 
-Every decoder here computes, for n new tokens starting at absolute `position`:
-
-    logits [1, num_logits, vocab]            only the last num_logits rows
-    present_key.i / present_value.i          [1, kv_heads, n, head_dim], the NEW slots only
-
-and reads a static cache `past_key.i / past_value.i` [1, kv_heads, max_len, head_dim] whose slots
->= position are stale (a rejected draft is never erased, it is masked until overwritten). The
-runtime owns the cache and writes `present` into it at [position, position + n).
+Every decoder here is the portable ("new-slots") form of the graph contract in
+spec_runtime/contract.py: for n new tokens at absolute `position` it reads the static cache
+`past_*` (slots >= position are stale: a rejected draft is never erased, it is masked until
+overwritten) and returns the logits of the last num_logits tokens and the n new slots as
+`present_*`, which the runtime writes at [position, position + n). The fused ("in-place") graph
+of the llama family is written from the same modules by spec_export/onnx_fused.py.
 """
 
 from __future__ import annotations

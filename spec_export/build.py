@@ -10,19 +10,20 @@ to replace and how a killed build's leftovers are found: output.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import platform
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from spec_runtime.contract import KERNELS, PRECISIONS
-from spec_runtime.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
+from spec_runtime.manifest import (DraftEntry, GraphEntry, Manifest, ModelEntry, TokenizerEntry,
+                                   write_manifest)
 
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
-from .quality import (FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT, PARITY_PROMPT,
-                      QUANT_PROMPTS)
+from .quality import (FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, broken_quantization,
+                      verify_thresholds)
 from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
 
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
@@ -30,6 +31,25 @@ KERNEL_CHOICES = ("auto", *KERNELS)
 # int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
 # "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
 INT4_WEIGHTS = ("auto", "gguf", "quantize")
+
+
+MAX_LEN = 2048  # the default cache capacity, where the model allows as many positions
+MIN_MAX_LEN = 16
+
+
+def default_max_len(models, encoder_decoder: bool) -> int:
+    """MAX_LEN, or fewer where a model has fewer positions (a GPT-2 has 512 learned ones). T5's
+    positions are relative: no limit there."""
+    limits = [MAX_LEN]
+    for m in models if not encoder_decoder else ():
+        c = m.config
+        limits.append(getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings",
+                                                                  None) or MAX_LEN)
+    max_len = int(min(limits))
+    if max_len < MIN_MAX_LEN:
+        raise BuildError(f"the model has only {max_len} positions; a bundle needs at least "
+                         f"{MIN_MAX_LEN}")
+    return max_len
 
 
 def eos_ids(hf_model, tokenizer) -> list[int]:
@@ -148,26 +168,20 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
             quantization = quantize.quantize_int8(fp32_path, path)
         fp32_path.unlink()
         fp32_path.with_name(fp32_path.name + ".data").unlink(missing_ok=True)  # large models
-        parity[precision] = quantized_parity(hf_model, path, quant_prompts)
-        agree = parity[precision]
-        if agree["top1_agreement"] < MIN_TOP1_AGREEMENT and agree["mean_kl"] > MAX_BROKEN_KL:
+        agree = quantized_parity(hf_model, path, quant_prompts)
+        parity[precision] = dict(agree, verify_thresholds=verify_thresholds(agree))
+        if broken_quantization(agree):
             raise BuildError(f"{path.stem}: {precision} graph agrees with the float model on only "
                              f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
                              f"{agree['mean_kl']:.2f}): use a higher precision or a smaller "
                              f"--block-size")
     dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
-    return {
-        "family": module.model_type,
-        "dims": dims,
-        "vocab_size": module.vocab_size,
-        "precision": precision,
-        "quantization": quantization,
-        "parity": parity,
-        "graphs": {"decoder": {"file": path.name, "inputs": desc["inputs"],
-                               "outputs": desc["outputs"], "opset": desc["opset"],
-                               "kernels": kernels,
-                               "kv_cache": "in-place" if kernels == "fused" else "new-slots"}},
-    }
+    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
+                       kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
+                       opset=desc["opset"])
+    return ModelEntry(vocab_size=module.vocab_size, graphs={"decoder": graph},
+                      precision=precision, family=module.model_type, dims=dims, parity=parity,
+                      quantization=quantization)
 
 
 @contextlib.contextmanager
@@ -192,7 +206,7 @@ def build_bundle(
     draft: str = "auto",
     out: str | os.PathLike | None = None,
     *,
-    max_len: int = 2048,
+    max_len: int | None = None,
     max_source_len: int = 512,
     gamma: int = 4,
     max_gamma: int = 8,
@@ -225,11 +239,11 @@ def build_bundle(
     t_spec = model_spec(target, gguf_file) if target else default_target()
     auto_draft = draft == "auto"
     if auto_draft:
-        # The target's own GGUF blocks at int4 draft for an fp32 target: SmolLM2-135M accepts
-        # 97-99% of their tokens at c ≈ 0.4 (`specrun bench`, γ 4: 1.5x target-only on chat
-        # and grounded prompts alike, where the n-gram draft gives 1.1x and 1.5-1.9x). Without
-        # a GGUF the int4 draft would be quantized again (top-1 ~0.5 on SmolLM2), so prompt
-        # lookup stays the default there.
+        # The target's own GGUF blocks at int4 draft for an fp32 target: they agree with it on
+        # nearly every token at a fraction of its cost, on chat and grounded prompts alike,
+        # where prompt lookup only pays on the latter (README, Performance). Without a GGUF the
+        # int4 draft would be quantized a second time and agree on about half of the tokens,
+        # so prompt lookup stays the default there.
         draft = "self" if (precision == "fp32" and draft_precision in (None, "int4")
                            and t_spec.gguf_file and int4_weights != "quantize"
                            and kernels != "portable") else "ngram"
@@ -250,9 +264,11 @@ def build_bundle(
         raise BuildError(f"--kernels {kernels!r} is not supported: use one of {KERNEL_CHOICES}")
     if block_size not in (16, 32, 64, 128, 256):
         raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
-    for name, value, low in (("--max-len", max_len, 16), ("--max-source-len", max_source_len, 1),
-                             ("--gamma", gamma, 1), ("--max-gamma", max_gamma, 1),
-                             ("--prefill-chunk", prefill_chunk, 1)):
+    for name, value, low in (("--max-len", max_len, MIN_MAX_LEN),
+                             ("--max-source-len", max_source_len, 1), ("--gamma", gamma, 1),
+                             ("--max-gamma", max_gamma, 1), ("--prefill-chunk", prefill_chunk, 1)):
+        if value is None and name == "--max-len":
+            continue  # the model's own position limit, once it is loaded
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BuildError(f"{name} {value!r} is invalid: use an integer >= {low}")
     if gamma > max_gamma:
@@ -278,12 +294,19 @@ def build_bundle(
         names += ["write bundle"]
         stage = _stages(names, progress)
         with BuildDir(out) as work:
-            _write_bundle(work.bundle, stage, t_spec, d_spec, auto_draft=auto_draft,
-                          precision=precision, draft_precision=draft_precision,
-                          int4_weights=int4_weights, kernels=kernels, max_len=max_len,
-                          max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
-                          prefill_chunk=prefill_chunk, block_size=block_size,
-                          float_embedding=float_embedding)
+            try:
+                _write_bundle(work.bundle, stage, t_spec, d_spec, auto_draft=auto_draft,
+                              precision=precision, draft_precision=draft_precision,
+                              int4_weights=int4_weights, kernels=kernels, max_len=max_len,
+                              max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
+                              prefill_chunk=prefill_chunk, block_size=block_size,
+                              float_embedding=float_embedding)
+            except Exception:
+                # an interrupt that a library turned into its own error on the way (onnxruntime
+                # interrupted while importing raises ImportError) is still the interrupt
+                if _interrupt:
+                    raise _interrupt[0] from None
+                raise
             if _interrupt:  # the last point at which stopping leaves the old bundle untouched
                 raise _interrupt[0]
             work.commit()
@@ -291,7 +314,7 @@ def build_bundle(
 
 
 def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precision: str,
-                  draft_precision: str, int4_weights: str, kernels: str, max_len: int,
+                  draft_precision: str, int4_weights: str, kernels: str, max_len: int | None,
                   max_source_len: int, gamma: int, max_gamma: int, prefill_chunk: int,
                   block_size: int, float_embedding: bool) -> None:
     """Load, export, check and describe both models into the directory `tmp`."""
@@ -318,6 +341,11 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precisi
         d_model, d_tok = load_model(d_spec)
         check_vocabularies(t_tok, d_tok)
         check_pair(t_model, d_model)
+    if max_len is None:
+        max_len = default_max_len([t_model] + ([d_model] if d_spec else []), encdec)
+    if max_gamma >= max_len:
+        raise BuildError(f"--max-gamma {max_gamma} leaves no room in a cache of --max-len "
+                         f"{max_len}: lower --max-gamma or raise --max-len")
     parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
     if encdec and "int4" in (precision, draft_precision):
         raise BuildError("--precision int4 is supported for decoder-only models so far: use "
@@ -332,62 +360,48 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precisi
                   float_embedding=float_embedding)
     use_gguf = int4_weights != "quantize"
     stage("export target")
-    t_entry = _export_any(t_model, tmp, "target", precision=precision,
-                          gguf_path=t_spec.gguf_path() if use_gguf else None, **export)
-    t_entry.update(t_spec.describe())
+    t_entry = replace(_export_any(t_model, tmp, "target", precision=precision,
+                                  gguf_path=t_spec.gguf_path() if use_gguf else None, **export),
+                      **t_spec.describe())
     _check_blocks(t_entry, "--target", int4_weights)
     if d_spec:
         stage("export draft")
-        d_entry = _export_any(d_model, tmp, "draft", precision=draft_precision,
-                              gguf_path=d_spec.gguf_path() if use_gguf else None, **export)
-        d_entry.update(d_spec.describe(), kind="model")
-        _check_blocks(d_entry, "--draft", int4_weights)
+        d_model_entry = replace(_export_any(d_model, tmp, "draft", precision=draft_precision,
+                                            gguf_path=d_spec.gguf_path() if use_gguf else None,
+                                            **export), **d_spec.describe())
+        _check_blocks(d_model_entry, "--draft", int4_weights)
+        d_entry = DraftEntry("model", d_model_entry)
     else:
-        # A 1-token match proposes poorly (α ≈ 0.5 on chat prompts). Each proposed token
-        # costs a verify row: ~0.03 of a step at fp32, ~0.2 at int4 on 2 cores, so at int4
-        # proposing only after 2-token matches pays (`specrun bench`, int4, γ 4: chat 1.02× →
-        # 1.16–1.18×, grounded 1.46× → 1.41–1.42×) and at fp32 it does not (1.38× → 1.35×).
-        d_entry = {"kind": "ngram", "max_ngram": 3,
-                   "min_ngram": 2 if precision == "int4" else 1}
+        # A 1-token match proposes poorly on chat prompts, and each proposed token costs a
+        # verify row: little at fp32, several times more at int4 (benchmarks/results/
+        # step-time.json), so at int4 proposing only after 2-token matches pays and at fp32 it
+        # does not (README, Performance).
+        d_entry = DraftEntry("ngram", options={"max_ngram": 3,
+                                               "min_ngram": 2 if precision == "int4" else 1})
     stage("write bundle")
-    for role, entry in (("target", t_entry), ("draft", d_entry)):
-        for name, graph in entry.get("graphs", {}).items():
-            stamp_metadata(tmp / graph["file"], graph_metadata(role, name, entry["precision"]))
+    manifest = Manifest(
+        architecture="encoder-decoder" if encdec else "decoder-only",
+        max_len=max_len, max_gamma=max_gamma, default_gamma=gamma, prefill_chunk=prefill_chunk,
+        precision=precision, target=t_entry, draft=d_entry,
+        tokenizer=TokenizerEntry(
+            file="tokenizer.json", eos_token_ids=tuple(eos), bos_token_id=t_tok.bos_token_id,
+            special_tokens={"bos_token": t_tok.bos_token or "", "eos_token": t_tok.eos_token or ""},
+            chat_template=t_tok.chat_template if isinstance(t_tok.chat_template, str) else None),
+        max_source_len=max_source_len if encdec else None,
+        decoder_start_token_id=decoder_start_token_id(t_model) if encdec else None,
+        created_by=library_versions())
+    for role, entry in manifest.models():
+        for name, graph in entry.graphs.items():
+            stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
     t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
-    manifest = {
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
-        "architecture": "encoder-decoder" if encdec else "decoder-only",
-        "max_len": max_len,
-        "max_gamma": max_gamma,
-        "default_gamma": gamma,
-        "prefill_chunk": prefill_chunk,
-        "precision": precision,
-        "target": t_entry,
-        "draft": d_entry,
-        "tokenizer": {
-            "file": "tokenizer.json",
-            "eos_token_ids": eos,
-            "bos_token_id": t_tok.bos_token_id,
-            "special_tokens": {"bos_token": t_tok.bos_token or "",
-                               "eos_token": t_tok.eos_token or ""},
-            "chat_template": t_tok.chat_template if isinstance(t_tok.chat_template, str)
-            else None,
-        },
-        "created_by": library_versions(),
-        "files": {},
-    }
-    if encdec:
-        manifest.update(max_source_len=max_source_len,
-                        decoder_start_token_id=decoder_start_token_id(t_model))
     write_manifest(tmp, manifest)
 
 
-def _check_blocks(entry: dict, role: str, int4_weights: str) -> None:
+def _check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
     """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
-    if int4_weights == "gguf" and entry["precision"] == "int4" \
-            and not (entry["quantization"] or {}).get("gguf_blocks"):
-        raise BuildError(f"{role} {entry['gguf_file']!r} has no Q4_0, Q4_1 or Q8_0 tensor "
+    if int4_weights == "gguf" and entry.precision == "int4" \
+            and not (entry.quantization or {}).get("gguf_blocks"):
+        raise BuildError(f"{role} {entry.gguf_file!r} has no Q4_0, Q4_1 or Q8_0 tensor "
                          f"matching the model's weights (other block types are re-quantized): "
                          f"use --int4-weights quantize")
 
@@ -395,7 +409,7 @@ def _check_blocks(entry: dict, role: str, int4_weights: str) -> None:
 def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
                 max_source_len: int, precision: str, parity_ids, stage, quant_prompts,
                 block_size: int, kernels: str, float_embedding: bool,
-                gguf_path: Path | None = None) -> dict:
+                gguf_path: Path | None = None) -> ModelEntry:
     if encdec:
         from .build_seq2seq import export_model
 
@@ -405,13 +419,3 @@ def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len:
     return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
                          stage, quant_prompts, block_size, kernels, float_embedding, gguf_path)
 
-
-def write_manifest(bundle_dir: Path, manifest: dict) -> None:
-    """Record size and sha256 of every file in the directory, then write manifest.json last."""
-    manifest["files"] = {
-        p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(bundle_dir.iterdir()) if p.is_file() and p.name != MANIFEST
-    }
-    tmp = bundle_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, bundle_dir / MANIFEST)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .quality import FP32_TOLERANCE
+from spec_runtime.manifest import GraphEntry, ModelEntry
+
+from .quality import FP32_TOLERANCE, VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
 from .sources import BuildError
 
 DECODER_PARITY_PREFIX = 4  # forced decoder tokens after the start token in the parity run
@@ -55,9 +57,9 @@ def parity_inputs(hf_model, parity_ids: list[int], max_source_len: int) -> tuple
 
 
 def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_source_len: int,
-                 precision: str, parity_ids: list[int], stage) -> dict:
+                 precision: str, parity_ids: list[int], stage) -> ModelEntry:
     """Export `role`.encoder.onnx and `role`.decoder.onnx, check them against PyTorch; returns
-    the model's manifest entry (minus source), shaped like the decoder-only one."""
+    the model's manifest entry (its source is added by the caller)."""
     from specedge.models import for_hf_seq2seq
 
     from .export_seq2seq import export_seq2seq
@@ -85,17 +87,14 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
             quantize_int8(fp32[g], final[g])
             fp32[g].unlink()
         diffs = check_parity_seq2seq(hf_model, final["encoder"], final["decoder"], source, decoder_ids)
-        parity.update(max_abs_diff_int8=max(diffs.values()), graphs_int8=diffs)
+        worst = max(diffs.values())
+        parity.update(max_abs_diff_int8=worst, graphs_int8=diffs,
+                      verify_max_abs_diff_int8=worst * VERIFY_DIFF_FACTOR + VERIFY_DIFF_MARGIN)
     dec = model.decoder
     dims = {k: getattr(dec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     dims["n_encoder_layers"] = len(model.encoder.layers)
-    return {
-        "family": model.model_type,
-        "dims": dims,
-        "vocab_size": dec.vocab_size,
-        "precision": precision,
-        "parity": parity,
-        "graphs": {g: {"file": final[g].name, "inputs": d["inputs"], "outputs": d["outputs"],
-                       "opset": d["opset"], "kernels": "portable", "kv_cache": "new-slots"}
-                   for g, d in descs.items()},
-    }
+    graphs = {g: GraphEntry(file=final[g].name, inputs=d["inputs"], outputs=d["outputs"],
+                            kernels="portable", kv_cache="new-slots", opset=d["opset"])
+              for g, d in descs.items()}
+    return ModelEntry(vocab_size=dec.vocab_size, graphs=graphs, precision=precision,
+                      family=model.model_type, dims=dims, parity=parity)

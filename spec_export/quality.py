@@ -17,3 +17,22 @@ QUANT_PROMPTS = [
     "def average(values):\n    return sum(values) / len(values)\n",
     "The capital of France is Paris. The capital of Germany is",
 ]
+
+# `specexport verify` measures a quantized graph again and fails it when it agrees with the float
+# model less than at build time, beyond what another machine's rounding can move (8-bit
+# activations round differently where a value sits on a boundary)
+VERIFY_TOP1_MARGIN = 0.05
+VERIFY_KL_FACTOR, VERIFY_KL_MARGIN = 1.5, 0.01
+VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN = 2.0, 0.05  # int8 encoder-decoder graphs: max |diff|
+
+
+def verify_thresholds(measured: dict) -> dict:
+    """What `specexport verify` will require of a quantized decoder graph that measured
+    `measured` ({"top1_agreement", "mean_kl"}) at build time; recorded in the manifest."""
+    return {"min_top1_agreement": max(0.0, measured["top1_agreement"] - VERIFY_TOP1_MARGIN),
+            "max_mean_kl": measured["mean_kl"] * VERIFY_KL_FACTOR + VERIFY_KL_MARGIN}
+
+
+def broken_quantization(measured: dict) -> bool:
+    """A quantized graph no build should write: wrong everywhere, not merely approximate."""
+    return measured["top1_agreement"] < MIN_TOP1_AGREEMENT and measured["mean_kl"] > MAX_BROKEN_KL

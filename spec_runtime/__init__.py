@@ -4,26 +4,31 @@ Imports numpy (and, when a bundle is loaded, onnxruntime and tokenizers) only: i
 torch or transformers, and does nothing at import time beyond defining names.
 """
 
-from .drafts import ModelDraft, NgramDraft
-from .engine import CacheCapacityError, Engine
+from .drafts import DRAFTS, Draft, ModelDraft, NgramDraft
+from .engine import Engine
+from .errors import BundleError, CacheCapacityError, InputError, NonFiniteLogitsError
 from .generator import GenerationResult, Generator
-from .sampling import NonFiniteLogitsError, SamplingParams, sample, verify, warp
+from .sampling import SamplingParams, accept_drafts, sample, warp
 from .stats import expected_speedup, expected_tokens_per_round
 
 __all__ = [
+    "DRAFTS",
+    "BundleError",
     "CacheCapacityError",
+    "Draft",
     "Engine",
     "GenerationResult",
     "Generator",
+    "InputError",
     "ModelDraft",
     "NgramDraft",
     "NonFiniteLogitsError",
     "SamplingParams",
+    "accept_drafts",
     "expected_speedup",
     "expected_tokens_per_round",
     "load",
     "sample",
-    "verify",
     "warp",
 ]
 

@@ -1,15 +1,26 @@
-"""Open a bundle: validate its manifest, create the engines once, wire them to a Generator."""
+"""Open a bundle: read its manifest, check what it holds, create the engines once, pick the draft
+from the registry, and hand all of it to a Generator.
+
+    manifest.json ─ read_manifest ─► Manifest (every field checked; files inside the bundle,
+                                      sizes and sha256)
+    tokenizer.json ─ Tokenizer ─► its special tokens match the manifest's ids
+    chat template ─ compiled and test-rendered (chat.py)
+    target graphs ─ OrtEngine.open ─► the session's I/O and metadata match the manifest
+    draft ─ drafts.open_draft (registry by draft.kind) ─► its own engine, or none
+    ────────────────────────────────────────────────────────────────► Generator
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from .drafts import ModelDraft, NgramDraft
-from .generator import Generator
 from .chat import compile_chat_template
 from .contract import graph_metadata
-from .manifest import REBUILD, BundleError, read_manifest, unreadable
+from .drafts import open_draft
+from .errors import BundleError
+from .generator import Generator
+from .manifest import REBUILD, Manifest, ModelEntry, TokenizerEntry, read_manifest, unreadable
 
 DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
@@ -23,34 +34,33 @@ def default_bundle_dir() -> Path:
     return Path(data) / "specedge" / "default"
 
 
-def _engine(bundle_dir: Path, manifest: dict, role: str, device: str, threads):
+def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry, *,
+                device: str, threads: int | None):
     """One model's engine: OrtEngine over its decoder graph, or for an encoder-decoder bundle
     OrtEncDecEngine over its encoder and decoder graphs."""
-    model = manifest[role]
-    graph = dict(model["graphs"]["decoder"], vocab_size=model["vocab_size"])
-    precision = model.get("precision", "fp32")
     # With a model draft two sessions take turns many times a round. ONNX Runtime's workers spin
     # for a while after each run, so the other session's run would compete with them for the
     # cores; not spinning at all makes every parallel operator wake sleeping workers instead.
     # Sessions that take turns therefore spin inside a run and stop as soon as it returns
-    # (session.force_spinning_stop). Measured on 2 cores, fp32 SmolLM2 target with its int4
-    # draft, γ 4 (`specrun bench`): always spinning 0.88× target-only, never spinning 1.37×,
-    # stopping at return 1.63×. One session alone keeps spinning (it shortens its own calls).
-    spinning = manifest["draft"]["kind"] != "model"
-    common = dict(max_len=manifest["max_len"], prefill_chunk=manifest["prefill_chunk"],
-                  device=device, threads=threads, spinning=spinning,
-                  metadata=graph_metadata(role, "decoder", precision))
-    if manifest["architecture"] == "encoder-decoder":
+    # (session.force_spinning_stop; measured in README, Performance). One session alone keeps
+    # spinning (it shortens its own calls).
+    spinning = manifest.draft.model is None
+    decoder = model.graphs["decoder"]
+    common = dict(vocab_size=model.vocab_size, max_len=manifest.max_len,
+                  prefill_chunk=manifest.prefill_chunk, device=device, threads=threads,
+                  spinning=spinning, metadata=graph_metadata(role, "decoder", model.precision))
+    if manifest.encoder_decoder:
         from .ort_encdec import OrtEncDecEngine
 
-        enc = model["graphs"]["encoder"]
-        return OrtEncDecEngine(bundle_dir / graph["file"], graph, bundle_dir / enc["file"], enc,
-                               max_source_len=manifest["max_source_len"], where=role,
-                               encoder_metadata=graph_metadata(role, "encoder", precision),
-                               **common)
+        encoder = model.graphs["encoder"]
+        return OrtEncDecEngine.open(
+            bundle_dir / decoder.file, decoder, bundle_dir / encoder.file, encoder,
+            max_source_len=manifest.max_source_len, where=role,
+            encoder_metadata=graph_metadata(role, "encoder", model.precision), **common)
     from .ort_engine import OrtEngine
 
-    return OrtEngine(bundle_dir / graph["file"], graph, where=f"{role}.graphs.decoder", **common)
+    return OrtEngine.open(bundle_dir / decoder.file, decoder, where=f"{role}.graphs.decoder",
+                          **common)
 
 
 def load_tokenizer(path: Path):
@@ -67,12 +77,12 @@ def load_tokenizer(path: Path):
         raise BundleError(f"{path} is not a tokenizers tokenizer.json ({e}); {REBUILD}") from None
 
 
-def check_tokenizer(tokenizer, tok: dict) -> None:
+def check_tokenizer(tokenizer, tok: TokenizerEntry) -> None:
     """The tokenizer must map the manifest's special tokens to the manifest's ids: a
     tokenizer.json of another model (even with its sha256 updated) fails here, before it turns
     prompts into ids that mean other words to the graphs."""
-    special = tok.get("special_tokens") or {}
-    expected = [("eos_token", tok["eos_token_ids"]), ("bos_token", [tok.get("bos_token_id")])]
+    special = tok.special_tokens
+    expected = [("eos_token", list(tok.eos_token_ids)), ("bos_token", [tok.bos_token_id])]
     for key, ids in expected:
         text = special.get(key)
         if not text or not ids or None in ids:
@@ -90,35 +100,31 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
                 check_files: bool = True) -> Generator:
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
     manifest = read_manifest(bundle_dir, check_files=check_files)
-    tok = manifest["tokenizer"]
-    tokenizer = load_tokenizer(bundle_dir / tok["file"])
+    tok = manifest.tokenizer
+    tokenizer = load_tokenizer(bundle_dir / tok.file)
     check_tokenizer(tokenizer, tok)
-    if tok.get("chat_template"):
-        compile_chat_template(tok["chat_template"])  # syntax and a test render, before sessions
-    target = _engine(bundle_dir, manifest, "target", device, threads)
+    if tok.chat_template:
+        compile_chat_template(tok.chat_template)  # syntax and a test render, before sessions
+    engines = dict(device=device, threads=threads)
+    target = open_engine(bundle_dir, manifest, "target", manifest.target, **engines)
     if tokenizer.get_vocab_size() > target.vocab_size:
         raise BundleError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the target graph only "
             f"{target.vocab_size}: the tokenizer belongs to another model; {REBUILD}"
         )
-    d = manifest["draft"]
-    if d["kind"] == "model":
-        draft = ModelDraft(_engine(bundle_dir, manifest, "draft", device, threads))
-    else:
-        draft = NgramDraft(target.vocab_size, max_ngram=d.get("max_ngram") or 3,
-                           min_ngram=d.get("min_ngram") or 1)
-    gen = Generator(
+    draft = open_draft(manifest.draft, target.vocab_size,
+                       lambda model: open_engine(bundle_dir, manifest, "draft", model, **engines))
+    return Generator(
         target,
         draft,
         tokenizer=tokenizer,
-        eos_token_ids=tok["eos_token_ids"],
-        default_gamma=manifest["default_gamma"],
-        max_gamma=manifest["max_gamma"],
-        chat_template=tok.get("chat_template"),
-        special_tokens=tok.get("special_tokens"),
-        encoder_decoder=manifest["architecture"] == "encoder-decoder",
-        decoder_start_token_id=manifest.get("decoder_start_token_id"),
+        eos_token_ids=tok.eos_token_ids,
+        default_gamma=manifest.default_gamma,
+        max_gamma=manifest.max_gamma,
+        chat_template=tok.chat_template,
+        special_tokens=tok.special_tokens,
+        encoder_decoder=manifest.encoder_decoder,
+        decoder_start_token_id=manifest.decoder_start_token_id,
+        manifest=manifest,
+        bundle_dir=bundle_dir,
     )
-    gen.manifest = manifest
-    gen.bundle_dir = bundle_dir
-    return gen

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .decode import check_capacity
+from .loop import check_capacity
 from .errors import InputError
 from .sampling import SamplingParams
 from .twosample import compare
@@ -36,7 +36,7 @@ from .twosample import compare
 LEVEL = 1e-3  # p-value below which the sampling test rejects
 POWER = 0.9  # power at which the detectable TV is reported
 NEAR_TIE = 1e-4  # relative logit gap below which a greedy divergence is a near-tie
-DEFAULT_SAMPLES = 400  # per mode; ~1 minute on SmolLM2-135M fp32 on 2 cores
+DEFAULT_SAMPLES = 400  # per mode (README, "Check exactness": what this takes and detects)
 DEFAULT_SECONDS = 90.0
 DEFAULT_TOKENS = 3
 GREEDY_TOKENS = 24
@@ -55,18 +55,6 @@ def _positive(name: str, value, kind=int):
     return value
 
 
-def target_logits(gen, prompt_ids: list[int], prefix: list[int]) -> np.ndarray:
-    """The target's logits [V] after prompt + prefix, from one fresh (prefill) call."""
-    with gen._lock:
-        gen.target.reset()
-        if gen.encoder_decoder:
-            gen.target.encode(prompt_ids)
-            seq = [gen.decoder_start_token_id] + prefix
-        else:
-            seq = list(prompt_ids) + prefix
-        return np.asarray(gen.target.forward(np.asarray(seq, np.int64), 0, 1)[-1], np.float64)
-
-
 def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict | None:
     """Where speculative greedy output first differs from target-only greedy output, with the
     target's logit gap between the two tokens there."""
@@ -80,7 +68,7 @@ def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict 
         return {"index": i, "target_token": base[i] if i < len(base) else None,
                 "speculative_token": spec[i] if i < len(spec) else None,
                 "logit_gap": None, "relative_gap": None, "near_tie": False}
-    logits = target_logits(gen, list(prompt_ids), list(base[:i]))
+    logits = gen.target_logits(prompt_ids, base[:i])
     la, lb = float(logits[base[i]]), float(logits[spec[i]])
     rel = abs(la - lb) / max(1.0, abs(la), abs(lb))
     return {"index": i, "target_token": base[i], "speculative_token": spec[i],
@@ -102,10 +90,10 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     if temperature == 0:
         raise InputError("--temperature 0 is greedy, which the greedy parity test covers: "
                          "check sampling at a temperature > 0")
-    gen._gamma_policy(gamma)
+    gen.gamma_policy(gamma)
     start = time.monotonic()
     deadline = start + seconds
-    ids = [[int(t) for t in gen.encode(p)] for p in prompts]
+    ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
     engines = [gen.target] + ([gen.draft.engine] if hasattr(gen.draft, "engine") else [])
     for p in ids:
         check_capacity(engines, 1 if gen.encoder_decoder else len(p), max(tokens, greedy_tokens))

@@ -8,6 +8,8 @@ description of it, and what ONNX Runtime itself reports).
                         [1, kv_heads, max_source_len, head_dim] · source_mask int64
                         [1, max_source_len]
              outputs  logits float32 [1, num_logits, vocab_size]
+                      hidden float32 [1, num_logits, hidden_size]   (optional: the last
+                        hidden states of those rows, for draft heads that read them)
                       present_key.{i} / present_value.{i} float32, by the graph's kv_cache:
                         "new-slots" [1, kv_heads, n, head_dim], S = max_len  (portable graphs)
                         "in-place"  [1, kv_heads, S, head_dim], S = max_len + 1  (fused
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
+LOGITS, HIDDEN = "logits", "hidden"
 KV_CACHE_LAYOUTS = ("new-slots", "in-place")
 PRECISIONS = ("fp32", "int8", "int4")  # of a graph's weights
 # "portable": standard ONNX ops (any runtime, TensorRT included); "fused": ONNX Runtime's contrib
@@ -56,9 +59,10 @@ def _io(name: str, dtype: str, shape: list) -> dict:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
-def decoder_io(dims: Dims, max_len: int, kv_cache: str,
-               max_source_len: int | None = None) -> tuple[list[dict], list[dict]]:
-    """The decoder graph's description; `max_source_len` makes it an encoder-decoder's."""
+def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | None = None,
+               hidden_size: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The decoder graph's description; `max_source_len` makes it an encoder-decoder's,
+    `hidden_size` adds the optional hidden-state output."""
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise ValueError(f"kv_cache {kv_cache!r} is not one of {KV_CACHE_LAYOUTS}")
     in_place = kv_cache == "in-place"
@@ -71,9 +75,19 @@ def decoder_io(dims: Dims, max_len: int, kv_cache: str,
         cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
         ins += [_io(n, "float32", cross) for n in kv_names("cross", dims.n_layers)]
         ins += [_io("source_mask", "int64", [1, max_source_len])]
-    outs = [_io("logits", "float32", [1, DIM_NUM_LOGITS, dims.vocab_size])]
+    outs = [_io(LOGITS, "float32", [1, DIM_NUM_LOGITS, dims.vocab_size])]
+    if hidden_size is not None:
+        outs.append(_io(HIDDEN, "float32", [1, DIM_NUM_LOGITS, hidden_size]))
     outs += [_io(n, "float32", present) for n in kv_names("present", dims.n_layers)]
     return ins, outs
+
+
+def hidden_size_of(outputs: list[dict]) -> int | None:
+    """The width of a description's optional hidden output, or None without one."""
+    hidden = next((o for o in outputs if o.get("name") == HIDDEN), None)
+    shape = hidden.get("shape") if hidden else None
+    return shape[-1] if isinstance(shape, list) and shape and isinstance(shape[-1], int) \
+        else None
 
 
 def encoder_io(dims: Dims, max_source_len: int) -> tuple[list[dict], list[dict]]:

@@ -1,20 +1,59 @@
-"""Drafts: what proposes the γ tokens the target verifies.
+"""Drafts: what proposes the γ tokens the target verifies, behind one small interface.
 
-A draft returns the proposed tokens and the distribution each was drawn from (p_draft), after
-the same `warp` the target's logits go through. Greedy verification compares tokens with the
-target's argmax and never reads p_draft, so a draft may return None for it when params.greedy. Both keep their own notion of which positions of
-the sequence they have seen, and the loop tells them how much of it survived verification.
+A draft kind is a class implementing `Draft` and one entry in `DRAFTS`, the registry that the
+manifest's `draft.kind` names (the way llama.cpp registers its draft types); the loop knows
+drafts only through the interface. A draft returns the proposed tokens and the distribution
+each was drawn from (p_draft), after the same `warp` the target's logits go through. Greedy
+verification compares tokens with the target's argmax and never reads p_draft, so a draft
+returns None for it when params.greedy. Each draft keeps its own notion of which positions of
+the sequence it has seen; the loop tells it how much survived verification (`rewind`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 
 from .engine import Engine
-from .errors import InputError
+from .errors import BundleError, InputError
+from .manifest import REBUILD, DraftEntry, ModelEntry
 from .sampling import SamplingParams, _check_finite, sample, warp
+
+
+@dataclass
+class DraftCounters:
+    """What a draft did in one request (reset with it)."""
+
+    calls: int = 0  # proposals (a model draft: engine calls, its prefill included)
+    time_s: float = 0.0  # all drafting, a model draft's prefill included
+    step_calls: int = 0  # one-step proposals: calls of one or two tokens, the per-token cost
+    step_time_s: float = 0.0
+
+
+class Draft(Protocol):
+    kind: str
+    vocab_size: int
+    # target outputs the draft reads besides the sequence (e.g. "logits"): the loop hands them
+    # to observe() after each verification, and only to drafts that ask
+    needs: frozenset[str]
+    counters: DraftCounters
+
+    def reset(self) -> None:
+        """Forget the last request (and its counters)."""
+
+    def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
+        """seq int64 [L] (the prompt and every token emitted so far) -> up to γ draft tokens
+        int64 [k] and p_draft float64 [k, V] (None when params.greedy)."""
+
+    def rewind(self, n_valid: int) -> None:
+        """seq[:n_valid] survived verification; whatever the draft saw beyond is gone."""
+
+    def observe(self, outputs: dict[str, np.ndarray]) -> None:
+        """The target outputs named in `needs`, for the positions just verified."""
 
 
 class ModelDraft:
@@ -23,41 +62,48 @@ class ModelDraft:
     `valid` counts the leading positions of the sequence whose KV the draft's cache holds. Each
     proposal first feeds whatever it has not seen (normally one token; two after a fully accepted
     round, when the last draft token was never fed, and the whole prompt on the first round), so
-    its cache stays in step without an extra call.
+    its cache stays in step without an extra call. A token the target emitted outside the
+    draft's vocabulary (a target padded to a larger vocabulary) reaches the draft's graph as id 0:
+    the draft's guesses only change the speed, never the output distribution.
     """
 
     kind = "model"
+    needs: frozenset[str] = frozenset()
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.vocab_size = engine.vocab_size
+        self.clock = clock
         self.valid = 0
-        self.reset_counters()
+        self.counters = DraftCounters()
 
-    def reset_counters(self) -> None:
-        self.calls = 0
-        self.time_s = 0.0  # all draft work, prefill included
-        self.step_calls = 0  # calls of one or two tokens: the draft's per-step cost
-        self.step_time_s = 0.0
+    @classmethod
+    def from_bundle(cls, entry: DraftEntry, target_vocab: int,
+                    open_engine: Callable[[ModelEntry], Engine]) -> "ModelDraft":
+        if entry.model is None:
+            raise BundleError(f"manifest draft of kind 'model' has no graphs; {REBUILD}")
+        return cls(open_engine(entry.model))
 
     def reset(self) -> None:
         self.engine.reset()
         self.valid = 0
-        self.reset_counters()
+        self.counters = DraftCounters()
 
     def _forward(self, tokens: np.ndarray, pos: int) -> np.ndarray:
-        t0 = time.perf_counter()
+        if tokens.max() >= self.vocab_size:
+            tokens = np.where(tokens < self.vocab_size, tokens, 0)
+        t0 = self.clock()
         logits = self.engine.forward(tokens, pos, 1)
-        elapsed = time.perf_counter() - t0
+        elapsed = self.clock() - t0
+        c = self.counters
         if len(tokens) <= 2:
-            self.step_time_s += elapsed
-            self.step_calls += 1
-        self.calls += 1
-        self.time_s += elapsed
+            c.step_time_s += elapsed
+            c.step_calls += 1
+        c.calls += 1
+        c.time_s += elapsed
         return logits
 
-    def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams, rng: np.random.Generator):
-        """seq int64 [L] -> (draft tokens int64 [γ], p_draft float64 [γ, V], None if greedy)."""
+    def propose(self, seq, gamma, params, rng):
         tokens = np.empty(gamma, dtype=np.int64)
         # greedy: the argmax is what sampling the one-hot warp(·) would draw, and greedy
         # verification never reads q, so no V-wide row is built per step
@@ -79,6 +125,9 @@ class ModelDraft:
     def rewind(self, n_valid: int) -> None:
         self.valid = min(self.valid, n_valid)
 
+    def observe(self, outputs: dict[str, np.ndarray]) -> None:
+        pass
+
 
 class NgramDraft:
     """Prompt lookup: propose what followed the most recent earlier occurrence of the longest
@@ -90,20 +139,36 @@ class NgramDraft:
     """
 
     kind = "ngram"
+    needs: frozenset[str] = frozenset()
+    MAX_NGRAM = 64
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise InputError(
-                f"n-gram sizes min={min_ngram}, max={max_ngram} are invalid: use 1 <= min <= max"
-            )
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1,
+                 clock: Callable[[], float] = time.perf_counter):
+        for value in (max_ngram, min_ngram):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise InputError(f"n-gram size {value!r} is invalid: use an integer")
+        if not 1 <= min_ngram <= max_ngram <= self.MAX_NGRAM:
+            raise InputError(f"n-gram sizes min={min_ngram}, max={max_ngram} are invalid: use "
+                             f"1 <= min <= max <= {self.MAX_NGRAM}")
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.reset()
+        self.clock = clock
+        self.counters = DraftCounters()
+
+    @classmethod
+    def from_bundle(cls, entry: DraftEntry, target_vocab: int, open_engine) -> "NgramDraft":
+        o = entry.options
+        max_ngram = 3 if o.get("max_ngram") is None else o["max_ngram"]
+        min_ngram = 1 if o.get("min_ngram") is None else o["min_ngram"]
+        try:
+            return cls(target_vocab, max_ngram, min_ngram)
+        except InputError as e:
+            raise BundleError(f"manifest draft.max_ngram {max_ngram!r}, draft.min_ngram "
+                              f"{min_ngram!r}: {e}; {REBUILD}") from None
 
     def reset(self) -> None:
-        self.calls = self.step_calls = 0
-        self.step_time_s = self.time_s = 0.0
+        self.counters = DraftCounters()
 
     def lookup(self, seq: np.ndarray, gamma: int) -> np.ndarray:
         n_seq = len(seq)
@@ -118,19 +183,41 @@ class NgramDraft:
                 return seq[start : start + gamma]
         return seq[:0]
 
-    def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams, rng: np.random.Generator):
-        t0 = time.perf_counter()
+    def propose(self, seq, gamma, params, rng):
+        t0 = self.clock()
         tokens = self.lookup(seq, gamma).astype(np.int64)
         p_draft = None  # greedy: not read; a [γ, V] float64 array per round otherwise
         if not params.greedy:
             p_draft = np.zeros((len(tokens), self.vocab_size), dtype=np.float64)
             p_draft[np.arange(len(tokens)), tokens] = 1.0
-        elapsed = time.perf_counter() - t0
-        self.step_time_s += elapsed
-        self.time_s += elapsed
-        self.calls += 1
-        self.step_calls += 1
+        elapsed = self.clock() - t0
+        c = self.counters
+        c.step_time_s += elapsed
+        c.time_s += elapsed
+        c.calls += 1
+        c.step_calls += 1
         return tokens, p_draft
 
     def rewind(self, n_valid: int) -> None:
         pass
+
+    def observe(self, outputs: dict[str, np.ndarray]) -> None:
+        pass
+
+
+# draft kind (the manifest's draft.kind) -> constructor(entry, target vocab, open_engine)
+DRAFTS: dict[str, Callable[..., Draft]] = {
+    "model": ModelDraft.from_bundle,
+    "ngram": NgramDraft.from_bundle,
+}
+
+
+def open_draft(entry: DraftEntry, target_vocab: int,
+               open_engine: Callable[[ModelEntry], Engine]) -> Draft:
+    """The draft a bundle names, built by its registry entry; `open_engine` opens a model
+    entry's graphs on the bundle's device."""
+    if entry.kind not in DRAFTS:
+        raise BundleError(f"manifest draft.kind {entry.kind!r} is not one this runtime knows "
+                          f"({sorted(DRAFTS)}): upgrade specedge (`pip install -U specedge`), or "
+                          f"{REBUILD}")
+    return DRAFTS[entry.kind](entry, target_vocab, open_engine)

@@ -1,68 +1,200 @@
-"""The bundle manifest: the only contract between `specexport` and the runtime.
+"""The bundle manifest: the only contract between `specexport` and the runtime, described once.
 
-A bundle is a directory holding `manifest.json`, `tokenizer.json` and the graphs. The exporter
-writes the manifest with `SCHEMA_VERSION`; the runtime reads the versions in `READABLE_SCHEMAS`
-and refuses any other, each with a hint naming the command that fixes it.
+A bundle is a directory holding `manifest.json`, `tokenizer.json` and the graphs. `Manifest` and
+its entries are the typed description of that file: the exporter builds one and writes it with
+`write_manifest` (the one writer), the runtime gets one from `read_manifest` (the one reader,
+which validates everything first, see manifest_checks.py, and never changes what it read). Each
+graph's inputs and outputs follow the graph contract of contract.py.
 
-A bundle is untrusted input (it is copied between machines): `read_manifest` checks the type and
-range of every field the runtime uses, that each graph's description is the graph contract
-(contract.py) at the manifest's own max_len, vocabulary and cache layout, that every file the
-runtime reads lies inside the bundle directory (symbolic links included), and, with
-`check_files`, the size and sha256 of every listed file. bundle.py then checks what ONNX Runtime
-reports of each graph against the same description. Any failure is a BundleError.
-
-Schema history: 1 — every graph writes only the new cache slots (`present` [.., n, ..]).
+Schema history (the reader takes every version in READABLE_SCHEMAS; a newer one is refused with
+the upgrade command, an older one with the rebuild command):
+1 — every graph writes only the new cache slots (`present` [.., n, ..]).
 2 — each graph records `kernels` ("portable": standard ONNX ops; "fused": ONNX Runtime contrib
-ops) and `kv_cache` ("new-slots", as in 1; "in-place": `present` is the whole cache, written
-where it lies). A version-1 reader must not run an in-place graph, hence the new version.
+    ops) and `kv_cache` ("new-slots", as in 1; "in-place": `present` is the whole cache, written
+    where it lies). A version-1 reader must not run an in-place graph, hence the new version.
+    Graphs built since carry specedge metadata (role, graph, precision) that the reader checks
+    when present.
 """
 
 from __future__ import annotations
 
-import hashlib
+import copy
 import json
 import os
-import re
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import BundleError
-from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, decoder_io, dims_of,
-                       encoder_io, mismatch)
+from .manifest_checks import (REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes, check_inside,
+                              sha256_file, unreadable, validate)
+
+__all__ = ["BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest", "ModelEntry",
+           "REBUILD", "TokenizerEntry", "read_manifest", "sha256_file", "unreadable",
+           "write_manifest"]
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few kB; the chat template is the largest part
-REBUILD = "re-run `specexport build`"
-
-ARCHITECTURES = ("decoder-only", "encoder-decoder")
-# graphs every model entry (target, and a model draft) must hold, per architecture
-GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
-DRAFT_KINDS = ("model", "ngram")
-SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+@dataclass(frozen=True)
+class GraphEntry:
+    """One ONNX file and its inputs and outputs as the contract describes them."""
+
+    file: str
+    inputs: list[dict]
+    outputs: list[dict]
+    kernels: str = "portable"
+    kv_cache: str = "new-slots"
+    opset: int | None = None
+
+    @property
+    def description(self) -> tuple[list[dict], list[dict]]:
+        return self.inputs, self.outputs
 
 
-def unreadable(path: Path, e: OSError) -> BundleError:
-    return BundleError(f"cannot read {str(path)!r} ({e.strerror or type(e).__name__}): check its "
-                       f"permissions, or copy the bundle again")
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model's graphs ("decoder", and "encoder" for an encoder-decoder) and what it is."""
+
+    vocab_size: int
+    graphs: dict[str, GraphEntry]
+    precision: str = "fp32"
+    family: str | None = None
+    source: str | None = None
+    gguf_file: str | None = None
+    dims: dict | None = None
+    parity: dict | None = None
+    quantization: dict | None = None
 
 
-def read_manifest(bundle_dir, check_files: bool = True) -> dict:
+@dataclass(frozen=True)
+class DraftEntry:
+    """`kind` names an entry of the draft registry (drafts.DRAFTS); `model` holds a draft's own
+    graphs where it has any; `options` are the kind's own settings (n-gram sizes), checked by
+    the draft that reads them."""
+
+    kind: str
+    model: ModelEntry | None = None
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenizerEntry:
+    file: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    special_tokens: dict = field(default_factory=dict)
+    chat_template: str | None = None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    architecture: str  # "decoder-only" or "encoder-decoder"
+    max_len: int  # KV cache capacity: prompt + new tokens
+    max_gamma: int
+    default_gamma: int
+    prefill_chunk: int
+    target: ModelEntry
+    draft: DraftEntry
+    tokenizer: TokenizerEntry
+    precision: str = "fp32"
+    max_source_len: int | None = None  # encoder-decoder: the encoder's static source length
+    decoder_start_token_id: int | None = None  # encoder-decoder: the decoder's first token
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    created_by: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.architecture == "encoder-decoder"
+
+    def models(self) -> list[tuple[str, ModelEntry]]:
+        """(role, entry) of every model with graphs: the target, and a draft with its own."""
+        return [("target", self.target)] + ([("draft", self.draft.model)]
+                                            if self.draft.model is not None else [])
+
+    # -- the one writer's format ----------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        d = {"format": FORMAT, "schema_version": self.schema_version,
+             "architecture": self.architecture, "max_len": self.max_len,
+             "max_gamma": self.max_gamma, "default_gamma": self.default_gamma,
+             "prefill_chunk": self.prefill_chunk, "precision": self.precision,
+             "target": _model_json(self.target),
+             "draft": {"kind": self.draft.kind, **(_model_json(self.draft.model)
+                                                    if self.draft.model else {}),
+                       **self.draft.options},
+             "tokenizer": {"file": self.tokenizer.file,
+                           "eos_token_ids": list(self.tokenizer.eos_token_ids),
+                           "bos_token_id": self.tokenizer.bos_token_id,
+                           "special_tokens": dict(self.tokenizer.special_tokens),
+                           "chat_template": self.tokenizer.chat_template},
+             "created_by": self.created_by,
+             "files": {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in self.files.items()}}
+        if self.encoder_decoder:
+            d.update(max_source_len=self.max_source_len,
+                     decoder_start_token_id=self.decoder_start_token_id)
+        return d
+
+    # -- the one reader -------------------------------------------------------------------------
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Manifest":
+        """Validate `d` (manifest_checks.validate) and describe it; `d` is not changed."""
+        validate(d)
+        d = copy.deepcopy(d)
+        draft = d["draft"]
+        model_keys = set(ModelEntry.__dataclass_fields__)
+        draft_model = _model(draft) if "graphs" in draft else None
+        options = {k: v for k, v in draft.items() if k != "kind" and k not in model_keys}
+        tok = d["tokenizer"]
+        return cls(
+            architecture=d["architecture"], max_len=d["max_len"], max_gamma=d["max_gamma"],
+            default_gamma=d["default_gamma"], prefill_chunk=d["prefill_chunk"],
+            target=_model(d["target"]),
+            draft=DraftEntry(draft["kind"], draft_model, options),
+            tokenizer=TokenizerEntry(tok["file"], tuple(tok["eos_token_ids"]),
+                                     tok.get("bos_token_id"), tok.get("special_tokens") or {},
+                                     tok.get("chat_template")),
+            precision=d.get("precision", "fp32"), max_source_len=d.get("max_source_len"),
+            decoder_start_token_id=d.get("decoder_start_token_id"),
+            files={n: FileEntry(f["bytes"], f["sha256"]) for n, f in d["files"].items()},
+            created_by=d.get("created_by") or {}, schema_version=d["schema_version"])
+
+
+def _model(d: dict) -> ModelEntry:
+    graphs = {name: GraphEntry(
+        file=g["file"], inputs=g["inputs"], outputs=g["outputs"],
+        kernels=g.get("kernels", SCHEMA_1_DEFAULTS["kernels"]),
+        kv_cache=g.get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"]), opset=g.get("opset"))
+        for name, g in d["graphs"].items()}
+    return ModelEntry(vocab_size=d["vocab_size"], graphs=graphs,
+                      precision=d.get("precision", "fp32"), family=d.get("family"),
+                      source=d.get("source"), gguf_file=d.get("gguf_file"), dims=d.get("dims"),
+                      parity=d.get("parity"), quantization=d.get("quantization"))
+
+
+def _model_json(m: ModelEntry) -> dict:
+    return {"family": m.family, "source": m.source, "gguf_file": m.gguf_file, "dims": m.dims,
+            "vocab_size": m.vocab_size, "precision": m.precision,
+            "quantization": m.quantization, "parity": m.parity,
+            "graphs": {name: {"file": g.file, "inputs": g.inputs, "outputs": g.outputs,
+                              "opset": g.opset, "kernels": g.kernels, "kv_cache": g.kv_cache}
+                       for name, g in m.graphs.items()}}
+
+
+def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
     """Read and validate `bundle_dir/manifest.json`; with check_files, every listed file must
-    exist with its recorded size and sha256. Schema-1 graphs get their implied `kernels` and
-    `kv_cache` in the returned dict (the file is not changed)."""
+    exist with its recorded size and sha256."""
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST
     if not bundle_dir.is_dir():
@@ -80,13 +212,13 @@ def read_manifest(bundle_dir, check_files: bool = True) -> dict:
         raise BundleError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MB, far more than "
                           f"any manifest; {REBUILD}")
     try:
-        manifest = json.loads(data.decode("utf-8"))
+        d = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BundleError(f"{path} is not valid JSON ({reason}); {REBUILD}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise BundleError(f"{path} is not a specedge manifest; {REBUILD}")
-    version = manifest.get("schema_version")
+    version = d.get("schema_version")
     if version not in READABLE_SCHEMAS or isinstance(version, bool):
         if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
             hint = "upgrade specedge (`pip install -U specedge`) to read it"
@@ -94,241 +226,22 @@ def read_manifest(bundle_dir, check_files: bool = True) -> dict:
             hint = REBUILD
         raise BundleError(f"bundle schema_version {version!r}, this runtime reads "
                           f"{list(READABLE_SCHEMAS)}: {hint}")
-    validate(manifest)
-    check_inside(bundle_dir, list(manifest["files"]))
+    manifest = Manifest.from_json(d)
+    check_inside(bundle_dir, list(d["files"]))
     if check_files:
-        check_file_hashes(bundle_dir, manifest)
-    for model in _models(manifest):
-        for graph in model["graphs"].values():
-            for key, default in SCHEMA_1_DEFAULTS.items():
-                graph.setdefault(key, default)
+        check_file_hashes(bundle_dir, d)
     return manifest
 
 
-def _models(m: dict) -> list[dict]:
-    return [m["target"]] + ([m["draft"]] if m["draft"]["kind"] == "model" else [])
+def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
+    """Record size and sha256 of every file in `bundle_dir`, then write manifest.json last (to a
+    temporary name first, so that a manifest is whole or absent). Returns what was written,
+    read back through the reader: the writer never writes what the reader would refuse."""
+    files = {p.name: FileEntry(p.stat().st_size, sha256_file(p))
+             for p in sorted(Path(bundle_dir).iterdir()) if p.is_file() and p.name != MANIFEST}
+    written = Manifest.from_json(replace(manifest, files=files).to_json())
+    tmp = Path(bundle_dir) / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(written.to_json(), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, Path(bundle_dir) / MANIFEST)
+    return written
 
-
-def _bad(where: str, value, want: str) -> BundleError:
-    return BundleError(f"manifest {where} is {value!r}: {want}; {REBUILD}")
-
-
-def _require(d: dict, key: str, types, where: str):
-    if key not in d:
-        raise BundleError(f"manifest {where + '.' if where else ''}{key} is missing: the bundle "
-                          f"is incomplete; {REBUILD}")
-    value = d[key]
-    if not isinstance(value, types) or isinstance(value, bool) and types is not bool:
-        kinds = types if isinstance(types, tuple) else (types,)
-        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in kinds)
-        raise _bad(f"{where + '.' if where else ''}{key}", value, f"it must be {names}")
-    return value
-
-
-def _integer(d: dict, key: str, where: str, low: int, high: int | None = None,
-             optional: bool = False) -> int | None:
-    if optional and d.get(key) is None:
-        return None
-    value = _require(d, key, int, where)
-    if value < low or high is not None and value > high:
-        span = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise _bad(f"{where + '.' if where else ''}{key}", value, f"it must be an integer {span}")
-    return value
-
-
-def validate(m: dict) -> None:
-    """Check every field the runtime uses; raises BundleError naming the field. Does not change
-    `m`."""
-    arch = _require(m, "architecture", str, "")
-    if arch not in ARCHITECTURES:
-        raise _bad("architecture", arch, f"it must be one of {ARCHITECTURES}")
-    max_len = _integer(m, "max_len", "", 1)
-    _integer(m, "max_gamma", "", 1, max_len - 1 if max_len > 1 else 1)
-    _integer(m, "default_gamma", "", 1, m["max_gamma"])
-    _integer(m, "prefill_chunk", "", 1)
-    _precision(m, "")
-    files = _require(m, "files", dict, "")
-    for name, info in files.items():
-        _check_file_entry(name, info)
-    target = _require(m, "target", dict, "")
-    max_source_len = None
-    if arch == "encoder-decoder":
-        # the source is padded to max_source_len in the encoder graph; the decoder starts from
-        # decoder_start_token_id
-        max_source_len = _integer(m, "max_source_len", "", 1)
-    _check_model(target, "target", m, files, max_source_len)
-    if arch == "encoder-decoder":
-        _integer(m, "decoder_start_token_id", "", 0, target["vocab_size"] - 1)
-    draft = _require(m, "draft", dict, "")
-    kind = _require(draft, "kind", str, "draft")
-    if kind not in DRAFT_KINDS:
-        raise _bad("draft.kind", kind, f"this runtime knows the draft kinds {DRAFT_KINDS}")
-    if kind == "model":
-        _check_model(draft, "draft", m, files, max_source_len)
-    else:
-        low = _integer(draft, "min_ngram", "draft", 1, 64, optional=True) or 1
-        _integer(draft, "max_ngram", "draft", low, 64, optional=True)
-        if draft.get("max_ngram") is None and low > 3:
-            raise _bad("draft.min_ngram", low, "it must be <= max_ngram (3 when not given)")
-    _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
-    _check_distinct_graphs(m)
-
-
-def _precision(entry: dict, where: str) -> None:
-    precision = entry.get("precision", "fp32")
-    if precision not in PRECISIONS:
-        raise BundleError(f"manifest {where}precision {precision!r} is not one this runtime "
-                          f"runs {PRECISIONS}: upgrade specedge (`pip install -U specedge`), "
-                          f"or rebuild with `specexport build --precision fp32`")
-
-
-def _check_file_entry(name: str, info) -> None:
-    # a bundle is flat: every file is a plain name inside the bundle directory
-    if not name or name in (".", "..") or name != os.path.basename(name) or "\\" in name \
-            or "\0" in name:
-        raise BundleError(f"manifest lists the file {name!r}, which is not a plain file name "
-                          f"inside the bundle; {REBUILD}")
-    if not isinstance(info, dict):
-        raise _bad(f"files[{name!r}]", info, "it must hold bytes and sha256")
-    _integer(info, "bytes", f"files[{name!r}]", 0)
-    sha = _require(info, "sha256", str, f"files[{name!r}]")
-    if not _SHA256.match(sha):
-        raise _bad(f"files[{name!r}].sha256", sha, "it must be 64 lowercase hex digits")
-
-
-def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) -> None:
-    vocab = _integer(model, "vocab_size", where, 1)
-    _precision(model, where + ".")
-    graphs = _require(model, "graphs", dict, where)
-    required = GRAPHS[m["architecture"]]
-    missing = [g for g in required if g not in graphs]
-    if missing:
-        raise BundleError(f"manifest {where}.graphs lacks {missing} (an architecture needs "
-                          f"{list(required)}); {REBUILD}")
-    described = {}
-    for name in required:
-        graph = _require(graphs, name, dict, f"{where}.graphs")
-        at = f"{where}.graphs.{name}"
-        f = _require(graph, "file", str, at)
-        if f not in files:
-            raise BundleError(f"manifest {at}.file {f!r} is not among the files; {REBUILD}")
-        for key, allowed in (("kernels", KERNELS), ("kv_cache", KV_CACHE_LAYOUTS)):
-            value = graph.get(key, SCHEMA_1_DEFAULTS[key])
-            if value not in allowed:
-                raise BundleError(f"manifest {at}.{key} {value!r} is not one this runtime runs "
-                                  f"{allowed}: upgrade specedge (`pip install -U specedge`), or "
-                                  f"{REBUILD}")
-        described[name] = (_io_list(graph, "inputs", at), _io_list(graph, "outputs", at))
-    # the descriptions must be the contract at this manifest's own numbers
-    dec = described["decoder"]
-    dims = dims_of(*dec)
-    if dims is None:
-        raise BundleError(f"manifest {where}.graphs.decoder has no past_key.0 input of shape "
-                          f"[1, kv_heads, cache, head_dim] or no logits output; {REBUILD}")
-    kv_cache = graphs["decoder"].get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"])
-    wants = {"decoder": decoder_io(replace(dims, vocab_size=vocab), m["max_len"], kv_cache,
-                                   max_source_len)}
-    if max_source_len is not None:
-        wants["encoder"] = encoder_io(dims, max_source_len)
-    for name, want in wants.items():
-        why = mismatch(described[name], want)
-        if why:
-            numbers = f"max_len {m['max_len']}, {where}.vocab_size {vocab}, kv_cache {kv_cache}"
-            if max_source_len is not None:
-                numbers += f", max_source_len {max_source_len}"
-            raise BundleError(f"manifest {where}.graphs.{name} does not fit the manifest's own "
-                              f"numbers ({numbers}): {why}; {REBUILD}")
-
-
-def _io_list(graph: dict, key: str, where: str) -> list[dict]:
-    items = _require(graph, key, list, where)
-    for i, item in enumerate(items):
-        at = f"{where}.{key}[{i}]"
-        if not isinstance(item, dict):
-            raise _bad(at, item, "it must be a {name, dtype, shape} object")
-        _require(item, "name", str, at)
-        if _require(item, "dtype", str, at) not in DTYPES:
-            raise _bad(f"{at}.dtype", item["dtype"], f"it must be one of {DTYPES}")
-        for d in _require(item, "shape", list, at):
-            if not (isinstance(d, str) or isinstance(d, int) and not isinstance(d, bool)
-                    and d >= 1):
-                raise _bad(f"{at}.shape", item["shape"], "its dims must be integers >= 1 or "
-                           "names of symbolic dims")
-    return items
-
-
-def _check_tokenizer(tok: dict, files: dict, vocab: int) -> None:
-    f = _require(tok, "file", str, "tokenizer")
-    if f not in files:
-        raise BundleError(f"manifest tokenizer.file {f!r} is not among the files; {REBUILD}")
-    eos = _require(tok, "eos_token_ids", list, "tokenizer")
-    if not eos or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
-                          for i in eos):
-        raise _bad("tokenizer.eos_token_ids", eos, f"it must be a non-empty list of token ids "
-                   f"in [0, {vocab})")
-    _integer(tok, "bos_token_id", "tokenizer", 0, vocab - 1, optional=True)
-    special = tok.get("special_tokens")
-    if special is not None and not (isinstance(special, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in special.items())):
-        raise _bad("tokenizer.special_tokens", special, "it must map names to token strings")
-    template = tok.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        raise _bad("tokenizer.chat_template", template, "it must be a string or null")
-
-
-def _check_distinct_graphs(m: dict) -> None:
-    """No file serves as two graphs: a draft that is the target's own file is a copy mistake,
-    not a draft (a self draft is the target's weights at another precision, another file)."""
-    seen: dict[str, str] = {}
-    for role, model in (("target", m["target"]), ("draft", m["draft"])):
-        for name, graph in (model.get("graphs") or {}).items():
-            where = f"{role}.graphs.{name}"
-            if graph["file"] in seen:
-                raise BundleError(f"manifest {where}.file and {seen[graph['file']]}.file are "
-                                  f"the same file {graph['file']!r}; {REBUILD}")
-            seen[graph["file"]] = where
-
-
-def check_inside(bundle_dir: Path, names: list[str]) -> None:
-    """Every file the runtime reads must resolve inside the bundle directory, whatever links
-    lie on the way; so must every symbolic link the directory holds (ONNX Runtime may open
-    files a graph names, next to it)."""
-    root = os.path.realpath(bundle_dir)
-    try:
-        entries = [e for e in os.listdir(bundle_dir)
-                   if os.path.islink(os.path.join(bundle_dir, e))]
-    except OSError as e:
-        raise unreadable(bundle_dir, e) from None
-    for name in [*names, *entries]:
-        real = os.path.realpath(os.path.join(bundle_dir, name))
-        if os.path.commonpath([root, real]) != root:
-            raise BundleError(f"bundle file {name!r} resolves to {real!r}, outside the bundle "
-                              f"directory: a bundle holds its files itself; copy them in or "
-                              f"{REBUILD}")
-
-
-def check_file_hashes(bundle_dir: Path, manifest: dict) -> None:
-    hashes: dict[str, str] = {}
-    for name, info in manifest["files"].items():
-        path = bundle_dir / name
-        if not path.is_file():
-            raise BundleError(f"bundle file {name!r} is missing from {str(bundle_dir)!r}; {REBUILD}")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise BundleError(f"bundle file {name!r} has {size} bytes, the manifest says "
-                              f"{info['bytes']} (truncated or replaced); {REBUILD}")
-        try:
-            digest = sha256_file(path)
-        except OSError as e:
-            raise unreadable(path, e) from None
-        if digest != info["sha256"]:
-            raise BundleError(f"bundle file {name!r} does not match its sha256 in the manifest "
-                              f"(corrupt or edited); {REBUILD}")
-        hashes[name] = digest
-    graphs = [(f"{role}.graphs.{g}", spec["file"]) for role in ("target", "draft")
-              for g, spec in (manifest[role].get("graphs") or {}).items()]
-    for i, (where, f) in enumerate(graphs):
-        for other, g in graphs[:i]:
-            if hashes[f] == hashes[g]:
-                raise BundleError(f"bundle files {g!r} ({other}) and {f!r} ({where}) are the same "
-                                  f"graph (equal sha256): one was copied over the other; {REBUILD}")

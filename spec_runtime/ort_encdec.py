@@ -2,10 +2,10 @@
 the decoder graph exactly as OrtEngine drives a decoder-only one.
 
 The encoder reads the source right-padded to the static max_source_len and returns the
-cross-attention K/V of every decoder layer; they and the source mask become fixed inputs of
-every decoder call of that request. `reset()` (called by the decode loop after `encode`) keeps
-them: only the self-attention cache is per-position, and positions make its stale slots
-invisible.
+cross-attention K/V of every decoder layer; they and the source mask are bound as fixed inputs
+of every decoder call of that request. `reset()` (called by the decode loop after
+`encode_source`) keeps them: only the self-attention cache is per-position, and positions make
+its stale slots invisible.
 """
 
 from __future__ import annotations
@@ -13,33 +13,54 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import CacheCapacityError, InputError
+from .kv_cache import HostCache
+from .manifest import GraphEntry
 from .ort_engine import OrtEngine, open_session
 
 
 class OrtEncDecEngine(OrtEngine):
-    """spec_runtime.engine.Engine plus `encode(source_ids)`, over an encoder and a decoder graph."""
+    """spec_runtime.engine.Engine plus `encode_source(source_ids)`, over an encoder and a
+    decoder graph (checked against the contract: the encoder's outputs are the decoder's cross
+    inputs, its source length max_source_len)."""
 
-    def __init__(self, decoder_path, decoder_graph: dict, encoder_path, encoder_graph: dict, *,
-                 max_len: int, max_source_len: int, prefill_chunk: int, device="cpu",
-                 threads: int | None = None, spinning: bool = True, where: str = "graph",
-                 metadata: dict | None = None, encoder_metadata: dict | None = None):
-        """The graphs' manifest entries were checked against the contract (the encoder's
-        outputs are the decoder's cross inputs, its source length max_source_len)."""
-        super().__init__(decoder_path, decoder_graph, max_len=max_len, prefill_chunk=prefill_chunk,
-                         device=device, threads=threads, spinning=spinning,
-                         where=f"{where}.graphs.decoder", metadata=metadata)
+    def __init__(self, session, graph: GraphEntry, encoder, encoder_graph: GraphEntry, *,
+                 vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
+                 cache_store=HostCache):
+        super().__init__(session, graph, vocab_size=vocab_size, max_len=max_len,
+                         prefill_chunk=prefill_chunk, cache_store=cache_store)
+        self.encoder = encoder
+        self.encoder_graph = encoder_graph
         self.max_source_len = max_source_len
-        self.cross_names = [o["name"] for o in encoder_graph["outputs"]]
-        self.encoder = open_session(encoder_path, encoder_graph, where=f"{where}.graphs.encoder",
-                                    metadata=encoder_metadata, device=device, threads=threads,
-                                    spinning=spinning)
+        self.cross_names = [o["name"] for o in encoder_graph.outputs]
         self._source = np.zeros((1, max_source_len), dtype=np.int64)
         self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
+        self._binding.bind_cpu_input("source_mask", self._source_mask)  # by address
+        self.cross: dict[str, np.ndarray] = {}  # this request's cross K/V, bound as inputs
         self.encoded = False
 
-    def encode(self, source_ids) -> None:
+    @classmethod
+    def open(cls, decoder_path, graph: GraphEntry, encoder_path, encoder_graph: GraphEntry, *,
+             vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
+             device: str = "cpu", threads: int | None = None, spinning: bool = True,
+             where: str = "graph", metadata: dict | None = None,
+             encoder_metadata: dict | None = None) -> "OrtEncDecEngine":
+        common = dict(device=device, threads=threads, spinning=spinning)
+        session = open_session(decoder_path, graph, where=f"{where}.graphs.decoder",
+                               metadata=metadata, **common)
+        encoder = open_session(encoder_path, encoder_graph, where=f"{where}.graphs.encoder",
+                               metadata=encoder_metadata, **common)
+        return cls(session, graph, encoder, encoder_graph, vocab_size=vocab_size,
+                   max_len=max_len, max_source_len=max_source_len, prefill_chunk=prefill_chunk)
+
+    def fork(self) -> "OrtEncDecEngine":
+        return type(self)(self.session, self.graph, self.encoder, self.encoder_graph,
+                          vocab_size=self.vocab_size, max_len=self.max_len,
+                          max_source_len=self.max_source_len, prefill_chunk=self.prefill_chunk,
+                          cache_store=self._cache_store)
+
+    def encode_source(self, source_ids) -> None:
         """Run the encoder on one request's source ids; its cross K/V serve every forward until
-        the next encode."""
+        the next encode_source."""
         ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
         n = len(ids)
         if n > self.max_source_len:
@@ -56,11 +77,13 @@ class OrtEncDecEngine(OrtEngine):
         self._source_mask[0, :n] = 1
         outs = self.encoder.run(self.cross_names, {"input_ids": self._source,
                                                    "attention_mask": self._source_mask})
-        self._feeds.update(zip(self.cross_names, outs))
-        self._feeds["source_mask"] = self._source_mask
+        self.cross = dict(zip(self.cross_names, outs))
+        for name, value in self.cross.items():
+            self._binding.bind_cpu_input(name, value)
         self.encoded = True
 
     def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
         if not self.encoded:
-            raise RuntimeError("OrtEncDecEngine.forward before encode(): encode the source first")
+            raise RuntimeError("OrtEncDecEngine.forward before encode_source(): encode the "
+                               "source first")
         return super().forward(tokens, pos, num_logits)

@@ -1,11 +1,20 @@
-"""ONNX Runtime engine: one exported decoder graph (the contract in contract.py) and its static
-KV cache in numpy.
+"""ONNX Runtime engine: one contract graph (contract.py), its session and a KV cache store.
 
-The cache buffers are allocated once. A new-slots graph reads them in place (ONNX Runtime takes
-contiguous numpy inputs on the CPU without a copy) and only the n new slots are copied back. An
-in-place graph is run through an IOBinding that binds each `past` input and its `present` output
-to the same buffer, so the attention kernel writes the new slots where they belong; the logits
-go into a buffer allocated once. Such a step allocates nothing and copies no cache.
+Every call runs through one IOBinding, set up once:
+
+    input_ids ───────────── bound per call (the only host-to-graph copy)
+    position, num_logits ── bound once by address; a call writes the values in place
+    past_key.i ... ──────── bound once to the cache store's buffers
+    logits ──────────────── bound to a buffer allocated once (grown on demand): the rows asked
+    present_key.i ...       "in-place" layout: bound to the same buffers as past (the attention
+                            kernel writes the new slots where they belong)
+                            "new-slots" layout: bound to scratch buffers of n slots, which the
+                            store then writes at the position
+
+so a step allocates nothing, and moves token ids in and logit rows out. The cache store is host
+memory today (kv_cache.HostCache); a device store binds the same way. `fork()` gives another
+engine over the same session (the weights are loaded once) with a cache of its own, one per
+request in flight.
 
 Sessions are opened by `open_session`, which checks what ONNX Runtime reports of the graph
 against the manifest's description of it: a graph file swapped or edited after the build is
@@ -21,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import METADATA, mismatch
+from .contract import METADATA, dims_of, kv_names, mismatch
 from .errors import BundleError, CacheCapacityError, InputError
-from .manifest import REBUILD, unreadable
+from .kv_cache import HostCache
+from .manifest import REBUILD, GraphEntry, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +125,7 @@ def make_session(path, device: str = "cpu", threads: int | None = None, spinning
         ) from None
 
 
-def open_session(path, graph: dict, *, where: str, metadata: dict | None = None,
+def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None = None,
                  device: str = "cpu", threads: int | None = None, spinning: bool = True):
     """make_session, then check that ONNX Runtime sees the graph the manifest describes as
     `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own specedge
@@ -124,7 +134,7 @@ def open_session(path, graph: dict, *, where: str, metadata: dict | None = None,
     session = make_session(path, device, threads, spinning)
     name = Path(path).name
     seen = (_io(session.get_inputs()), _io(session.get_outputs()))
-    why = mismatch(seen, (graph["inputs"], graph["outputs"]), exact_dims=False,
+    why = mismatch(seen, graph.description, exact_dims=False,
                    said="the manifest says")
     if why:
         raise BundleError(f"{name} is not the graph the manifest describes as {where}: to ONNX "
@@ -146,82 +156,100 @@ def _io(args) -> list[dict]:
 
 
 class OrtEngine:
-    """Implements spec_runtime.engine.Engine over one contract graph."""
+    """Implements spec_runtime.engine.Engine over one contract graph. Open one with `open`."""
 
-    def __init__(self, path, graph: dict, *, max_len: int, prefill_chunk: int, device="cpu",
-                 threads: int | None = None, spinning: bool = True, where: str = "graph",
-                 metadata: dict | None = None):
-        """`graph`: the manifest's entry (checked by manifest.read_manifest against the
-        contract) plus `vocab_size`."""
-        self.session = open_session(path, graph, where=where, metadata=metadata, device=device,
-                                    threads=threads, spinning=spinning)
+    def __init__(self, session, graph: GraphEntry, *, vocab_size: int, max_len: int,
+                 prefill_chunk: int, cache_store=HostCache):
+        """`graph` is the manifest's entry, already checked against the contract and against
+        what the session reports (open_session)."""
+        import onnxruntime as ort  # imported by open_session before any engine exists
+
+        self._ort = ort
+        self.session = session
+        self.graph = graph
+        self.vocab_size = int(vocab_size)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
-        self.vocab_size = int(graph["vocab_size"])
-        past = [i for i in graph["inputs"] if i["name"].startswith("past_")]
-        shape = tuple(past[0]["shape"])  # [1, kv_heads, max_len (+ 1 if in place), head_dim]
-        self.in_place = graph.get("kv_cache", "new-slots") == "in-place"
-        try:
-            self.cache = {i["name"]: np.zeros(shape, dtype=np.float32) for i in past}
-        except MemoryError:
-            raise BundleError(f"the KV cache of {Path(path).name} needs "
-                              f"{4 * len(past) * np.prod(shape) / 2**30:.1f} GiB, more than "
-                              f"this machine can allocate: rebuild with a smaller `specexport "
-                              f"build --max-len`") from None
-        self.output_names = [o["name"] for o in graph["outputs"]]
-        self._present_to_past = {n: "past_" + n[len("present_"):] for n in self.output_names
-                                 if n.startswith("present_")}
-        self._feeds = dict(self.cache)
-        if self.in_place:
-            self._bind_in_place()
-
-    def _bind_in_place(self) -> None:
-        ort = onnxruntime()
-        self._binding = self.session.io_binding()
-        for present, past in self._present_to_past.items():
-            buffer = ort.OrtValue.ortvalue_from_numpy(self.cache[past])  # shares the numpy memory
+        self.in_place = graph.kv_cache == "in-place"
+        dims = dims_of(graph.inputs, graph.outputs)
+        self.past_names = kv_names("past", dims.n_layers)
+        self.present_names = kv_names("present", dims.n_layers)
+        shape = next(i["shape"] for i in graph.inputs if i["name"] == self.past_names[0])
+        self._new_slots_shape = (1, dims.kv_heads, 0, dims.head_dim)
+        self.cache = cache_store(self.past_names, tuple(shape))
+        self._cache_store = cache_store
+        self._binding = session.io_binding()
+        for past, present in zip(self.past_names, self.present_names):
+            buffer = self.cache.ortvalue(past, ort)
             self._binding.bind_ortvalue_input(past, buffer)
-            self._binding.bind_ortvalue_output(present, buffer)
-        # scalars bound once by address; each call writes the value into the same array
+            if self.in_place:
+                self._binding.bind_ortvalue_output(present, buffer)
         self._position = np.zeros((), np.int64)
         self._num_logits = np.zeros((), np.int64)
         self._binding.bind_cpu_input("position", self._position)
         self._binding.bind_cpu_input("num_logits", self._num_logits)
         self._logits = np.empty((1, 0, self.vocab_size), np.float32)  # grown on demand
+        self._bound_rows = None  # rows the logits output is bound for
+        self._scratch: dict[int, list[np.ndarray]] = {}  # new-slots presents, by token count
+        self._bound_tokens = None  # token count the presents are bound for
+
+    @classmethod
+    def open(cls, path, graph: GraphEntry, *, vocab_size: int, max_len: int, prefill_chunk: int,
+             device: str = "cpu", threads: int | None = None, spinning: bool = True,
+             where: str = "graph", metadata: dict | None = None) -> "OrtEngine":
+        session = open_session(path, graph, where=where, metadata=metadata, device=device,
+                               threads=threads, spinning=spinning)
+        return cls(session, graph, vocab_size=vocab_size, max_len=max_len,
+                   prefill_chunk=prefill_chunk)
+
+    def fork(self) -> "OrtEngine":
+        """Another engine over the same session (no second copy of the weights), with its own
+        cache: a second request can run beside this one's."""
+        return type(self)(self.session, self.graph, vocab_size=self.vocab_size,
+                          max_len=self.max_len, prefill_chunk=self.prefill_chunk,
+                          cache_store=self._cache_store)
 
     def reset(self) -> None:
         pass  # positions make the stale slots invisible; nothing to clear
 
-    def _run_in_place(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
-        n = len(tokens)
+    def _bind_call(self, n: int, num_logits: int) -> np.ndarray:
         if num_logits > self._logits.shape[1]:
             self._logits = np.empty((1, max(num_logits, 16), self.vocab_size), np.float32)
+            self._bound_rows = None
         out = self._logits[:, :num_logits]  # leading rows: contiguous
+        if self._bound_rows != (num_logits, self._logits.ctypes.data):
+            self._binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape),
+                                      out.ctypes.data)
+            self._bound_rows = (num_logits, self._logits.ctypes.data)
+        if not self.in_place and self._bound_tokens != n:
+            if n not in self._scratch:
+                shape = self._new_slots_shape[:2] + (n,) + self._new_slots_shape[3:]
+                self._scratch[n] = [np.empty(shape, np.float32) for _ in self.present_names]
+            for name, buf in zip(self.present_names, self._scratch[n]):
+                self._binding.bind_output(name, "cpu", 0, np.float32, list(buf.shape),
+                                          buf.ctypes.data)
+            self._bound_tokens = n
+        return out
+
+    def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
+        n = len(tokens)
+        out = self._bind_call(n, num_logits)
         self._position[...] = pos
         self._num_logits[...] = num_logits
         self._binding.bind_cpu_input("input_ids", tokens.reshape(1, n))
-        self._binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
         self.session.run_with_iobinding(self._binding)
+        if not self.in_place:
+            for past, new in zip(self.past_names, self._scratch[n]):
+                self.cache.write(past, pos, new)
         return out[0]
-
-    def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
-        if self.in_place:
-            return self._run_in_place(tokens, pos, num_logits)
-        n = len(tokens)
-        self._feeds["input_ids"] = tokens.reshape(1, n)
-        self._feeds["position"] = np.array(pos, dtype=np.int64)
-        self._feeds["num_logits"] = np.array(num_logits, dtype=np.int64)
-        outs = self.session.run(self.output_names, self._feeds)
-        for name, value in zip(self.output_names[1:], outs[1:]):
-            self.cache[self._present_to_past[name]][:, :, pos : pos + n] = value
-        return outs[0][0]
 
     def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         n = len(tokens)
         if pos + n > self.max_len:
             raise CacheCapacityError(f"positions {pos}..{pos + n - 1} exceed the cache (max_len "
-                                     f"{self.max_len})")
+                                     f"{self.max_len}): lower max_new_tokens or the prompt, or "
+                                     f"re-export with `specexport build --max-len`")
         # Prefill in chunks of at most prefill_chunk tokens, computing one logit row for each;
         # the final call holds the last num_logits tokens (the rows the caller needs).
         last = max(0, n - max(num_logits, self.prefill_chunk))

@@ -148,7 +148,7 @@ def _pad_vocab(a: np.ndarray, vocab: int) -> np.ndarray:
     return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, vocab - a.shape[-1])])
 
 
-def verify(
+def accept_drafts(
     draft_tokens: np.ndarray,
     p_draft: np.ndarray,
     p_target: np.ndarray,
@@ -189,12 +189,12 @@ def verify(
     return out
 
 
-def verify_greedy(draft_tokens: np.ndarray, logits: np.ndarray) -> list[int]:
-    """`verify` for temperature 0, on logits [γ+1, V] directly.
+def accept_drafts_greedy(draft_tokens: np.ndarray, logits: np.ndarray) -> list[int]:
+    """`accept_drafts` for temperature 0, on logits [γ+1, V] directly.
 
     Greedy p_target and p_draft are one-hot, so Algorithm 1 accepts a draft token exactly when it
     is the target's argmax, and the residual at the first mismatch is the target's one-hot: the
-    same tokens as verify(draft_tokens, one-hot q, warp(logits), rng), without building V-wide
+    same tokens as accept_drafts(draft_tokens, one-hot q, warp(logits), rng), without building V-wide
     rows or drawing random numbers.
     """
     _check_finite(logits)

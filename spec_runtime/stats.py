@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+import time
+from dataclasses import dataclass, field, fields
+from typing import Callable
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -15,8 +18,8 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
 def expected_speedup(alpha: float, gamma: int, c: float, row_cost: float = 0.0) -> float:
     """Walltime improvement (1 - α^(γ+1)) / ((1 - α)(γc + 1 + γ·row_cost)): the paper's
     Theorem 3.8, whose verify call costs one step, when row_cost = 0. row_cost is the measured
-    extra cost of each scored row beyond the first, relative to a 1-token call (0.1–0.2 at fp32,
-    ~0.15–0.2 for int4 MatMulNBits on 2 cores)."""
+    extra cost of each scored row beyond the first, relative to a 1-token call (README,
+    Performance, has the values measured on this project's machine)."""
     return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0 + gamma * row_cost)
 
 
@@ -49,7 +52,6 @@ class DecodeStats:
     new_tokens: int = 0
     prompt_tokens: int = 0
     target_calls: int = 0
-    draft_calls: int = 0
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -62,11 +64,27 @@ class DecodeStats:
     call_rows: dict = field(default_factory=dict)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # target calls after the prefill
-    draft_time_s: float = 0.0  # all draft work, its prefill included
-    draft_step_time_s: float = 0.0
-    draft_step_calls: int = 0
     wall_time_s: float = 0.0
     finish_reason: str = ""
+    # the draft's own counters (drafts.DraftCounters), read where they are, never copied
+    draft_counters: object = None
+
+    @property
+    def draft_calls(self) -> int:
+        return self.draft_counters.calls if self.draft_counters else 0
+
+    @property
+    def draft_time_s(self) -> float:
+        """All draft work, its prefill included."""
+        return self.draft_counters.time_s if self.draft_counters else 0.0
+
+    @property
+    def draft_step_calls(self) -> int:
+        return self.draft_counters.step_calls if self.draft_counters else 0
+
+    @property
+    def draft_step_time_s(self) -> float:
+        return self.draft_counters.step_time_s if self.draft_counters else 0.0
 
     def record_round(self, n_proposed: int, n_accepted: int, gamma: int) -> None:
         self.rounds += 1
@@ -109,12 +127,16 @@ class DecodeStats:
         return max(0.0, 1.0 - inside / self.wall_time_s)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("alpha_sum")
-        d.pop("call_rows")
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("alpha_sum", "call_rows", "draft_counters")}
+        d = copy.deepcopy(d)
         d["alpha_positions"] = d.pop("alpha_n")
         gamma = round(sum(self.gammas_used) / len(self.gammas_used)) if self.gammas_used else 0
         d.update(
+            draft_calls=self.draft_calls,
+            draft_time_s=self.draft_time_s,
+            draft_step_calls=self.draft_step_calls,
+            draft_step_time_s=self.draft_step_time_s,
             acceptance_rate=self.acceptance_rate,
             alpha=self.alpha,
             c=self.c,
@@ -128,3 +150,50 @@ class DecodeStats:
             loop_overhead=self.loop_overhead,
         )
         return d
+
+
+class Recorder:
+    """Measures and counts for the decode loop, so that the loop itself only decodes: the
+    target's calls (the first is the prefill; after it, seconds by rows scored, for the auto γ
+    policy's row cost) and each round's proposals, acceptances and β. `clock` is injectable."""
+
+    def __init__(self, stats: DecodeStats, clock: Callable[[], float] = time.perf_counter,
+                 rows: bool = False):
+        self.stats = stats
+        self.clock = clock
+        self.rows = rows  # record seconds by rows scored (only "auto" γ reads them)
+        self.t0 = clock()
+
+    def start(self, mode: str, draft) -> None:
+        s = self.stats
+        s.mode = mode
+        s.draft_kind = getattr(draft, "kind", None)
+        s.draft_counters = getattr(draft, "counters", None)
+
+    def target(self, forward, tokens, pos: int, rows: int):
+        """forward(tokens, pos, rows), timed."""
+        t0 = self.clock()
+        logits = forward(tokens, pos, rows)
+        elapsed = self.clock() - t0
+        s = self.stats
+        if s.target_calls == 0:
+            s.prefill_time_s = elapsed
+        else:
+            s.target_time_s += elapsed
+            if self.rows:
+                total, calls = s.call_rows.get(len(tokens), (0.0, 0))
+                s.call_rows[len(tokens)] = (total + elapsed, calls + 1)
+        s.target_calls += 1
+        return logits
+
+    def round(self, proposed: int, accepted: int, gamma: int, beta_sum: float,
+              examined: int) -> None:
+        """A speculative round: `examined` positions were verified, with Σβ = beta_sum."""
+        s = self.stats
+        s.record_round(proposed, accepted, gamma)
+        s.alpha_sum += beta_sum
+        s.alpha_n += examined
+
+    def emitted(self, n: int) -> None:
+        self.stats.new_tokens += n
+        self.stats.wall_time_s = self.clock() - self.t0

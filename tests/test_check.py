@@ -12,7 +12,7 @@ from scipy import stats as sps
 from toy_models import ToyEngine
 
 import spec_runtime
-import spec_runtime.decode
+import spec_runtime.loop
 from spec_runtime import Generator, ModelDraft, check, twosample
 from spec_runtime.sampling import sample
 from specedge.cli.specrun import main as specrun
@@ -91,7 +91,7 @@ def test_toy_runtime_passes_and_a_verifier_without_residual_fails(monkeypatch):
     assert ok["exit_code"] == 0 and ok["consistent"], ok
     assert ok["sampling"]["draft_accepted"] > 0
 
-    monkeypatch.setattr(spec_runtime.decode, "verify", no_residual)
+    monkeypatch.setattr(spec_runtime.loop, "accept_drafts", no_residual)
     bad = check.run_check(gen, samples=1500, prompts=TOY_PROMPTS, greedy_tokens=10)
     print(check.format_report(bad))
     assert bad["exit_code"] == 1 and bad["sampling"]["p_value"] < check.LEVEL
@@ -121,7 +121,7 @@ def test_greedy_divergence_is_a_warning_at_a_near_tie_and_a_failure_otherwise(mo
         row[base[2]], row[(base[2] + 1) % 6] = 12.0, 12.0 - gap
         return row
 
-    monkeypatch.setattr(check, "target_logits", logits)
+    monkeypatch.setattr(FlipsGreedyToken, "target_logits", logits)
     r = check.run_check(gen, samples=200, prompts=TOY_PROMPTS, greedy_tokens=6)
     d = r["greedy"]["prompts"][0]["divergence"]
     assert d["index"] == 2 and d["relative_gap"] == pytest.approx(gap / 12)

@@ -132,15 +132,30 @@ def test_bad_build_values_exit_2(tmp_path):
 def test_an_internal_bug_keeps_its_traceback(llama_pair, monkeypatch):
     """Only the package's own InputErrors are bad input (exit 2); a ValueError from a bug deep
     inside (here: the sampler) is not the user's fault and must not be dressed up as one."""
-    from spec_runtime import decode
+    from spec_runtime import loop
 
     def broken(*args, **kwargs):
         raise ValueError("operands could not be broadcast together")
 
-    monkeypatch.setattr(decode, "verify_greedy", broken)
+    monkeypatch.setattr(loop, "accept_drafts_greedy", broken)
     r = run(specrun, "generate", "hello", "--bundle", llama_pair[2], "--max-new-tokens", 5)
     assert r.exit_code == 1 and isinstance(r.exception, ValueError), r.output
     assert "broadcast" in str(r.exception)
     from spec_runtime.errors import InputError
 
     assert not isinstance(r.exception, InputError)
+
+
+def test_max_len_defaults_to_the_models_own_position_limit(tmp_path):
+    """A GPT-2 with 512 learned positions builds without --max-len (the default cache would be
+    2048 slots, which such a model cannot address); a larger --max-len is refused with the
+    model's limit named."""
+    from tiny_models import gpt2, save
+
+    t = save(gpt2(3), tmp_path / "t")
+    out = tmp_path / "b"
+    r = run(specexport, "build", "--target", t, "--draft", "ngram", "--out", out, "--quiet")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["max_len"] == 512
+    assert_input_error(run(specexport, "build", "--target", t, "--draft", "ngram", "--out",
+                           tmp_path / "c", "--max-len", 1024, "--quiet"), "n_positions=512")

@@ -28,8 +28,11 @@ def test_manifest_records_the_quantization(int4_pair):
         q = m[role]["quantization"]
         assert m[role]["precision"] == "int4"
         assert (q["bits"], q["block_size"], q["symmetric"]) == (4, 32, True)
-        assert 0 <= m[role]["parity"]["int4"]["top1_agreement"] <= 1
-        assert m[role]["parity"]["int4"]["mean_kl"] > 0  # quantization moved the distribution
+        measured = m[role]["parity"]["int4"]
+        assert measured["mean_kl"] > 0  # quantization moved the distribution
+        limits = measured["verify_thresholds"]  # what `specexport verify` will hold it to
+        assert limits["min_top1_agreement"] < measured["top1_agreement"]
+        assert limits["max_mean_kl"] > measured["mean_kl"]
     graph = onnx.load(str(int4_pair / "target.onnx"))
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("MatMulNBits") == m["target"]["quantization"]["quantized_matmuls"] > 0
@@ -201,3 +204,31 @@ def test_int4_ngram_bundle_proposes_after_two_token_matches(tmp_path):
     for prompt in ["abc abc abc abc abc", "the cat the cat the cat"]:
         spec = gen.generate(prompt, max_new_tokens=30, gamma=4)
         assert spec.tokens == gen.generate(prompt, max_new_tokens=30, use_draft=False).tokens
+
+
+def test_verify_fails_an_int4_graph_whose_weights_are_not_the_models(int4_pair, tmp_path):
+    """The lm_head's packed 4-bit weights scrambled, sizes and sha256 "fixed": the bundle loads,
+    but `specexport verify` measures it against the float model and refuses it (exit 2)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from helpers import edit_manifest
+    from spec_runtime.manifest import sha256_file
+    from specedge.cli.specexport import main as specexport
+
+    bad = tmp_path / "bad"
+    shutil.copytree(int4_pair, bad)
+    model = onnx.load(str(bad / "target.onnx"))
+    packed = max((t for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8),
+                 key=lambda t: len(t.raw_data))
+    packed.raw_data = np.random.default_rng(0).integers(0, 256, len(packed.raw_data),
+                                                        dtype=np.uint8).tobytes()
+    onnx.save(model, str(bad / "target.onnx"))
+    edit_manifest(bad, lambda m: m["files"]["target.onnx"].update(
+        bytes=(bad / "target.onnx").stat().st_size, sha256=sha256_file(bad / "target.onnx")))
+    spec_runtime.load(bad)  # consistent as far as load can see
+    r = CliRunner().invoke(specexport, ["verify", str(bad)])
+    assert r.exit_code == 2, r.output
+    assert "target int4 graph agrees with the float model on" in r.output
+    assert "Traceback" not in r.output

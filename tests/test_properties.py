@@ -1,5 +1,5 @@
 """Properties over random shapes and parameters (hypothesis): `warp` returns a distribution whose
-support respects top-k and top-p, `verify` returns a prefix of the draft plus one token inside
+support respects top-k and top-p, `accept_drafts` returns a prefix of the draft plus one token inside
 the target's support, and every value of the sampling flags ends in exit 0 or exit 2 with one
 line, never a traceback or another exit code."""
 
@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spec_runtime.sampling import SamplingParams, verify, warp
+from spec_runtime.sampling import SamplingParams, accept_drafts, warp
 from specedge.cli.specrun import main as specrun
 
 temperatures = st.one_of(st.just(0.0), st.floats(1e-3, 20.0))
@@ -64,7 +64,7 @@ def test_verify_returns_a_draft_prefix_and_one_token_the_target_can_produce(
     p_target = warp(random_logits(seed, gamma + 1, v_target), p)
     p_draft = warp(random_logits(seed + 1, gamma, v_draft), p)
     drafts = np.array([rng.choice(v_draft, p=row) for row in p_draft])
-    out = verify(drafts, p_draft, p_target, rng)
+    out = accept_drafts(drafts, p_draft, p_target, rng)
     assert 1 <= len(out) <= gamma + 1
     assert out[:-1] == [int(t) for t in drafts[: len(out) - 1]]
     for i, token in enumerate(out):

@@ -10,9 +10,9 @@ import pytest
 
 import spec_runtime
 from spec_runtime import NonFiniteLogitsError, SamplingParams
-from spec_runtime.decode import GammaPolicy, decode
+from spec_runtime.loop import GammaPolicy, Request, generate_tokens
 from spec_runtime.manifest import BundleError, sha256_file
-from spec_runtime.stats import DecodeStats
+from spec_runtime.stats import DecodeStats, Recorder
 from specedge.cli.specrun import main as specrun
 from helpers import assert_input_error as assert_exit_2
 from helpers import edit_manifest
@@ -129,14 +129,15 @@ def test_non_finite_logits_mid_generation_emit_nothing_from_them(llama_pair, val
     """Rounds before the poisoned call are emitted as usual; the poisoned round raises and
     emits nothing."""
     gen = spec_runtime.load(llama_pair[2])
-    prompt = gen.encode("the cat sat")
+    prompt = gen.tokenize("the cat sat")
     params = SamplingParams(temperature=1.0, seed=1)
 
     def rounds(target, draft):
         out = []
         try:
-            for new in decode(target, draft, prompt, params, 30, GammaPolicy(3, 3, 8),
-                              frozenset(), np.random.default_rng(1), DecodeStats()):
+            request = Request(prompt, params, 30, GammaPolicy(3, 3, 8), frozenset(),
+                              np.random.default_rng(1), Recorder(DecodeStats()))
+            for new in generate_tokens(target, draft, request):
                 out.append(new.tolist())
         except NonFiniteLogitsError:
             return out, True
@@ -171,7 +172,7 @@ def test_empty_prompt_exits_2_with_or_without_chat(llama_pair):
 def test_prompt_that_exactly_fits_works_and_one_more_token_exits_2(llama_pair):
     b = llama_pair[2]
     gen = spec_runtime.load(b)
-    assert len(gen.encode("x" * 96)) == 96 == gen.target.max_len
+    assert len(gen.tokenize("x" * 96)) == 96 == gen.target.max_len
     r = run("generate", "x" * 96, "--bundle", b, "--no-chat", "--max-new-tokens", 1, "--json")
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["tokens"]) == 1

@@ -88,3 +88,57 @@ def test_runtime_imports_and_decodes_with_torch_and_transformers_blocked(tmp_pat
     out = subprocess.run([sys.executable, "-c", script, tests_dir], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert len(eval(out.stdout)) == 8
+
+
+def test_stream_and_generate_agree_on_tokens_and_stats_after_a_stop():
+    """Both end at the token that completes the stop string, and count only up to it."""
+    gen = make()
+    free = gen.generate("red green", max_new_tokens=30, temperature=1.0, seed=2)
+    word = WORDS[free.tokens[5]]
+    r = gen.generate("red green", max_new_tokens=30, temperature=1.0, seed=2, stop=word)
+    text = "".join(gen.stream("red green", max_new_tokens=30, temperature=1.0, seed=2,
+                              stop=word))
+    streamed = gen.last_stats
+    assert text == r.text
+    timing = {"wall_time_s", "prefill_time_s", "target_time_s", "draft_time_s",
+              "draft_step_time_s", "tokens_per_s", "c", "row_cost", "loop_overhead",
+              "predicted_speedup"}
+    assert {k: v for k, v in streamed.items() if k not in timing} == \
+        {k: v for k, v in r.stats.items() if k not in timing}
+    assert streamed["new_tokens"] == len(r.tokens) < len(free.tokens)
+    assert streamed["finish_reason"] == r.finish_reason == "stop"
+
+
+def test_text_is_decoded_incrementally_and_adds_up_to_the_whole():
+    """Byte-level tokens of multi-byte characters (é, 😀) arrive one at a time: the pieces add up
+    to the decoded sequence, and while the text is valid no decode call sees more than a few
+    tokens, however long it grows (the whole text is not decoded again every round); arbitrary
+    bytes after it still add up to what a decode of the whole sequence gives."""
+    import numpy as np
+
+    from spec_runtime.text import IncrementalText
+    from tiny_models import byte_tokenizer
+
+    tok = byte_tokenizer().backend_tokenizer
+    text = "Un café ☕ et 😀 — " * 12
+    ids = tok.encode(text).ids
+    widths = []
+
+    def detokenize(tokens):
+        widths.append(len(tokens))
+        return tok.decode(tokens, skip_special_tokens=True)
+
+    rng = np.random.default_rng(0)
+    tokens = list(ids) + rng.integers(3, 259, 40).tolist()  # and then some arbitrary bytes
+    inc = IncrementalText(detokenize)
+    pieces = []
+    for i, t in enumerate(tokens):
+        before = len(inc.text)
+        inc.add(t)
+        pieces.append(inc.text[before:])
+        if i < len(ids):  # valid UTF-8 so far: never half a character, always a small window
+            assert "\ufffd" not in inc.text and max(widths) <= 8
+    whole = inc.finish()
+    assert whole == tok.decode(tokens, skip_special_tokens=True)
+    assert whole.startswith("".join(pieces)) and "".join(pieces).startswith(text)
+    assert len(ids) > 200

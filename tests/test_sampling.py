@@ -1,5 +1,5 @@
-"""The sampler: hand-computed tables for `warp` and `verify`, then Monte-Carlo exactness of the
-first token `verify` emits (it must be distributed as p_target, whatever p_draft is)."""
+"""The sampler: hand-computed tables for `warp` and `accept_drafts`, then Monte-Carlo exactness of the
+first token `accept_drafts` emits (it must be distributed as p_target, whatever p_draft is)."""
 
 import math
 
@@ -11,7 +11,7 @@ from spec_runtime.sampling import (
     NonFiniteLogitsError,
     SamplingParams,
     sample,
-    verify,
+    accept_drafts,
     warp,
 )
 
@@ -19,7 +19,7 @@ P_MIN = 1e-4  # chi-square p-value below which a distribution counts as differen
 
 
 class Coins:
-    """A stand-in RNG whose draws are given in advance: makes verify's branches hand-checkable."""
+    """A stand-in RNG whose draws are given in advance: makes accept_drafts's branches hand-checkable."""
 
     def __init__(self, *values):
         self.values = list(values)
@@ -95,36 +95,36 @@ def test_non_finite_logits_are_refused(bad):
         warp(np.array([[0.0, bad, 1.0]]), SamplingParams())
 
 
-# -- verify: hand tables ------------------------------------------------------------------------
+# -- accept_drafts: hand tables ------------------------------------------------------------------------
 
 
 def test_identical_distributions_accept_every_draft_then_sample_the_bonus():
     p = np.array([[0.2, 0.3, 0.5]] * 3)
     # coins 0.999 never reject when p == q; the bonus coin 0.1 picks token 0 (cdf 0.2)
-    assert verify(np.array([2, 1]), p[:2], p, Coins(0.999, 0.999, 0.1)) == [2, 1, 0]
+    assert accept_drafts(np.array([2, 1]), p[:2], p, Coins(0.999, 0.999, 0.1)) == [2, 1, 0]
 
 
 def test_rejection_samples_the_residual():
     p_target = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
     p_draft = np.array([[0.0, 0.8, 0.2]])
     # token 1: accept iff coin*0.8 < 0.5; coin 0.7 rejects. residual = max(0, p-q) = [0.5, 0, 0]
-    assert verify(np.array([1]), p_draft, p_target, Coins(0.7, 0.99)) == [0]
+    assert accept_drafts(np.array([1]), p_draft, p_target, Coins(0.7, 0.99)) == [0]
     # coin 0.6 accepts (0.48 < 0.5); the bonus comes from p_target[1]
-    assert verify(np.array([1]), p_draft, p_target, Coins(0.6, 0.5)) == [1, 0]
+    assert accept_drafts(np.array([1]), p_draft, p_target, Coins(0.6, 0.5)) == [1, 0]
 
 
 def test_a_token_the_target_cannot_produce_is_always_rejected():
     p_target = np.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     p_draft = np.array([[1.0, 0.0, 0.0]])
     for coin in (0.0, 0.5, 0.999):
-        assert verify(np.array([0]), p_draft, p_target, Coins(coin, 0.3)) == [1]
+        assert accept_drafts(np.array([0]), p_draft, p_target, Coins(coin, 0.3)) == [1]
 
 
 def test_residual_that_is_rounding_noise_falls_back_to_p_target():
     p_target = np.array([[0.3, 0.7], [0.5, 0.5]])
     p_draft = p_target[:1] + np.array([[1e-13, -1e-13]])
     # coin just below 1 rejects token 0 (q > p by 1e-13); max(0, p - q) sums to 1e-13
-    out = verify(np.array([0]), p_draft, p_target, Coins(1 - 1e-14, 0.5))
+    out = accept_drafts(np.array([0]), p_draft, p_target, Coins(1 - 1e-14, 0.5))
     assert out == [1]  # 0.5 falls in p_target's mass for token 1, not NaN or an error
 
 
@@ -132,12 +132,12 @@ def test_vocabularies_of_different_sizes_are_zero_padded_not_truncated():
     # the target puts mass on id 4, which the draft's padded vocabulary lacks
     p_target = np.array([[0.0, 0.0, 0.0, 0.0, 1.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
     p_draft = np.array([[0.0, 1.0, 0.0]])
-    assert verify(np.array([1]), p_draft, p_target, Coins(0.1, 0.5)) == [4]
+    assert accept_drafts(np.array([1]), p_draft, p_target, Coins(0.1, 0.5)) == [4]
 
 
 def test_verify_checks_row_counts():
     with pytest.raises(ValueError, match="γ\\+1"):
-        verify(np.array([1, 2]), np.ones((2, 3)) / 3, np.ones((2, 3)) / 3, Coins())
+        accept_drafts(np.array([1, 2]), np.ones((2, 3)) / 3, np.ones((2, 3)) / 3, Coins())
 
 
 def test_sample_uses_inverse_cdf_and_never_picks_zero_mass():
@@ -216,7 +216,7 @@ def first_tokens(verifier, p_target, p_draft, gamma, seed):
 def test_first_emitted_token_is_distributed_as_p_target(name):
     p_target, p_draft = PAIRS[name]
     gamma = 1 + sorted(PAIRS).index(name) % 3  # γ in {1, 2, 3}
-    counts = first_tokens(verify, p_target, p_draft, gamma, seed=7)
+    counts = first_tokens(accept_drafts, p_target, p_draft, gamma, seed=7)
     p = chi_square_p(counts, p_target)
     tv = 0.5 * np.abs(counts / DRAWS - p_target).sum()
     print(f"{name}: γ={gamma} p-value={p:.4f} TV={tv:.5f}")
@@ -240,7 +240,7 @@ def test_the_chi_square_check_detects_a_wrong_verifier():
 
 def test_greedy_verify_equals_verify_on_one_hot_distributions():
     """The temperature-0 fast path must emit exactly what Algorithm 1 emits for one-hot p, q."""
-    from spec_runtime.sampling import verify_greedy
+    from spec_runtime.sampling import accept_drafts_greedy
 
     rng = np.random.default_rng(0)
     greedy = SamplingParams()
@@ -251,7 +251,7 @@ def test_greedy_verify_equals_verify_on_one_hot_distributions():
         # drafts that often agree with the target's argmax, sometimes not
         drafts = np.where(rng.random(gamma) < 0.7, target_best[:gamma], rng.integers(0, v, gamma))
         p_draft = np.eye(v)[drafts].reshape(gamma, v)
-        expected = verify(drafts, p_draft, warp(logits, greedy), np.random.default_rng(trial))
-        assert verify_greedy(drafts, logits) == expected
+        expected = accept_drafts(drafts, p_draft, warp(logits, greedy), np.random.default_rng(trial))
+        assert accept_drafts_greedy(drafts, logits) == expected
     with pytest.raises(NonFiniteLogitsError):
-        verify_greedy(np.array([0]), np.array([[0.0, np.nan], [1.0, 0.0]]))
+        accept_drafts_greedy(np.array([0]), np.array([[0.0, np.nan], [1.0, 0.0]]))

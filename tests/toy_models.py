@@ -6,15 +6,26 @@ last written position keep stale tokens, exactly like a real static cache.
 """
 
 import itertools
-import time
 
 import numpy as np
 
 from spec_runtime import warp
 
 
+class FakeClock:
+    """Seconds that pass only when an engine says so: timing-dependent tests without sleeping,
+    and with costs known exactly."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ToyEngine:
-    def __init__(self, vocab=6, max_len=64, seed=0, scale=1.5, like=None, mix=0.0, delay=0.0):
+    def __init__(self, vocab=6, max_len=64, seed=0, scale=1.5, like=None, mix=0.0, delay=0.0,
+                 clock=None):
         rng = np.random.default_rng(seed)
         self.vocab_size = vocab
         self.max_len = max_len
@@ -27,8 +38,11 @@ class ToyEngine:
             self.c = (1 - mix) * like.c + mix * self.c
         self.state = np.zeros(max_len, dtype=np.int64)  # "KV": the token at each position
         self.calls = 0
-        self.delay = delay  # seconds per call: a cost model for γ selection tests
-        self.row_delay = 0.0  # seconds per token beyond the first (a verify call's extra cost)
+        # a cost model (γ selection, statistics): each call advances `clock` by delay seconds,
+        # plus row_delay per token beyond the first (a verify call's extra cost)
+        self.clock = clock
+        self.delay = delay
+        self.row_delay = 0.0
 
     def reset(self):
         pass  # stale state stays, as in a real cache; positions decide what is read
@@ -39,8 +53,8 @@ class ToyEngine:
         assert n >= 1 and 0 <= pos and pos + n <= self.max_len, (pos, n)
         assert 1 <= num_logits <= n
         self.calls += 1
-        if self.delay:
-            time.sleep(self.delay + self.row_delay * (n - 1))
+        if self.clock is not None:
+            self.clock.now += self.delay + self.row_delay * (n - 1)
         self.state[pos : pos + n] = tokens
         t = np.arange(pos, pos + n)
         prev = np.where(t > 0, self.state[np.maximum(t - 1, 0)], 0)

@@ -1,0 +1,159 @@
+"""The draft-then-verify loop (Leviathan et al. 2023, Algorithm 1) over position-driven engines.
+
+`Request` is one generation's state, apart from the loaded model: the sequence, how much of it
+the target's cache holds, the sampling setting, the random generator, the γ policy and the
+statistics. Invariant: `target_valid` (and a model draft's own count) is the number of leading
+positions of the sequence whose KV is in that engine's cache. A round feeds the target every
+token it has not seen plus the γ draft tokens, in one call, and gets γ+1 logit rows back. After
+verification the cache is valid up to the old length plus the accepted drafts; the slots
+written for rejected drafts are stale and are overwritten by the next call. Rollback is a
+position, never a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from .drafts import Draft
+from .engine import Engine
+from .errors import CacheCapacityError
+from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, warp
+from .stats import DecodeStats, Recorder, best_gamma
+
+AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
+
+
+class GammaPolicy:
+    """A fixed γ, or "auto": γ maximising the paper's expected speedup for the α, c and the
+    per-row verify cost measured so far in this generation, re-estimated every round. (The
+    paper's formula alone assumes a verify call of γ+1 rows costs one step; where a multi-row
+    call costs more, its γ would be too long: benchmarks/results/step-time.json.)"""
+
+    def __init__(self, gamma: int | str, start: int, max_gamma: int):
+        self.auto = gamma == "auto"
+        self.gamma = start if self.auto else int(gamma)
+        self.max_gamma = max_gamma
+
+    def next(self, stats: DecodeStats) -> int:
+        if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
+            self.gamma = best_gamma(stats.alpha, stats.c, self.max_gamma, stats.row_cost)
+        return self.gamma
+
+
+class Request:
+    """One generation: what it asks for and where it stands."""
+
+    def __init__(self, prompt: np.ndarray, params: SamplingParams, max_new_tokens: int,
+                 gamma: GammaPolicy | None, eos_token_ids: frozenset[int],
+                 rng: np.random.Generator, recorder: Recorder):
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+        self.gamma = gamma
+        self.eos = np.fromiter(eos_token_ids, dtype=np.int64)
+        self.rng = rng
+        self.recorder = recorder
+        self.stats = recorder.stats
+        n = len(prompt)
+        # room for every new token, and for the γ + 1 a last round may produce before the cut
+        self.seq = np.empty(n + max_new_tokens + (gamma.max_gamma if gamma else 0) + 1, np.int64)
+        self.seq[:n] = prompt
+        self.n_seq = n
+        self.target_valid = 0
+        self.stats.prompt_tokens = n
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The prompt and every token emitted so far (a view, valid until the next round)."""
+        return self.seq[: self.n_seq]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.stats.new_tokens
+
+    def emit(self, new) -> np.ndarray:
+        """Append a round's tokens, cut at max_new_tokens and at the first EOS (the prefix of an
+        exact sample is an exact sample); returns what was appended."""
+        new = np.asarray(new[: self.remaining], dtype=np.int64)
+        if len(self.eos):
+            hits = np.flatnonzero(np.isin(new, self.eos))
+            if len(hits):
+                new = new[: hits[0] + 1]
+                self.stats.finish_reason = "eos"
+        self.seq[self.n_seq : self.n_seq + len(new)] = new
+        self.n_seq += len(new)
+        self.recorder.emitted(len(new))
+        if not self.stats.finish_reason and self.remaining <= 0:
+            self.stats.finish_reason = "length"
+        return new
+
+
+def check_capacity(engines: list[Engine], prompt_len: int, max_new_tokens: int) -> None:
+    # The last generated token is never fed back, so N + M - 1 positions are written.
+    needed = prompt_len + max_new_tokens - 1
+    for engine in engines:
+        if needed > engine.max_len:
+            raise CacheCapacityError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs {needed} "
+                f"cache positions but the bundle's max_len is {engine.max_len}: lower "
+                f"max_new_tokens or the prompt, or re-export with `specexport build --max-len`"
+            )
+
+
+_NO_DRAFTS = np.empty(0, np.int64)
+
+
+def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterator[np.ndarray]:
+    """Yield the new tokens of each round. `draft=None` is target-only decoding on the same
+    engine: one target call per token, the baseline every speedup is measured against."""
+    rec = req.recorder
+    target.reset()
+    if draft is not None:
+        draft.reset()
+    rec.start("speculative" if draft is not None else "target-only", draft)
+    while not req.stats.finish_reason:
+        # 1. The draft proposes γ tokens x_1..x_γ from p_draft (fewer near max_new_tokens: a
+        #    round emits up to γ+1).
+        g = min(req.gamma.next(req.stats), req.remaining - 1) if draft is not None else 0
+        drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng) if g > 0 \
+            else (_NO_DRAFTS, None)
+        k = len(drafts)
+
+        # 2. The target scores the prefix + x_1..x_i for i = 0..k in one call: every token it
+        #    has not seen, then the drafts; k+1 rows of logits.
+        feed = np.concatenate([req.seq[req.target_valid : req.n_seq], drafts])
+        logits = rec.target(target.forward, feed, req.target_valid, k + 1)
+
+        # 3. Accept x_i while r < p_target(x_i) / p_draft(x_i); at the first rejection draw from
+        #    norm(max(0, p_target - p_draft)), or from p_target[k] when all k were accepted.
+        new, beta_sum, examined = _accept(drafts, p_draft, logits, req.params, req.rng)
+        n_acc = len(new) - 1
+
+        # 4. Roll back by position: both caches now hold the old sequence + accepted drafts.
+        req.target_valid = req.n_seq + n_acc
+        if draft is not None:
+            rec.round(k, n_acc, g, beta_sum, examined)
+            draft.rewind(req.n_seq + n_acc)
+            if draft.needs:
+                draft.observe({"logits": logits[: n_acc + 1]})
+
+        # 5. Emit, stopping at EOS or max_new_tokens.
+        yield req.emit(new)
+
+
+def _accept(drafts, p_draft, logits, params: SamplingParams, rng):
+    """Step 3 of a round: (the round's tokens, Σ β = Σ min(p_target, p_draft) over the positions
+    examined, how many were examined); β feeds the α estimate."""
+    k = len(drafts)
+    if params.greedy:
+        new = accept_drafts_greedy(drafts, logits)
+        examined = min(len(new), k)
+        return new, float(min(len(new) - 1, examined)), examined  # one-hot p, q: β is 1 or 0
+    p_target = warp(logits, params)
+    if k == 0:
+        return accept_drafts(drafts, np.empty((0, p_target.shape[-1])), p_target, rng), 0.0, 0
+    new = accept_drafts(drafts, p_draft, p_target, rng)
+    examined = min(len(new), k)
+    v = min(p_target.shape[-1], p_draft.shape[-1])
+    return new, float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum()), examined

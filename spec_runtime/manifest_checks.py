@@ -1,0 +1,260 @@
+"""The checks `manifest.read_manifest` runs on a bundle before anything in it is used.
+
+A bundle is untrusted input (it is copied between machines): every field the runtime uses is
+type- and range-checked with the field named; each graph's description must be the graph
+contract (contract.py) at the manifest's own max_len, vocabulary and cache layout; every file the
+runtime reads must lie inside the bundle directory, symbolic links included; and, when asked,
+every listed file must have its recorded size and sha256. bundle.py then checks what ONNX
+Runtime reports of each graph against the same description. Any failure is a BundleError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, decoder_io, dims_of,
+                       encoder_io, hidden_size_of, mismatch)
+from .errors import BundleError
+
+REBUILD = "re-run `specexport build`"
+ARCHITECTURES = ("decoder-only", "encoder-decoder")
+# graphs every model entry (target, and a model draft) must hold, per architecture
+GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
+SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def unreadable(path: Path, e: OSError) -> BundleError:
+    return BundleError(f"cannot read {str(path)!r} ({e.strerror or type(e).__name__}): check its "
+                       f"permissions, or copy the bundle again")
+
+
+def _bad(where: str, value, want: str) -> BundleError:
+    return BundleError(f"manifest {where} is {value!r}: {want}; {REBUILD}")
+
+
+def _require(d: dict, key: str, types, where: str):
+    if key not in d:
+        raise BundleError(f"manifest {where + '.' if where else ''}{key} is missing: the bundle "
+                          f"is incomplete; {REBUILD}")
+    value = d[key]
+    if not isinstance(value, types) or isinstance(value, bool) and types is not bool:
+        kinds = types if isinstance(types, tuple) else (types,)
+        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in kinds)
+        raise _bad(f"{where + '.' if where else ''}{key}", value, f"it must be {names}")
+    return value
+
+
+def _integer(d: dict, key: str, where: str, low: int, high: int | None = None,
+             optional: bool = False) -> int | None:
+    if optional and d.get(key) is None:
+        return None
+    value = _require(d, key, int, where)
+    if value < low or high is not None and value > high:
+        span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise _bad(f"{where + '.' if where else ''}{key}", value, f"it must be an integer {span}")
+    return value
+
+
+def validate(m: dict) -> None:
+    """Check every field the runtime uses; raises BundleError naming the field. Does not change
+    `m`."""
+    arch = _require(m, "architecture", str, "")
+    if arch not in ARCHITECTURES:
+        raise _bad("architecture", arch, f"it must be one of {ARCHITECTURES}")
+    max_len = _integer(m, "max_len", "", 1)
+    _integer(m, "max_gamma", "", 1, max_len - 1 if max_len > 1 else 1)
+    _integer(m, "default_gamma", "", 1, m["max_gamma"])
+    _integer(m, "prefill_chunk", "", 1)
+    _precision(m, "")
+    files = _require(m, "files", dict, "")
+    for name, info in files.items():
+        _check_file_entry(name, info)
+    target = _require(m, "target", dict, "")
+    max_source_len = None
+    if arch == "encoder-decoder":
+        # the source is padded to max_source_len in the encoder graph; the decoder starts from
+        # decoder_start_token_id
+        max_source_len = _integer(m, "max_source_len", "", 1)
+    _check_model(target, "target", m, files, max_source_len)
+    if arch == "encoder-decoder":
+        _integer(m, "decoder_start_token_id", "", 0, target["vocab_size"] - 1)
+    draft = _require(m, "draft", dict, "")
+    _require(draft, "kind", str, "draft")  # which kinds exist is the draft registry's business
+    if "graphs" in draft:  # a draft with graphs of its own: a model entry like the target's
+        _check_model(draft, "draft", m, files, max_source_len)
+    _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
+    _check_distinct_graphs(m)
+
+
+def _precision(entry: dict, where: str) -> None:
+    precision = entry.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise BundleError(f"manifest {where}precision {precision!r} is not one this runtime "
+                          f"runs {PRECISIONS}: upgrade specedge (`pip install -U specedge`), "
+                          f"or rebuild with `specexport build --precision fp32`")
+
+
+def _check_file_entry(name: str, info) -> None:
+    # a bundle is flat: every file is a plain name inside the bundle directory
+    if not name or name in (".", "..") or name != os.path.basename(name) or "\\" in name \
+            or "\0" in name:
+        raise BundleError(f"manifest lists the file {name!r}, which is not a plain file name "
+                          f"inside the bundle; {REBUILD}")
+    if not isinstance(info, dict):
+        raise _bad(f"files[{name!r}]", info, "it must hold bytes and sha256")
+    _integer(info, "bytes", f"files[{name!r}]", 0)
+    sha = _require(info, "sha256", str, f"files[{name!r}]")
+    if not _SHA256.match(sha):
+        raise _bad(f"files[{name!r}].sha256", sha, "it must be 64 lowercase hex digits")
+
+
+def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) -> None:
+    vocab = _integer(model, "vocab_size", where, 1)
+    _precision(model, where + ".")
+    graphs = _require(model, "graphs", dict, where)
+    required = GRAPHS[m["architecture"]]
+    missing = [g for g in required if g not in graphs]
+    if missing:
+        raise BundleError(f"manifest {where}.graphs lacks {missing} (an architecture needs "
+                          f"{list(required)}); {REBUILD}")
+    described = {}
+    for name in required:
+        graph = _require(graphs, name, dict, f"{where}.graphs")
+        at = f"{where}.graphs.{name}"
+        f = _require(graph, "file", str, at)
+        if f not in files:
+            raise BundleError(f"manifest {at}.file {f!r} is not among the files; {REBUILD}")
+        for key, allowed in (("kernels", KERNELS), ("kv_cache", KV_CACHE_LAYOUTS)):
+            value = graph.get(key, SCHEMA_1_DEFAULTS[key])
+            if value not in allowed:
+                raise BundleError(f"manifest {at}.{key} {value!r} is not one this runtime runs "
+                                  f"{allowed}: upgrade specedge (`pip install -U specedge`), or "
+                                  f"{REBUILD}")
+        described[name] = (_io_list(graph, "inputs", at), _io_list(graph, "outputs", at))
+    # the descriptions must be the contract at this manifest's own numbers
+    dec = described["decoder"]
+    dims = dims_of(*dec)
+    if dims is None:
+        raise BundleError(f"manifest {where}.graphs.decoder has no past_key.0 input of shape "
+                          f"[1, kv_heads, cache, head_dim] or no logits output; {REBUILD}")
+    kv_cache = graphs["decoder"].get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"])
+    wants = {"decoder": decoder_io(replace(dims, vocab_size=vocab), m["max_len"], kv_cache,
+                                   max_source_len, hidden_size_of(dec[1]))}
+    if max_source_len is not None:
+        wants["encoder"] = encoder_io(dims, max_source_len)
+    for name, want in wants.items():
+        why = mismatch(described[name], want)
+        if why:
+            numbers = f"max_len {m['max_len']}, {where}.vocab_size {vocab}, kv_cache {kv_cache}"
+            if max_source_len is not None:
+                numbers += f", max_source_len {max_source_len}"
+            raise BundleError(f"manifest {where}.graphs.{name} does not fit the manifest's own "
+                              f"numbers ({numbers}): {why}; {REBUILD}")
+
+
+def _io_list(graph: dict, key: str, where: str) -> list[dict]:
+    items = _require(graph, key, list, where)
+    for i, item in enumerate(items):
+        at = f"{where}.{key}[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(at, item, "it must be a {name, dtype, shape} object")
+        _require(item, "name", str, at)
+        if _require(item, "dtype", str, at) not in DTYPES:
+            raise _bad(f"{at}.dtype", item["dtype"], f"it must be one of {DTYPES}")
+        for d in _require(item, "shape", list, at):
+            if not (isinstance(d, str) or isinstance(d, int) and not isinstance(d, bool)
+                    and d >= 1):
+                raise _bad(f"{at}.shape", item["shape"], "its dims must be integers >= 1 or "
+                           "names of symbolic dims")
+    return items
+
+
+def _check_tokenizer(tok: dict, files: dict, vocab: int) -> None:
+    f = _require(tok, "file", str, "tokenizer")
+    if f not in files:
+        raise BundleError(f"manifest tokenizer.file {f!r} is not among the files; {REBUILD}")
+    eos = _require(tok, "eos_token_ids", list, "tokenizer")
+    if not eos or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                          for i in eos):
+        raise _bad("tokenizer.eos_token_ids", eos, f"it must be a non-empty list of token ids "
+                   f"in [0, {vocab})")
+    _integer(tok, "bos_token_id", "tokenizer", 0, vocab - 1, optional=True)
+    special = tok.get("special_tokens")
+    if special is not None and not (isinstance(special, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in special.items())):
+        raise _bad("tokenizer.special_tokens", special, "it must map names to token strings")
+    template = tok.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise _bad("tokenizer.chat_template", template, "it must be a string or null")
+
+
+def _check_distinct_graphs(m: dict) -> None:
+    """No file serves as two graphs: a draft that is the target's own file is a copy mistake,
+    not a draft (a self draft is the target's weights at another precision, another file)."""
+    seen: dict[str, str] = {}
+    for role, model in (("target", m["target"]), ("draft", m["draft"])):
+        for name, graph in (model.get("graphs") or {}).items():
+            where = f"{role}.graphs.{name}"
+            if graph["file"] in seen:
+                raise BundleError(f"manifest {where}.file and {seen[graph['file']]}.file are "
+                                  f"the same file {graph['file']!r}; {REBUILD}")
+            seen[graph["file"]] = where
+
+
+def check_inside(bundle_dir: Path, names: list[str]) -> None:
+    """Every file the runtime reads must resolve inside the bundle directory, whatever links
+    lie on the way; so must every symbolic link the directory holds (ONNX Runtime may open
+    files a graph names, next to it)."""
+    root = os.path.realpath(bundle_dir)
+    try:
+        entries = [e for e in os.listdir(bundle_dir)
+                   if os.path.islink(os.path.join(bundle_dir, e))]
+    except OSError as e:
+        raise unreadable(bundle_dir, e) from None
+    for name in [*names, *entries]:
+        real = os.path.realpath(os.path.join(bundle_dir, name))
+        if os.path.commonpath([root, real]) != root:
+            raise BundleError(f"bundle file {name!r} resolves to {real!r}, outside the bundle "
+                              f"directory: a bundle holds its files itself; copy them in or "
+                              f"{REBUILD}")
+
+
+def check_file_hashes(bundle_dir: Path, manifest: dict) -> None:
+    hashes: dict[str, str] = {}
+    for name, info in manifest["files"].items():
+        path = bundle_dir / name
+        if not path.is_file():
+            raise BundleError(f"bundle file {name!r} is missing from {str(bundle_dir)!r}; {REBUILD}")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise BundleError(f"bundle file {name!r} has {size} bytes, the manifest says "
+                              f"{info['bytes']} (truncated or replaced); {REBUILD}")
+        try:
+            digest = sha256_file(path)
+        except OSError as e:
+            raise unreadable(path, e) from None
+        if digest != info["sha256"]:
+            raise BundleError(f"bundle file {name!r} does not match its sha256 in the manifest "
+                              f"(corrupt or edited); {REBUILD}")
+        hashes[name] = digest
+    graphs = [(f"{role}.graphs.{g}", spec["file"]) for role in ("target", "draft")
+              for g, spec in (manifest[role].get("graphs") or {}).items()]
+    for i, (where, f) in enumerate(graphs):
+        for other, g in graphs[:i]:
+            if hashes[f] == hashes[g]:
+                raise BundleError(f"bundle files {g!r} ({other}) and {f!r} ({where}) are the same "
+                                  f"graph (equal sha256): one was copied over the other; {REBUILD}")
