@@ -183,10 +183,12 @@ class Generator:
                 self._owner = None
 
     def _texts(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma, use_draft,
-               stop, chat) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
+               stop, chat, live: bool = True) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
         """The one implementation of text and stop strings behind generate() and stream():
         yields (new text safe to show, the text so far, stats) per round. A stop string ends
-        the request at the token that completes it; tokens and stats then count up to it."""
+        the request at the token that completes it; tokens and stats then count up to it.
+        Without `live` (generate) and without stop strings the text is decoded once, at the
+        end."""
         stop = stop_strings(stop)
         text = IncrementalText(self.detokenize, stop)
         shown = 0
@@ -194,11 +196,12 @@ class Generator:
                               use_draft, chat)
         try:
             for new, stats in rounds:
-                for token in new:
-                    if text.add(token):
-                        stats.new_tokens = len(text.tokens)
-                        stats.finish_reason = "stop"
-                        break
+                if not live and not stop:
+                    text.tokens.extend(int(t) for t in new)
+                    continue
+                if text.extend(new):
+                    stats.new_tokens = len(text.tokens)
+                    stats.finish_reason = "stop"
                 ready = text.ready()
                 yield text.text[shown:ready], text, stats
                 shown = max(shown, ready)
@@ -235,7 +238,7 @@ class Generator:
             return self._result(tokens, None, stats)
         text = stats = None
         for _, text, stats in self._texts(prompt, max_new_tokens, temperature, top_k, top_p,
-                                          seed, gamma, use_draft, stop, chat):
+                                          seed, gamma, use_draft, stop, chat, live=False):
             pass
         return self._result(text.tokens, text.finish(), stats)
 

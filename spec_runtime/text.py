@@ -75,9 +75,21 @@ class IncrementalText:
         self._window = 0  # first token of the decoding window
         self._read = 0  # tokens[:_read] are in self.text
 
+    def extend(self, tokens) -> bool:
+        """Append a round's tokens; True once a stop string is complete, which is then found at
+        the token that completes it (the tokens after it are not appended). Without stop
+        strings the round is decoded at once."""
+        if self.stops:
+            return any(self.add(t) for t in tokens)
+        self.tokens.extend(int(t) for t in tokens)
+        return self._read_new()
+
     def add(self, token: int) -> bool:
         """Append one token; True once a stop string is complete (then nothing more is added)."""
         self.tokens.append(int(token))
+        return self._read_new()
+
+    def _read_new(self) -> bool:
         seen = self.detokenize(self.tokens[self._window : self._read])
         grown = self.detokenize(self.tokens[self._window :])
         if grown.endswith("\ufffd"):  # a character still incomplete: wait for its next bytes
