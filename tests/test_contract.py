@@ -167,3 +167,13 @@ def test_forked_engines_share_the_session_and_keep_their_own_cache(pair, request
     for x, y in zip(alone, together):
         for u, v in zip(x, y):
             np.testing.assert_array_equal(u, v)
+
+
+def test_an_engine_refuses_positions_past_its_cache(llama_pair):
+    """Caught inside forward, as the input error it is, before ONNX Runtime sees the call."""
+    from spec_runtime.errors import CacheCapacityError
+
+    engine = spec_runtime.load(llama_pair[2]).target
+    engine.forward(np.array([5]), engine.max_len - 1)  # the last slot: fine
+    with pytest.raises(CacheCapacityError, match=r"positions 95\.\.96 exceed the cache"):
+        engine.forward(np.array([5, 6]), engine.max_len - 1)
