@@ -42,6 +42,19 @@ def _read_prompt(prompt, prompt_file):
                          f"`iconv -t UTF-8`") from None
 
 
+def device_options(fn):
+    """--device and --draft-device, shared by the commands that load a bundle."""
+    from spec_runtime.kv_cache import DEVICES
+
+    devices = click.Choice(sorted(DEVICES))
+    fn = click.option("--draft-device", type=devices, default=None,
+                      help="where a model draft runs [default: --device], e.g. an int4 draft on "
+                           "cpu beside an fp16 target on cuda")(fn)
+    return click.option("--device", type=devices, default="cpu", show_default=True,
+                        help="where the target runs: ONNX Runtime's CPU, CUDA or TensorRT "
+                             "provider (the last two need onnxruntime-gpu)")(fn)
+
+
 def stats_line(stats: dict) -> str:
     s = (f"{stats['new_tokens']} tokens ({stats['finish_reason']}) · "
          f"{stats['tokens_per_s']:.1f} tok/s · {stats['tokens_per_target_call']:.2f} tokens/target call")
@@ -75,15 +88,15 @@ def main():
               help="apply the bundle's chat template [default: on when it has one]")
 @click.option("--stream", is_flag=True, help="print text as it is generated")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object: tokens, text, stats")
-@click.option("--device", default="cpu", show_default=True)
+@device_options
 @input_errors
 def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, top_p, seed, gamma,
-             no_draft, chat, stream, as_json, device):
+             no_draft, chat, stream, as_json, device, draft_device):
     """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
     import spec_runtime
 
     text = _read_prompt(prompt, prompt_file)
-    gen = spec_runtime.load(bundle, device=device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
     if chat is None:
         chat = bool(gen.chat_template)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -124,10 +137,10 @@ def _gammas(value: str) -> list:
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of speedup vs γ (needs matplotlib)")
-@click.option("--device", default="cpu", show_default=True)
+@device_options
 @input_errors
 def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, as_json, plot,
-          device):
+          device, draft_device):
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
@@ -138,7 +151,7 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
         raise BadInput(f"--repeats {repeats} is invalid: use an integer >= 1")
     prompts = load_prompts(prompts_file, kind if prompts_file is None else "all")
     gammas = _gammas(gamma)
-    gen = spec_runtime.load(bundle, device=device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
     for g in gammas:
         gen.gamma_policy(g)  # validate every γ before minutes of measuring
     with click.progressbar(length=len(gammas) * len(prompts) * repeats, label="bench",
@@ -164,17 +177,17 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
 @click.option("--gamma", default=None, help="draft length γ, or 'auto' [default: the bundle's]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
-@click.option("--device", default="cpu", show_default=True)
+@device_options
 @input_errors
 def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, gamma, seed, as_json,
-          device):
+          device, draft_device):
     """Test that speculative decoding on BUNDLE samples from the target's distribution: a
     two-sample chi-square of speculative vs target-only continuations, and greedy parity.
     Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
     import spec_runtime
     from spec_runtime.check import DEFAULT_SAMPLES, DEFAULT_SECONDS, format_report, run_check
 
-    gen = spec_runtime.load(bundle, device=device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
     samples = DEFAULT_SAMPLES if samples is None else samples
     with click.progressbar(length=max(samples, 1), label="check", file=sys.stderr) as bar:
         report = run_check(gen, tokens=tokens, samples=samples,

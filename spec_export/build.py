@@ -17,13 +17,13 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from spec_runtime.contract import KERNELS, PRECISIONS
+from spec_runtime.contract import KERNELS, PRECISIONS, graph_devices
 from spec_runtime.manifest import (DraftEntry, GraphEntry, Manifest, ModelEntry, TokenizerEntry,
                                    write_manifest)
 
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
-from .quality import (FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, broken_quantization,
-                      verify_thresholds)
+from .quality import (FP16_TOLERANCE, FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS,
+                      broken_quantization, verify_thresholds)
 from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
 
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
@@ -164,21 +164,35 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
         elif precision == "int4":
             quantization = quantize.quantize_int4(fp32_path, path, block_size,
                                                   tied=tied and not float_embedding)
+        elif precision == "fp16":
+            quantization = quantize.convert_fp16(fp32_path, path)
         else:
             quantization = quantize.quantize_int8(fp32_path, path)
         fp32_path.unlink()
         fp32_path.with_name(fp32_path.name + ".data").unlink(missing_ok=True)  # large models
         agree = quantized_parity(hf_model, path, quant_prompts)
         parity[precision] = dict(agree, verify_thresholds=verify_thresholds(agree))
+        if precision == "fp16":
+            parity["fp16"]["tolerance"] = FP16_TOLERANCE
+            if agree["top1_agreement"] < FP16_TOLERANCE["min_top1_agreement"] \
+                    or agree["mean_kl"] > FP16_TOLERANCE["max_mean_kl"]:
+                raise BuildError(f"{path.stem}: the float16 graph agrees with the float model on "
+                                 f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
+                                 f"{agree['mean_kl']:.3g}), outside {FP16_TOLERANCE}: this "
+                                 f"model's activations do not fit float16; use --precision fp32")
         if broken_quantization(agree):
             raise BuildError(f"{path.stem}: {precision} graph agrees with the float model on only "
                              f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
                              f"{agree['mean_kl']:.2f}): use a higher precision or a smaller "
                              f"--block-size")
     dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
+        from .onnx_export import describe
+
+        desc = dict(describe(path), opset=desc["opset"])
     graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
                        kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
-                       opset=desc["opset"])
+                       opset=desc["opset"], devices=graph_devices(kernels, precision))
     return ModelEntry(vocab_size=module.vocab_size, graphs={"decoder": graph},
                       precision=precision, family=module.model_type, dims=dims, parity=parity,
                       quantization=quantization)
@@ -350,6 +364,10 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precisi
     if encdec and "int4" in (precision, draft_precision):
         raise BuildError("--precision int4 is supported for decoder-only models so far: use "
                          "fp32 or int8 for encoder-decoder bundles")
+    if encdec and "fp16" in (precision, draft_precision):
+        raise BuildError("--precision fp16 is not offered for T5: its activations overflow "
+                         "float16 (the reason T5 checkpoints are trained in bfloat16); use fp32 "
+                         "or int8 for encoder-decoder bundles")
     if encdec and kernels == "fused":
         raise BuildError("--kernels fused covers decoder-only llama-family models; "
                          "encoder-decoder bundles are portable: use --kernels portable or auto")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spec_runtime.contract import graph_devices
 from spec_runtime.manifest import GraphEntry, ModelEntry
 
 from .quality import FP32_TOLERANCE, VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
@@ -94,7 +95,8 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     dims = {k: getattr(dec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     dims["n_encoder_layers"] = len(model.encoder.layers)
     graphs = {g: GraphEntry(file=final[g].name, inputs=d["inputs"], outputs=d["outputs"],
-                            kernels="portable", kv_cache="new-slots", opset=d["opset"])
+                            kernels="portable", kv_cache="new-slots", opset=d["opset"],
+                            devices=graph_devices("portable", precision))
               for g, d in descs.items()}
     return ModelEntry(vocab_size=dec.vocab_size, graphs=graphs, precision=precision,
                       family=model.model_type, dims=dims, parity=parity)

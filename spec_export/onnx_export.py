@@ -24,7 +24,9 @@ ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
 GRAPH_ROOM = 64 * 2**20  # what the graph itself (nodes, names) may take beside the weights
 # dim names the runtime may read; torch.export calls them s0 / u0 / ...
 
-_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64",
+                onnx.TensorProto.INT32: "int32"}
 
 
 def io_names(n_layers: int) -> tuple[list[str], list[str]]:

@@ -65,7 +65,7 @@ def check_parity_seq2seq(
     names = engine.cross_names
     if len(ref) != len(names):
         raise ValueError(f"encoder graph returns {len(names)} cross tensors, the model has {len(ref)}")
-    enc_diff = max(float(np.abs(engine.cross[nm][:, :, :n_src] - r).max())
+    enc_diff = max(float(np.abs(engine.cross[nm].numpy()[:, :, :n_src] - r).max())
                    for nm, r in zip(names, ref))
     if log:
         log(f"{'encode':>8} source={n_src:<4} max|cross diff|={enc_diff:.3g}")

@@ -9,6 +9,10 @@ FP32_TOLERANCE = 1e-3  # max |logits - PyTorch's| of a float32 graph
 # every argmax at a KL of 0.04.
 MIN_TOP1_AGREEMENT = 0.1
 MAX_BROKEN_KL = 0.5
+# A float16 graph computes the float model with 11-bit mantissas: it must pick the float model's
+# next token almost everywhere and barely move the distribution (SmolLM2-135M: top-1 1.0,
+# KL 3e-5; the tiny test models 0.98, 1e-5). Beyond this the conversion, not rounding, is wrong.
+FP16_TOLERANCE = {"min_top1_agreement": 0.9, "max_mean_kl": 0.01}
 PARITY_PROMPT = "The quick brown fox jumps over the lazy dog. Speculative decoding is exact because"
 # positions on which quantized graphs are compared with the float model (top-1, KL)
 QUANT_PROMPTS = [

@@ -22,6 +22,28 @@ def quantize_int8(src: Path, dst: Path) -> dict:
             "activations": "int8 dynamic", "embedding": "float32"}
 
 
+# computed in float32 inside a float16 graph (the converter casts around them): x² in the portable
+# graph's RMSNorm overflows float16's 65504 once an activation passes 256, which residual
+# streams of real models do (the fused graph's normalisation kernels accumulate in float32)
+FP16_FLOAT32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
+
+
+def convert_fp16(src: Path, dst: Path) -> dict:
+    """Float16 weights, activations and KV cache; the logits stay float32 (a Cast at the end),
+    so that sampling reads full-precision values. Through onnxruntime's own converter."""
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    from .onnx_export import save_graph
+
+    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=["logits"],
+                                     op_block_list=DEFAULT_OP_BLOCK_LIST + list(FP16_FLOAT32_OPS),
+                                     disable_shape_infer=True)
+    save_graph(model, dst)
+    return {"method": "onnxruntime.transformers.float16", "weights": "float16",
+            "cache": "float16", "logits": "float32", "float32_ops": list(FP16_FLOAT32_OPS)}
+
+
 def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool = False,
                   model=None, exclude: tuple[str, ...] = ()) -> dict:
     """Weight-only 4-bit: every MatMul with a constant weight becomes MatMulNBits (symmetric,

@@ -18,7 +18,7 @@ from pathlib import Path
 from .chat import compile_chat_template
 from .contract import graph_metadata
 from .drafts import open_draft
-from .errors import BundleError
+from .errors import BundleError, InputError
 from .generator import Generator
 from .manifest import REBUILD, Manifest, ModelEntry, TokenizerEntry, read_manifest, unreadable
 
@@ -34,10 +34,44 @@ def default_bundle_dir() -> Path:
     return Path(data) / "specedge" / "default"
 
 
+# the build that makes a graph a device can run, for the refusal of one it cannot
+DEVICE_BUILDS = {
+    "cuda": "`specexport build --precision fp16` (fused float16 graphs run on CUDA), or "
+            "`--kernels portable`",
+    "tensorrt": "`specexport build --kernels portable --precision fp16` (TensorRT runs "
+                "standard ONNX only: no fused or quantized kernels)",
+    "cpu": "`specexport build`",
+}
+
+
+def tensorrt_cache_dir(bundle_dir: Path) -> Path:
+    """Where ONNX Runtime's TensorRT provider keeps the engines it builds for a bundle: beside
+    it, not inside (a bundle holds exactly the files its manifest lists)."""
+    return bundle_dir.parent / f"{bundle_dir.name}.trt-cache"
+
+
 def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry, *,
                 device: str, threads: int | None):
-    """One model's engine: OrtEngine over its decoder graph, or for an encoder-decoder bundle
-    OrtEncDecEngine over its encoder and decoder graphs."""
+    """One model's engine on `device`: OrtEngine over its decoder graph, or for an
+    encoder-decoder bundle OrtEncDecEngine over its encoder and decoder graphs."""
+    from .ort_engine import provider_options, require_provider
+
+    dev = require_provider(device)
+    for name, graph in model.graphs.items():
+        if dev.name not in graph.devices:
+            raise BundleError(
+                f"the bundle's {role} {name} graph ({model.precision}, {graph.kernels} kernels) "
+                f"runs on {list(graph.devices)}, not on {dev.name!r}: build one for it with "
+                f"{DEVICE_BUILDS[dev.name]}")
+    cache_dir = None
+    if dev.name == "tensorrt":
+        cache_dir = tensorrt_cache_dir(bundle_dir)
+        try:
+            cache_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise InputError(f"cannot create the TensorRT engine cache {str(cache_dir)!r} "
+                             f"({e.strerror}): make its parent writable, or copy the bundle "
+                             f"somewhere writable") from None
     # With a model draft two sessions take turns many times a round. ONNX Runtime's workers spin
     # for a while after each run, so the other session's run would compete with them for the
     # cores; not spinning at all makes every parallel operator wake sleeping workers instead.
@@ -47,8 +81,11 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
     spinning = manifest.draft.model is None
     decoder = model.graphs["decoder"]
     common = dict(vocab_size=model.vocab_size, max_len=manifest.max_len,
-                  prefill_chunk=manifest.prefill_chunk, device=device, threads=threads,
-                  spinning=spinning, metadata=graph_metadata(role, "decoder", model.precision))
+                  prefill_chunk=manifest.prefill_chunk, device=dev, threads=threads,
+                  spinning=spinning, metadata=graph_metadata(role, "decoder", model.precision),
+                  provider_options=provider_options(
+                      dev, precision=model.precision, max_gamma=manifest.max_gamma,
+                      prefill_chunk=manifest.prefill_chunk, cache_dir=cache_dir))
     if manifest.encoder_decoder:
         from .ort_encdec import OrtEncDecEngine
 
@@ -97,7 +134,9 @@ def check_tokenizer(tokenizer, tok: TokenizerEntry) -> None:
 
 
 def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None,
-                check_files: bool = True) -> Generator:
+                check_files: bool = True, draft_device: str | None = None) -> Generator:
+    """`device` runs the target; `draft_device` (default: the same) a model draft, so that,
+    say, an int4 draft drafts on the CPU while an fp16 target verifies on the GPU."""
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
     manifest = read_manifest(bundle_dir, check_files=check_files)
     tok = manifest.tokenizer
@@ -105,15 +144,16 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     check_tokenizer(tokenizer, tok)
     if tok.chat_template:
         compile_chat_template(tok.chat_template)  # syntax and a test render, before sessions
-    engines = dict(device=device, threads=threads)
-    target = open_engine(bundle_dir, manifest, "target", manifest.target, **engines)
+    target = open_engine(bundle_dir, manifest, "target", manifest.target, device=device,
+                         threads=threads)
     if tokenizer.get_vocab_size() > target.vocab_size:
         raise BundleError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the target graph only "
             f"{target.vocab_size}: the tokenizer belongs to another model; {REBUILD}"
         )
     draft = open_draft(manifest.draft, target.vocab_size,
-                       lambda model: open_engine(bundle_dir, manifest, "draft", model, **engines))
+                       lambda model: open_engine(bundle_dir, manifest, "draft", model,
+                                                 device=draft_device or device, threads=threads))
     return Generator(
         target,
         draft,

@@ -3,14 +3,14 @@ every graph it writes against it, and the runtime checks every graph it loads (t
 description of it, and what ONNX Runtime itself reports).
 
     decoder  inputs   input_ids int64 [1, n] · position int64 [] · num_logits int64 []
-                      past_key.{i} / past_value.{i} float32 [1, kv_heads, S, head_dim]  (static)
-                      encoder-decoder only: cross_key.{i} / cross_value.{i} float32
+                      past_key.{i} / past_value.{i} CACHE [1, kv_heads, S, head_dim]  (static)
+                      encoder-decoder only: cross_key.{i} / cross_value.{i} CACHE
                         [1, kv_heads, max_source_len, head_dim] · source_mask int64
                         [1, max_source_len]
              outputs  logits float32 [1, num_logits, vocab_size]
-                      hidden float32 [1, num_logits, hidden_size]   (optional: the last
+                      hidden CACHE [1, num_logits, hidden_size]   (optional: the last
                         hidden states of those rows, for draft heads that read them)
-                      present_key.{i} / present_value.{i} float32, by the graph's kv_cache:
+                      present_key.{i} / present_value.{i} CACHE, by the graph's kv_cache:
                         "new-slots" [1, kv_heads, n, head_dim], S = max_len  (portable graphs)
                         "in-place"  [1, kv_heads, S, head_dim], S = max_len + 1  (fused
                                     graphs: the whole cache, written where it lies; the spare
@@ -20,7 +20,9 @@ description of it, and what ONNX Runtime itself reports).
                       [1, max_source_len]   (the source right-padded, padding masked)
              outputs  cross_key.{i} / cross_value.{i}, as the decoder's cross inputs
 
-i runs over the decoder layers, key before value. A description is a pair of lists (inputs,
+CACHE is float16 for an fp16 graph and float32 otherwise (cache_dtype); logits are float32
+whatever the precision, so that sampling reads full-precision values. i runs over the decoder
+layers, key before value. A description is a pair of lists (inputs,
 outputs) of {"name", "dtype", "shape"}, symbolic dims as strings: what the manifest records and
 spec_export.onnx_export.describe() reads from a file.
 """
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
 LOGITS, HIDDEN = "logits", "hidden"
 KV_CACHE_LAYOUTS = ("new-slots", "in-place")
-PRECISIONS = ("fp32", "int8", "int4")  # of a graph's weights
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # of a graph's weights
 # "portable": standard ONNX ops (any runtime, TensorRT included); "fused": ONNX Runtime's contrib
 # kernels (GroupQueryAttention, skip-RMSNorm, MatMulNBits)
 KERNELS = ("portable", "fused")
@@ -59,10 +61,27 @@ def _io(name: str, dtype: str, shape: list) -> dict:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
+def cache_dtype(precision: str) -> str:
+    """The dtype of a graph's KV cache (and cross K/V, hidden states) at `precision`."""
+    return "float16" if precision == "fp16" else "float32"
+
+
+def graph_devices(kernels: str, precision: str) -> tuple[str, ...]:
+    """Where ONNX Runtime can run a graph: its CPU kernels cover everything we write; its CUDA
+    GroupQueryAttention is fp16/bf16 only and its quantized MatMuls (int8 dynamic, int4 with
+    float32 activations) are CPU kernels; TensorRT runs standard ONNX only (no contrib ops)."""
+    if kernels == "fused":
+        return ("cpu", "cuda") if precision == "fp16" else ("cpu",)
+    if precision in ("int8", "int4"):
+        return ("cpu",)
+    return ("cpu", "cuda", "tensorrt")
+
+
 def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | None = None,
-               hidden_size: int | None = None) -> tuple[list[dict], list[dict]]:
+               hidden_size: int | None = None,
+               dtype: str = "float32") -> tuple[list[dict], list[dict]]:
     """The decoder graph's description; `max_source_len` makes it an encoder-decoder's,
-    `hidden_size` adds the optional hidden-state output."""
+    `hidden_size` adds the optional hidden-state output; `dtype` is the cache's."""
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise ValueError(f"kv_cache {kv_cache!r} is not one of {KV_CACHE_LAYOUTS}")
     in_place = kv_cache == "in-place"
@@ -70,15 +89,15 @@ def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | No
     present = cache if in_place else [1, dims.kv_heads, DIM_N, dims.head_dim]
     ins = [_io("input_ids", "int64", [1, DIM_N]), _io("position", "int64", []),
            _io("num_logits", "int64", [])]
-    ins += [_io(n, "float32", cache) for n in kv_names("past", dims.n_layers)]
+    ins += [_io(n, dtype, cache) for n in kv_names("past", dims.n_layers)]
     if max_source_len is not None:
         cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
-        ins += [_io(n, "float32", cross) for n in kv_names("cross", dims.n_layers)]
+        ins += [_io(n, dtype, cross) for n in kv_names("cross", dims.n_layers)]
         ins += [_io("source_mask", "int64", [1, max_source_len])]
     outs = [_io(LOGITS, "float32", [1, DIM_NUM_LOGITS, dims.vocab_size])]
     if hidden_size is not None:
-        outs.append(_io(HIDDEN, "float32", [1, DIM_NUM_LOGITS, hidden_size]))
-    outs += [_io(n, "float32", present) for n in kv_names("present", dims.n_layers)]
+        outs.append(_io(HIDDEN, dtype, [1, DIM_NUM_LOGITS, hidden_size]))
+    outs += [_io(n, dtype, present) for n in kv_names("present", dims.n_layers)]
     return ins, outs
 
 
@@ -90,11 +109,12 @@ def hidden_size_of(outputs: list[dict]) -> int | None:
         else None
 
 
-def encoder_io(dims: Dims, max_source_len: int) -> tuple[list[dict], list[dict]]:
+def encoder_io(dims: Dims, max_source_len: int,
+               dtype: str = "float32") -> tuple[list[dict], list[dict]]:
     ids = [1, max_source_len]
     cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
     return ([_io("input_ids", "int64", ids), _io("attention_mask", "int64", ids)],
-            [_io(n, "float32", cross) for n in kv_names("cross", dims.n_layers)])
+            [_io(n, dtype, cross) for n in kv_names("cross", dims.n_layers)])
 
 
 def dims_of(inputs: list[dict], outputs: list[dict]) -> Dims | None:

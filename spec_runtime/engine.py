@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from .errors import CacheCapacityError
+
 
 @runtime_checkable
 class Engine(Protocol):
@@ -35,3 +37,30 @@ class Engine(Protocol):
 
         The logits may live in a buffer the engine reuses: they are valid until its next
         forward (copy them to keep them longer)."""
+
+
+class ChunkedEngine:
+    """`forward` over a backend's `_run(tokens, pos, num_logits)` (one graph call of at most
+    `prefill_chunk` tokens, or the γ+1 of a verify call): long feeds are cut into chunks,
+    each computing only the logit row it must. Backends set max_len and prefill_chunk."""
+
+    max_len: int
+    prefill_chunk: int
+
+    def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        if pos + n > self.max_len:
+            raise CacheCapacityError(f"positions {pos}..{pos + n - 1} exceed the cache (max_len "
+                                     f"{self.max_len}): lower max_new_tokens or the prompt, or "
+                                     f"re-export with `specexport build --max-len`")
+        # Prefill in chunks of at most prefill_chunk tokens, computing one logit row for each;
+        # the final call holds the last num_logits tokens (the rows the caller needs).
+        last = max(0, n - max(num_logits, self.prefill_chunk))
+        for start in range(0, last, self.prefill_chunk):
+            end = min(last, start + self.prefill_chunk)
+            self._run(tokens[start:end], pos + start, 1)
+        return self._run(tokens[last:], pos + last, num_logits)

@@ -1,45 +1,155 @@
-"""KV cache stores: the memory an engine's `past` inputs are bound to, allocated once per engine.
+"""Devices and KV cache stores: the memory an engine's `past` inputs are bound to, allocated once
+per engine, on the device that runs the graph.
 
-A store hands out one OrtValue per cache tensor and writes new slots into it. `HostCache` keeps
-the buffers in host memory (the CPU execution provider reads them in place); a store over device
-memory offers the same three methods, so that an engine binds whichever it is given and a step
-never copies the cache between host and device.
+A store binds each cache tensor to the engine's IOBinding (for an "in-place" graph as input and
+output at once) and, for a "new-slots" graph, binds the `present` outputs to scratch tensors of
+n slots and then writes them at the position. `HostCache` keeps numpy buffers (the CPU execution
+provider reads them in place). `DeviceCache` keeps ONNX Runtime OrtValues on the device itself
+(CUDA memory for the CUDA and TensorRT providers), so that a step never moves the cache between
+host and device; it writes new slots with one strided copy per tensor (device_memory.py). Both run on the
+CPU too (DeviceCache over CPU OrtValues), which is how its code path is tested without a GPU.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .errors import BundleError
+from .device_memory import memory
+from .errors import BundleError, InputError
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a model runs: the ONNX Runtime provider, and the memory its cache lives in."""
+
+    name: str  # what --device names
+    provider: str
+    memory: str  # ONNX Runtime's device type for OrtValues: "cpu" or "cuda"
+    device_id: int = 0
+
+
+DEVICES = {
+    "cpu": Device("cpu", "CPUExecutionProvider", "cpu"),
+    "cuda": Device("cuda", "CUDAExecutionProvider", "cuda"),
+    "tensorrt": Device("tensorrt", "TensorrtExecutionProvider", "cuda"),
+}
+
+
+def device(name: str) -> Device:
+    if name not in DEVICES:
+        raise InputError(f"device {name!r} is not supported: use one of {sorted(DEVICES)}")
+    return DEVICES[name]
+
+
+def _allocation(names, shape, dtype) -> str:
+    gib = np.dtype(dtype).itemsize * len(names) * float(np.prod(shape)) / 2**30
+    return (f"the KV cache needs {gib:.1f} GiB, more than this device can allocate: rebuild with "
+            f"a smaller `specexport build --max-len`")
 
 
 class HostCache:
-    """One float32 buffer of `shape` ([1, kv_heads, slots, head_dim]) per name, zeroed once. A
+    """One numpy buffer of `shape` ([1, kv_heads, slots, head_dim]) per name, zeroed once. A
     slot past the valid prefix holds stale values, which the graph never reads (rollback is a
     position: nothing is cleared)."""
 
-    device = "cpu"
-
-    def __init__(self, names: list[str], shape: tuple[int, ...]):
+    def __init__(self, ort, names: list[str], shape: tuple[int, ...], dtype: str = "float32",
+                 device: Device = DEVICES["cpu"]):
+        self._ort = ort
         self.shape = tuple(shape)
+        self.dtype = NUMPY_DTYPES[dtype]
         try:
-            self.buffers = {name: np.zeros(self.shape, dtype=np.float32) for name in names}
+            self.buffers = {name: np.zeros(self.shape, dtype=self.dtype) for name in names}
         except MemoryError:
-            gib = 4 * len(names) * float(np.prod(self.shape)) / 2**30
-            raise BundleError(f"the KV cache needs {gib:.1f} GiB, more than this machine can "
-                              f"allocate: rebuild with a smaller `specexport build --max-len`") \
-                from None
+            raise BundleError(_allocation(names, shape, self.dtype)) from None
+        self._scratch: dict[int, dict[str, np.ndarray]] = {}  # new slots, by token count
+        self._n = None
 
-    def ortvalue(self, name: str, ort):
-        """An OrtValue sharing the buffer's memory: what the graph reads and writes in place."""
-        return ort.OrtValue.ortvalue_from_numpy(self.buffers[name])
+    def bind(self, binding, past: str, present: str | None) -> None:
+        """Bind `past` (and, for an in-place graph, `present`) to the buffer: OrtValues over
+        numpy memory share it, so nothing is copied."""
+        value = self._ort.OrtValue.ortvalue_from_numpy(self.buffers[past])
+        binding.bind_ortvalue_input(past, value)
+        if present is not None:
+            binding.bind_ortvalue_output(present, value)
 
-    def write(self, name: str, pos: int, new: np.ndarray) -> None:
-        """Store `new` [1, kv_heads, n, head_dim] at slots pos .. pos + n - 1."""
-        self.buffers[name][:, :, pos : pos + new.shape[2]] = new
+    def bind_new_slots(self, binding, presents: dict[str, str], n: int) -> None:
+        """Bind each present output ({present: past}) to a scratch buffer of n slots."""
+        if n not in self._scratch:
+            shape = self.shape[:2] + (n,) + self.shape[3:]
+            self._scratch[n] = {past: np.empty(shape, self.dtype) for past in presents.values()}
+        for present, past in presents.items():
+            buf = self._scratch[n][past]
+            binding.bind_output(present, "cpu", 0, self.dtype, list(buf.shape), buf.ctypes.data)
+        self._n = n
+
+    def write_new_slots(self, pos: int) -> None:
+        """Store the last call's new slots at positions pos .. pos + n - 1."""
+        for past, new in self._scratch[self._n].items():
+            self.buffers[past][:, :, pos : pos + self._n] = new
 
     def fill_random(self, rng: np.random.Generator) -> None:
         """Finite garbage in every slot, as stale slots hold after rejected drafts: a graph that
         read past the valid prefix would show it (parity checks start from this)."""
         for buf in self.buffers.values():
             buf[...] = 3 * rng.standard_normal(buf.shape)
+
+
+class DeviceCache:
+    """The cache as OrtValues on `device`'s memory, allocated by ONNX Runtime once."""
+
+    def __init__(self, ort, names: list[str], shape: tuple[int, ...], dtype: str = "float32",
+                 device: Device = DEVICES["cpu"]):
+        self._ort = ort
+        self.shape = tuple(shape)
+        self.dtype = NUMPY_DTYPES[dtype]
+        self.device = device
+        try:
+            self.values = {name: self._alloc(self.shape) for name in names}
+        except Exception as e:  # ONNX Runtime reports allocation failures as its own errors
+            if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+                raise
+            raise BundleError(_allocation(names, shape, self.dtype)) from None
+        self._scratch: dict[int, dict[str, object]] = {}
+        self._n = None
+        self._memory = memory(device.memory, device.device_id)  # for the strided copies
+
+    def _alloc(self, shape):
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(
+            list(shape), self.dtype, self.device.memory, self.device.device_id)
+
+    def bind(self, binding, past: str, present: str | None) -> None:
+        binding.bind_ortvalue_input(past, self.values[past])
+        if present is not None:
+            binding.bind_ortvalue_output(present, self.values[past])
+
+    def bind_new_slots(self, binding, presents: dict[str, str], n: int) -> None:
+        if n not in self._scratch:
+            shape = self.shape[:2] + (n,) + self.shape[3:]
+            self._scratch[n] = {past: self._alloc(shape) for past in presents.values()}
+        for present, past in presents.items():
+            binding.bind_ortvalue_output(present, self._scratch[n][past])
+        self._n = n
+
+    def write_new_slots(self, pos: int) -> None:
+        # [1, H, n, D] into [1, H, S, D] at slot pos: H rows of n·D values, pitch S·D apart
+        _, heads, slots, dim = self.shape
+        item = np.dtype(self.dtype).itemsize
+        width, pitch = self._n * dim * item, slots * dim * item
+        for past, new in self._scratch[self._n].items():
+            self._memory.copy_2d(self.values[past].data_ptr() + pos * dim * item, pitch,
+                                 new.data_ptr(), width, width, heads)
+        self._memory.sync()
+
+    def fill_random(self, rng: np.random.Generator) -> None:
+        for value in self.values.values():
+            host = (3 * rng.standard_normal(self.shape)).astype(self.dtype)
+            value.update_inplace(host)
+
+
+def cache_store(device: Device):
+    """The store an engine on `device` keeps its cache in."""
+    return HostCache if device.memory == "cpu" else DeviceCache

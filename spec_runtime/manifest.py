@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .contract import graph_devices
 from .errors import BundleError
 from .manifest_checks import (REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes, check_inside,
                               sha256_file, unreadable, validate)
@@ -49,6 +50,7 @@ class GraphEntry:
     kernels: str = "portable"
     kv_cache: str = "new-slots"
     opset: int | None = None
+    devices: tuple[str, ...] = ()  # where it runs (contract.graph_devices); () = not recorded
 
     @property
     def description(self) -> tuple[list[dict], list[dict]]:
@@ -172,11 +174,16 @@ class Manifest:
 
 
 def _model(d: dict) -> ModelEntry:
-    graphs = {name: GraphEntry(
-        file=g["file"], inputs=g["inputs"], outputs=g["outputs"],
-        kernels=g.get("kernels", SCHEMA_1_DEFAULTS["kernels"]),
-        kv_cache=g.get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"]), opset=g.get("opset"))
-        for name, g in d["graphs"].items()}
+    precision = d.get("precision", "fp32")
+
+    def graph(g: dict) -> GraphEntry:
+        kernels = g.get("kernels", SCHEMA_1_DEFAULTS["kernels"])
+        return GraphEntry(file=g["file"], inputs=g["inputs"], outputs=g["outputs"],
+                          kernels=kernels, kv_cache=g.get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"]),
+                          opset=g.get("opset"),
+                          devices=tuple(g.get("devices") or graph_devices(kernels, precision)))
+
+    graphs = {name: graph(g) for name, g in d["graphs"].items()}
     return ModelEntry(vocab_size=d["vocab_size"], graphs=graphs,
                       precision=d.get("precision", "fp32"), family=d.get("family"),
                       source=d.get("source"), gguf_file=d.get("gguf_file"), dims=d.get("dims"),
@@ -188,7 +195,8 @@ def _model_json(m: ModelEntry) -> dict:
             "vocab_size": m.vocab_size, "precision": m.precision,
             "quantization": m.quantization, "parity": m.parity,
             "graphs": {name: {"file": g.file, "inputs": g.inputs, "outputs": g.outputs,
-                              "opset": g.opset, "kernels": g.kernels, "kv_cache": g.kv_cache}
+                              "opset": g.opset, "kernels": g.kernels, "kv_cache": g.kv_cache,
+                              "devices": list(g.devices or graph_devices(g.kernels, m.precision))}
                        for name, g in m.graphs.items()}}
 
 

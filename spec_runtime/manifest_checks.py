@@ -16,8 +16,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, decoder_io, dims_of,
-                       encoder_io, hidden_size_of, mismatch)
+from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, cache_dtype, decoder_io,
+                       dims_of, encoder_io, hidden_size_of, mismatch)
 from .errors import BundleError
 
 REBUILD = "re-run `specexport build`"
@@ -144,6 +144,10 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) 
                 raise BundleError(f"manifest {at}.{key} {value!r} is not one this runtime runs "
                                   f"{allowed}: upgrade specedge (`pip install -U specedge`), or "
                                   f"{REBUILD}")
+        devices = graph.get("devices")
+        if devices is not None and not (isinstance(devices, list) and devices
+                                        and all(isinstance(d, str) for d in devices)):
+            raise _bad(f"{at}.devices", devices, "it must be a list of device names")
         described[name] = (_io_list(graph, "inputs", at), _io_list(graph, "outputs", at))
     # the descriptions must be the contract at this manifest's own numbers
     dec = described["decoder"]
@@ -152,14 +156,16 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) 
         raise BundleError(f"manifest {where}.graphs.decoder has no past_key.0 input of shape "
                           f"[1, kv_heads, cache, head_dim] or no logits output; {REBUILD}")
     kv_cache = graphs["decoder"].get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"])
+    dtype = cache_dtype(model.get("precision", "fp32"))
     wants = {"decoder": decoder_io(replace(dims, vocab_size=vocab), m["max_len"], kv_cache,
-                                   max_source_len, hidden_size_of(dec[1]))}
+                                   max_source_len, hidden_size_of(dec[1]), dtype)}
     if max_source_len is not None:
-        wants["encoder"] = encoder_io(dims, max_source_len)
+        wants["encoder"] = encoder_io(dims, max_source_len, dtype)
     for name, want in wants.items():
         why = mismatch(described[name], want)
         if why:
-            numbers = f"max_len {m['max_len']}, {where}.vocab_size {vocab}, kv_cache {kv_cache}"
+            numbers = (f"max_len {m['max_len']}, {where}.vocab_size {vocab}, kv_cache "
+                       f"{kv_cache}, precision {model.get('precision', 'fp32')}")
             if max_source_len is not None:
                 numbers += f", max_source_len {max_source_len}"
             raise BundleError(f"manifest {where}.graphs.{name} does not fit the manifest's own "

@@ -2,8 +2,8 @@
 the decoder graph exactly as OrtEngine drives a decoder-only one.
 
 The encoder reads the source right-padded to the static max_source_len and returns the
-cross-attention K/V of every decoder layer; they and the source mask are bound as fixed inputs
-of every decoder call of that request. `reset()` (called by the decode loop after
+cross-attention K/V of every decoder layer, on the engine's device; they and the source mask are
+bound as fixed inputs of every decoder call of that request (no copy per step). `reset()` (called by the decode loop after
 `encode_source`) keeps them: only the self-attention cache is per-position, and positions make
 its stale slots invisible.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import CacheCapacityError, InputError
-from .kv_cache import HostCache
+from .kv_cache import Device
 from .manifest import GraphEntry
 from .ort_engine import OrtEngine, open_session
 
@@ -25,9 +25,9 @@ class OrtEncDecEngine(OrtEngine):
 
     def __init__(self, session, graph: GraphEntry, encoder, encoder_graph: GraphEntry, *,
                  vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
-                 cache_store=HostCache):
+                 device: Device | str = "cpu", store=None):
         super().__init__(session, graph, vocab_size=vocab_size, max_len=max_len,
-                         prefill_chunk=prefill_chunk, cache_store=cache_store)
+                         prefill_chunk=prefill_chunk, device=device, store=store)
         self.encoder = encoder
         self.encoder_graph = encoder_graph
         self.max_source_len = max_source_len
@@ -35,28 +35,36 @@ class OrtEncDecEngine(OrtEngine):
         self._source = np.zeros((1, max_source_len), dtype=np.int64)
         self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
         self._binding.bind_cpu_input("source_mask", self._source_mask)  # by address
-        self.cross: dict[str, np.ndarray] = {}  # this request's cross K/V, bound as inputs
+        self._encoder_binding = encoder.io_binding()
+        self._encoder_binding.bind_cpu_input("input_ids", self._source)
+        self._encoder_binding.bind_cpu_input("attention_mask", self._source_mask)
+        for name in self.cross_names:
+            self._encoder_binding.bind_output(name, self.device.memory, self.device.device_id)
+        self.cross: dict = {}  # this request's cross K/V (OrtValues), bound as decoder inputs
         self.encoded = False
 
     @classmethod
     def open(cls, decoder_path, graph: GraphEntry, encoder_path, encoder_graph: GraphEntry, *,
              vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
-             device: str = "cpu", threads: int | None = None, spinning: bool = True,
+             device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
              where: str = "graph", metadata: dict | None = None,
-             encoder_metadata: dict | None = None) -> "OrtEncDecEngine":
-        common = dict(device=device, threads=threads, spinning=spinning)
+             encoder_metadata: dict | None = None,
+             provider_options: dict | None = None) -> "OrtEncDecEngine":
+        common = dict(device=device, threads=threads, spinning=spinning,
+                      provider_options=provider_options)
         session = open_session(decoder_path, graph, where=f"{where}.graphs.decoder",
                                metadata=metadata, **common)
         encoder = open_session(encoder_path, encoder_graph, where=f"{where}.graphs.encoder",
                                metadata=encoder_metadata, **common)
         return cls(session, graph, encoder, encoder_graph, vocab_size=vocab_size,
-                   max_len=max_len, max_source_len=max_source_len, prefill_chunk=prefill_chunk)
+                   max_len=max_len, max_source_len=max_source_len, prefill_chunk=prefill_chunk,
+                   device=device)
 
     def fork(self) -> "OrtEncDecEngine":
         return type(self)(self.session, self.graph, self.encoder, self.encoder_graph,
                           vocab_size=self.vocab_size, max_len=self.max_len,
                           max_source_len=self.max_source_len, prefill_chunk=self.prefill_chunk,
-                          cache_store=self._cache_store)
+                          device=self.device, store=self._store)
 
     def encode_source(self, source_ids) -> None:
         """Run the encoder on one request's source ids; its cross K/V serve every forward until
@@ -75,11 +83,10 @@ class OrtEncDecEngine(OrtEngine):
         self._source[0, :n] = ids
         self._source_mask[:] = 0
         self._source_mask[0, :n] = 1
-        outs = self.encoder.run(self.cross_names, {"input_ids": self._source,
-                                                   "attention_mask": self._source_mask})
-        self.cross = dict(zip(self.cross_names, outs))
+        self.encoder.run_with_iobinding(self._encoder_binding)
+        self.cross = dict(zip(self.cross_names, self._encoder_binding.get_outputs()))
         for name, value in self.cross.items():
-            self._binding.bind_cpu_input(name, value)
+            self._binding.bind_ortvalue_input(name, value)
         self.encoded = True
 
     def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:

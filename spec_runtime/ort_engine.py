@@ -31,16 +31,19 @@ from pathlib import Path
 import numpy as np
 
 from .contract import METADATA, dims_of, kv_names, mismatch
-from .errors import BundleError, CacheCapacityError, InputError
-from .kv_cache import HostCache
+from .engine import ChunkedEngine
+from .errors import BundleError, InputError
+from .kv_cache import Device, cache_store
+from .kv_cache import device as kv_device
 from .manifest import REBUILD, GraphEntry, unreadable
 
 log = logging.getLogger(__name__)
 
-PROVIDERS = {
-    "cpu": ["CPUExecutionProvider"],
-    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+# the providers that take, in order, the nodes a device's own provider cannot run
+FALLBACKS = {
+    "CPUExecutionProvider": [],
+    "CUDAExecutionProvider": ["CPUExecutionProvider"],
+    "TensorrtExecutionProvider": ["CUDAExecutionProvider", "CPUExecutionProvider"],
 }
 
 
@@ -92,46 +95,93 @@ def onnxruntime():
     return ort
 
 
-def make_session(path, device: str = "cpu", threads: int | None = None, spinning: bool = True):
+GPU_INSTALL = ("install onnxruntime-gpu in place of onnxruntime (`pip uninstall -y onnxruntime "
+               "&& pip install onnxruntime-gpu`; on a Jetson, NVIDIA's wheel: README, GPUs)")
+
+
+def require_provider(device: Device | str) -> Device:
+    """The device, if this onnxruntime build has its provider; InputError naming what to
+    install otherwise."""
+    dev = kv_device(device) if isinstance(device, str) else device
+    available = onnxruntime().get_available_providers()
+    if dev.provider not in available:
+        raise InputError(f"device {dev.name!r} needs ONNX Runtime's {dev.provider}, which this "
+                         f"onnxruntime build lacks (it has {sorted(available)}): "
+                         + (GPU_INSTALL if dev.memory == "cuda" else "use device 'cpu'"))
+    return dev
+
+
+def make_session(path, device: Device | str = "cpu", threads: int | None = None,
+                 spinning: bool = True, provider_options: dict | None = None):
+    """An InferenceSession of `path` on `device`: its provider first (with `provider_options`),
+    then the ones that take the nodes it cannot run (TensorRT → CUDA → CPU). Thread settings
+    apply to CPU sessions only."""
     ort = onnxruntime()
-    if device not in PROVIDERS:
-        raise InputError(f"device {device!r} is not supported: use one of {sorted(PROVIDERS)}")
-    available = set(ort.get_available_providers())
-    if PROVIDERS[device][0] not in available:
-        raise InputError(
-            f"device {device!r} needs ONNX Runtime's {PROVIDERS[device][0]}, which this "
-            f"onnxruntime build lacks (it has {sorted(available)}): install onnxruntime-gpu "
-            f"(`pip install specedge[gpu]`) or use device='cpu'"
-        )
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads or physical_cores()
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
-    if not spinning:  # see bundle._engine: sessions that take turns stop spinning at return
-        opts.add_session_config_entry("session.force_spinning_stop", "1")
+    dev = require_provider(device)
+    opts = session_options(ort, dev, threads, spinning)
+    providers = [(dev.provider, dict(provider_options or {}))]
+    for fallback in FALLBACKS[dev.provider]:
+        providers.append((fallback, {"device_id": dev.device_id})
+                         if fallback == "CUDAExecutionProvider" else (fallback, {}))
     try:
         with open(path, "rb"):  # a file system refusal is named as such, not as a bad graph
             pass
     except OSError as e:
         raise unreadable(Path(path), e) from None
     try:
-        return ort.InferenceSession(str(path), opts, providers=PROVIDERS[device])
+        return ort.InferenceSession(str(path), opts, providers=providers)
     except Exception as e:  # onnxruntime's own types (InvalidProtobuf, Fail, NotImplemented...)
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise BundleError(
-            f"ONNX Runtime cannot open {Path(path).name} ({reason}): the graph is damaged or "
-            f"needs a newer onnxruntime; {REBUILD}, or `pip install -U onnxruntime`"
+            f"ONNX Runtime cannot open {Path(path).name} on {dev.name} ({reason}): the graph is "
+            f"damaged or needs a newer onnxruntime; {REBUILD}, or `pip install -U onnxruntime`"
         ) from None
 
 
+def session_options(ort, device: Device, threads: int | None = None, spinning: bool = True):
+    """Graph optimisations for every session; thread count and spinning (CPU settings) for the
+    CPU provider only: a GPU session's threads only launch kernels."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if device.provider == "CPUExecutionProvider":
+        opts.intra_op_num_threads = threads or physical_cores()
+        opts.inter_op_num_threads = 1
+        if not spinning:  # see bundle.open_engine: sessions that take turns stop spinning
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
+    return opts
+
+
+def provider_options(device: Device, *, precision: str, max_gamma: int, prefill_chunk: int,
+                     cache_dir=None) -> dict:
+    """A session's provider options, derived from the bundle, never typed by the user.
+    TensorRT: fp16 for fp16 graphs; its engines cached in `cache_dir` (built once per GPU and
+    TensorRT version, minutes for a large graph); one optimization profile for the token
+    dimension, from a 1-token step through a (max_gamma+1)-token verify (opt) to a prefill
+    chunk (max)."""
+    if device.provider == "CUDAExecutionProvider":
+        return {"device_id": device.device_id}
+    if device.provider != "TensorrtExecutionProvider":
+        return {}
+    verify = max_gamma + 1
+    options = {"device_id": device.device_id, "trt_fp16_enable": precision == "fp16",
+               "trt_profile_min_shapes": "input_ids:1x1",
+               "trt_profile_opt_shapes": f"input_ids:1x{verify}",
+               "trt_profile_max_shapes": f"input_ids:1x{max(verify, prefill_chunk)}"}
+    if cache_dir is not None:
+        options.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(cache_dir),
+                       trt_timing_cache_enable=True, trt_timing_cache_path=str(cache_dir))
+    return options
+
+
 def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None = None,
-                 device: str = "cpu", threads: int | None = None, spinning: bool = True):
+                 device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
+                 provider_options: dict | None = None):
     """make_session, then check that ONNX Runtime sees the graph the manifest describes as
     `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own specedge
     metadata, where it has any (bundles built before it was written have none), names the
     same role, graph and precision."""
-    session = make_session(path, device, threads, spinning)
+    session = make_session(path, device, threads, spinning, provider_options)
     name = Path(path).name
     seen = (_io(session.get_inputs()), _io(session.get_outputs()))
     why = mismatch(seen, graph.description, exact_dims=False,
@@ -155,18 +205,18 @@ def _io(args) -> list[dict]:
             for a in args]
 
 
-class OrtEngine:
+class OrtEngine(ChunkedEngine):
     """Implements spec_runtime.engine.Engine over one contract graph. Open one with `open`."""
 
     def __init__(self, session, graph: GraphEntry, *, vocab_size: int, max_len: int,
-                 prefill_chunk: int, cache_store=HostCache):
+                 prefill_chunk: int, device: Device | str = "cpu", store=None):
         """`graph` is the manifest's entry, already checked against the contract and against
-        what the session reports (open_session)."""
-        import onnxruntime as ort  # imported by open_session before any engine exists
-
-        self._ort = ort
+        what the session reports (open_session); `store` is the cache store class (default:
+        the device's, kv_cache.cache_store)."""
+        ort = onnxruntime()
         self.session = session
         self.graph = graph
+        self.device = kv_device(device) if isinstance(device, str) else device
         self.vocab_size = int(vocab_size)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
@@ -174,40 +224,41 @@ class OrtEngine:
         dims = dims_of(graph.inputs, graph.outputs)
         self.past_names = kv_names("past", dims.n_layers)
         self.present_names = kv_names("present", dims.n_layers)
-        shape = next(i["shape"] for i in graph.inputs if i["name"] == self.past_names[0])
-        self._new_slots_shape = (1, dims.kv_heads, 0, dims.head_dim)
-        self.cache = cache_store(self.past_names, tuple(shape))
-        self._cache_store = cache_store
+        first = next(i for i in graph.inputs if i["name"] == self.past_names[0])
+        self._store = store or cache_store(self.device)
+        self.cache = self._store(ort, self.past_names, tuple(first["shape"]), first["dtype"],
+                                 self.device)
         self._binding = session.io_binding()
         for past, present in zip(self.past_names, self.present_names):
-            buffer = self.cache.ortvalue(past, ort)
-            self._binding.bind_ortvalue_input(past, buffer)
-            if self.in_place:
-                self._binding.bind_ortvalue_output(present, buffer)
+            self.cache.bind(self._binding, past, present if self.in_place else None)
+        self._presents = dict(zip(self.present_names, self.past_names))
+        # scalars bound once by address: a call writes its values into the same arrays
         self._position = np.zeros((), np.int64)
         self._num_logits = np.zeros((), np.int64)
         self._binding.bind_cpu_input("position", self._position)
         self._binding.bind_cpu_input("num_logits", self._num_logits)
+        # logits come to the host whatever the device: the rows asked for, nothing else
         self._logits = np.empty((1, 0, self.vocab_size), np.float32)  # grown on demand
-        self._bound_rows = None  # rows the logits output is bound for
-        self._scratch: dict[int, list[np.ndarray]] = {}  # new-slots presents, by token count
-        self._bound_tokens = None  # token count the presents are bound for
+        self._bound_rows = None  # (rows, buffer) the logits output is bound to
+        self._bound_tokens = None  # token count the new-slot presents are bound for
 
     @classmethod
     def open(cls, path, graph: GraphEntry, *, vocab_size: int, max_len: int, prefill_chunk: int,
-             device: str = "cpu", threads: int | None = None, spinning: bool = True,
-             where: str = "graph", metadata: dict | None = None) -> "OrtEngine":
+             device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
+             where: str = "graph", metadata: dict | None = None,
+             provider_options: dict | None = None) -> "OrtEngine":
         session = open_session(path, graph, where=where, metadata=metadata, device=device,
-                               threads=threads, spinning=spinning)
+                               threads=threads, spinning=spinning,
+                               provider_options=provider_options)
         return cls(session, graph, vocab_size=vocab_size, max_len=max_len,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, device=device)
 
     def fork(self) -> "OrtEngine":
         """Another engine over the same session (no second copy of the weights), with its own
         cache: a second request can run beside this one's."""
         return type(self)(self.session, self.graph, vocab_size=self.vocab_size,
                           max_len=self.max_len, prefill_chunk=self.prefill_chunk,
-                          cache_store=self._cache_store)
+                          device=self.device, store=self._store)
 
     def reset(self) -> None:
         pass  # positions make the stale slots invisible; nothing to clear
@@ -215,19 +266,13 @@ class OrtEngine:
     def _bind_call(self, n: int, num_logits: int) -> np.ndarray:
         if num_logits > self._logits.shape[1]:
             self._logits = np.empty((1, max(num_logits, 16), self.vocab_size), np.float32)
-            self._bound_rows = None
         out = self._logits[:, :num_logits]  # leading rows: contiguous
         if self._bound_rows != (num_logits, self._logits.ctypes.data):
             self._binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape),
                                       out.ctypes.data)
             self._bound_rows = (num_logits, self._logits.ctypes.data)
         if not self.in_place and self._bound_tokens != n:
-            if n not in self._scratch:
-                shape = self._new_slots_shape[:2] + (n,) + self._new_slots_shape[3:]
-                self._scratch[n] = [np.empty(shape, np.float32) for _ in self.present_names]
-            for name, buf in zip(self.present_names, self._scratch[n]):
-                self._binding.bind_output(name, "cpu", 0, np.float32, list(buf.shape),
-                                          buf.ctypes.data)
+            self.cache.bind_new_slots(self._binding, self._presents, n)
             self._bound_tokens = n
         return out
 
@@ -239,21 +284,5 @@ class OrtEngine:
         self._binding.bind_cpu_input("input_ids", tokens.reshape(1, n))
         self.session.run_with_iobinding(self._binding)
         if not self.in_place:
-            for past, new in zip(self.past_names, self._scratch[n]):
-                self.cache.write(past, pos, new)
+            self.cache.write_new_slots(pos)
         return out[0]
-
-    def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        n = len(tokens)
-        if pos + n > self.max_len:
-            raise CacheCapacityError(f"positions {pos}..{pos + n - 1} exceed the cache (max_len "
-                                     f"{self.max_len}): lower max_new_tokens or the prompt, or "
-                                     f"re-export with `specexport build --max-len`")
-        # Prefill in chunks of at most prefill_chunk tokens, computing one logit row for each;
-        # the final call holds the last num_logits tokens (the rows the caller needs).
-        last = max(0, n - max(num_logits, self.prefill_chunk))
-        for start in range(0, last, self.prefill_chunk):
-            end = min(last, start + self.prefill_chunk)
-            self._run(tokens[start:end], pos + start, 1)
-        return self._run(tokens[last:], pos + last, num_logits)

@@ -63,7 +63,9 @@ def test_a_device_this_onnxruntime_lacks_names_the_fix(llama_pair):
         pytest.skip("this onnxruntime has CUDA")
     with pytest.raises(ValueError, match="onnxruntime-gpu") as err:
         spec_runtime.load(llama_pair[2], device="cuda")
-    assert "device='cpu'" in str(err.value)
+    assert "pip uninstall -y onnxruntime" in str(err.value)
+    with pytest.raises(ValueError, match="onnxruntime-gpu"):  # the draft's device too
+        spec_runtime.load(llama_pair[2], draft_device="tensorrt")
     assert_exit_2(run("generate", "hi", "--bundle", llama_pair[2], "--device", "cuda"),
                   "CUDAExecutionProvider", "onnxruntime-gpu")
     assert_exit_2(run("generate", "hi", "--bundle", llama_pair[2], "--device", "npu"), "'npu'")
