@@ -86,5 +86,25 @@ def verify(bundle):
     click.echo(json.dumps(report, indent=2))
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(), required=False)
+@click.option("--fp16/--no-fp16", default=None,
+              help="let TensorRT compute in float16 [default: when the bundle's graphs are fp16]")
+@click.option("--workspace", type=int, default=4096, show_default=True,
+              help="TensorRT's workspace limit while building, in MB")
+@click.option("--device-id", type=int, default=0, show_default=True, help="the GPU to build for")
+@input_errors
+def engine(bundle, fp16, workspace, device_id):
+    """Build native TensorRT engines from BUNDLE's portable graphs, on the machine that will run
+    them (engines are tied to the TensorRT version and the GPU); `specrun --device tensorrt`
+    then runs them without onnxruntime-gpu. Needs TensorRT and cuda-python, not torch."""
+    from spec_export.trt_build import build_engines
+
+    with library_messages("spec_export", "specexport"):
+        record = build_engines(bundle, fp16=fp16, workspace_mb=workspace, device_id=device_id)
+    click.echo(f"TensorRT {record['tensorrt_version']} engines for {record['gpu']} "
+               f"({record['compute_capability']}): {', '.join(record['graphs'].values())}")
+
+
 if __name__ == "__main__":
     main()

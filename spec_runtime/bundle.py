@@ -53,9 +53,13 @@ def tensorrt_cache_dir(bundle_dir: Path) -> Path:
 def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry, *,
                 device: str, threads: int | None):
     """One model's engine on `device`: OrtEngine over its decoder graph, or for an
-    encoder-decoder bundle OrtEncDecEngine over its encoder and decoder graphs."""
+    encoder-decoder bundle OrtEncDecEngine over its encoder and decoder graphs; on "tensorrt",
+    the native TensorRT engine when `specexport engine` built one."""
     from .ort_engine import provider_options, require_provider
 
+    native = (manifest.engines.get("tensorrt") or {}).get("graphs", {}).get(f"{role}/decoder")
+    if device == "tensorrt" and native:
+        return open_tensorrt_engine(bundle_dir, manifest, role, model, native)
     dev = require_provider(device)
     for name, graph in model.graphs.items():
         if dev.name not in graph.devices:
@@ -98,6 +102,24 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
 
     return OrtEngine.open(bundle_dir / decoder.file, decoder, where=f"{role}.graphs.decoder",
                           **common)
+
+
+def open_tensorrt_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry,
+                         file: str):
+    """The native TensorRT engine `specexport engine` built for this role, after checking that
+    this machine's TensorRT and GPU are the ones it was built for."""
+    from .contract import token_profile
+    from .device_memory import gpu_identity
+    from .trt_engine import TrtEngine, check_compatible, import_tensorrt
+
+    trt = import_tensorrt()
+    record = manifest.engines["tensorrt"]
+    check_compatible(record, {"tensorrt_version": str(trt.__version__), **gpu_identity(0)},
+                     bundle_dir)
+    return TrtEngine(bundle_dir / file, model.graphs["decoder"], vocab_size=model.vocab_size,
+                     max_len=manifest.max_len, prefill_chunk=manifest.prefill_chunk,
+                     max_tokens=token_profile(manifest.max_gamma, manifest.prefill_chunk)[2],
+                     trt=trt)
 
 
 def load_tokenizer(path: Path):

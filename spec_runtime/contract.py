@@ -61,6 +61,23 @@ def _io(name: str, dtype: str, shape: list) -> dict:
     return {"name": name, "dtype": dtype, "shape": shape}
 
 
+def token_profile(max_gamma: int, prefill_chunk: int) -> tuple[int, int, int]:
+    """(min, opt, max) tokens of one graph call: a 1-token step, a (max_gamma+1)-token verify
+    call (the common case), a prefill chunk. What a TensorRT optimization profile covers."""
+    verify = max_gamma + 1
+    return 1, verify, max(verify, prefill_chunk)
+
+
+def tensorrt_profile(max_len: int, max_gamma: int, prefill_chunk: int) -> dict:
+    """The optimization profile of a decoder graph: input_ids by shape, and the two scalars
+    whose values set shapes inside the graph (the valid cache prefix, the logit rows), which
+    TensorRT takes as shape tensors, by value. {name: (min, opt, max)}."""
+    low, opt, high = token_profile(max_gamma, prefill_chunk)
+    return {"input_ids": ((1, low), (1, opt), (1, high)),
+            "position": (0, max_len // 2, max_len - 1),
+            "num_logits": (low, opt, high)}
+
+
 def cache_dtype(precision: str) -> str:
     """The dtype of a graph's KV cache (and cross K/V, hidden states) at `precision`."""
     return "float16" if precision == "fp16" else "float32"

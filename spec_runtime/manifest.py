@@ -114,6 +114,10 @@ class Manifest:
     files: dict[str, FileEntry] = field(default_factory=dict)
     created_by: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # engines built from the graphs on the machine that runs them (`specexport engine`):
+    # {"tensorrt": {"tensorrt_version", "gpu", "compute_capability", "fp16", "workspace_mb",
+    #               "graphs": {"target/decoder": file, ...}}}
+    engines: dict = field(default_factory=dict)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -142,6 +146,8 @@ class Manifest:
                            "chat_template": self.tokenizer.chat_template},
              "created_by": self.created_by,
              "files": {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in self.files.items()}}
+        if self.engines:
+            d["engines"] = self.engines
         if self.encoder_decoder:
             d.update(max_source_len=self.max_source_len,
                      decoder_start_token_id=self.decoder_start_token_id)
@@ -170,7 +176,8 @@ class Manifest:
             precision=d.get("precision", "fp32"), max_source_len=d.get("max_source_len"),
             decoder_start_token_id=d.get("decoder_start_token_id"),
             files={n: FileEntry(f["bytes"], f["sha256"]) for n, f in d["files"].items()},
-            created_by=d.get("created_by") or {}, schema_version=d["schema_version"])
+            created_by=d.get("created_by") or {}, schema_version=d["schema_version"],
+            engines=d.get("engines") or {})
 
 
 def _model(d: dict) -> ModelEntry:

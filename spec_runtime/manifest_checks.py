@@ -98,6 +98,24 @@ def validate(m: dict) -> None:
         _check_model(draft, "draft", m, files, max_source_len)
     _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
     _check_distinct_graphs(m)
+    _check_engines(m.get("engines"), files)
+
+
+def _check_engines(engines, files: dict) -> None:
+    if engines is None:
+        return
+    if not isinstance(engines, dict):
+        raise _bad("engines", engines, "it must be an object")
+    for kind, record in engines.items():
+        where = f"engines.{kind}"
+        if not isinstance(record, dict):
+            raise _bad(where, record, "it must be an object")
+        for key in ("tensorrt_version", "gpu", "compute_capability"):
+            _require(record, key, str, where)
+        for graph, f in _require(record, "graphs", dict, where).items():
+            if not isinstance(f, str) or f not in files:
+                raise BundleError(f"manifest {where}.graphs[{graph!r}] {f!r} is not among the "
+                                  f"files; {REBUILD}")
 
 
 def _precision(entry: dict, where: str) -> None:

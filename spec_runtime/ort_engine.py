@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import METADATA, dims_of, kv_names, mismatch
+from .contract import METADATA, dims_of, kv_names, mismatch, token_profile
 from .engine import ChunkedEngine
 from .errors import BundleError, InputError
 from .kv_cache import Device, cache_store
@@ -163,11 +163,11 @@ def provider_options(device: Device, *, precision: str, max_gamma: int, prefill_
         return {"device_id": device.device_id}
     if device.provider != "TensorrtExecutionProvider":
         return {}
-    verify = max_gamma + 1
+    low, opt, high = token_profile(max_gamma, prefill_chunk)
     options = {"device_id": device.device_id, "trt_fp16_enable": precision == "fp16",
-               "trt_profile_min_shapes": "input_ids:1x1",
-               "trt_profile_opt_shapes": f"input_ids:1x{verify}",
-               "trt_profile_max_shapes": f"input_ids:1x{max(verify, prefill_chunk)}"}
+               "trt_profile_min_shapes": f"input_ids:1x{low}",
+               "trt_profile_opt_shapes": f"input_ids:1x{opt}",
+               "trt_profile_max_shapes": f"input_ids:1x{high}"}
     if cache_dir is not None:
         options.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(cache_dir),
                        trt_timing_cache_enable=True, trt_timing_cache_path=str(cache_dir))

@@ -1,0 +1,109 @@
+"""Native TensorRT, end to end on a machine without a GPU or TensorRT: `specexport engine` and
+the runtime's TrtEngine against tests/fake_tensorrt.py (TensorRT's API, executing the graph with
+ONNX Runtime at the raw addresses the engine bound) and host memory in place of CUDA's. What
+this proves: the builder's profile and records, the manifest, the engine's buffers, shape
+tensors and cache copies, and the refusals. What it cannot: TensorRT's kernels — that is
+scripts/gpu_check.sh on real hardware."""
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import fake_tensorrt
+import spec_runtime
+from spec_runtime import device_memory, trt_engine
+from spec_runtime.errors import BundleError
+from spec_export.trt_build import build_engines
+from specedge.cli.specexport import main as specexport
+from specedge.cli.specrun import main as specrun
+from helpers import assert_input_error, run
+
+GPU = {"gpu": "Fake GPU", "compute_capability": "9.0"}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """TensorRT importable as the fake, this "GPU" identified, host memory for device memory."""
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt)
+    monkeypatch.setattr(device_memory, "gpu_identity", lambda device_id=0: dict(GPU))
+    monkeypatch.setattr(trt_engine, "CudaMemory", device_memory.HostMemory)
+
+
+@pytest.fixture
+def portable_copy(llama_portable_pair, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(llama_portable_pair[2], dst)
+    return dst
+
+
+def test_engines_are_built_recorded_and_run_token_for_token(portable_copy, fake_gpu):
+    record = build_engines(portable_copy)
+    assert record == {"tensorrt_version": fake_tensorrt.__version__, **GPU, "fp16": False,
+                      "workspace_mb": 4096,
+                      "graphs": {"target/decoder": "target.decoder.trt",
+                                 "draft/decoder": "draft.decoder.trt"}}
+    m = json.loads((portable_copy / "manifest.json").read_text())
+    assert m["engines"]["tensorrt"] == record and "target.decoder.trt" in m["files"]
+    header = json.loads((portable_copy / "target.decoder.trt").read_bytes()
+                        .split(b"\n", 2)[1])
+    # the profile: tokens 1 / γ+1 / prefill chunk, shape tensors by value (max_len 96, γ ≤ 8)
+    assert header["shapes"]["input_ids"] == [[1, 1], [1, 9], [1, 128]]
+    assert header["values"] == {"position": [[0], [48], [95]], "num_logits": [[1], [9], [128]]}
+
+    native = spec_runtime.load(portable_copy, device="tensorrt")
+    assert isinstance(native.target, trt_engine.TrtEngine)
+    assert isinstance(native.draft.engine, trt_engine.TrtEngine)
+    plain = spec_runtime.load(portable_copy)
+    for kw in ({}, {"temperature": 1.0, "seed": 5}, {"use_draft": False}):
+        for prompt in ("hello world", "x" * 70):  # the second prefills in a chunk of 70
+            a = native.generate(prompt, max_new_tokens=20, **kw)
+            b = plain.generate(prompt, max_new_tokens=20, **kw)
+            assert a.tokens == b.tokens, (prompt, kw)
+
+
+def test_logits_equal_the_onnx_runtime_engines_over_steps_verify_and_rollback(portable_copy,
+                                                                              fake_gpu):
+    build_engines(portable_copy)
+    native = spec_runtime.load(portable_copy, device="tensorrt").target
+    plain = spec_runtime.load(portable_copy).target
+    seq = np.random.default_rng(1).integers(3, 259, 60)
+    for pos, n, rows in [(0, 30, 2), (30, 1, 1), (31, 5, 5), (33, 5, 5), (38, 1, 1)]:
+        np.testing.assert_allclose(native.forward(seq[pos : pos + n], pos, rows).copy(),
+                                   plain.forward(seq[pos : pos + n], pos, rows), atol=1e-5)
+
+
+def test_an_engine_for_another_tensorrt_or_gpu_is_refused_with_the_rebuild_command(
+        portable_copy, fake_gpu, monkeypatch):
+    build_engines(portable_copy)
+    monkeypatch.setattr(device_memory, "gpu_identity",
+                        lambda device_id=0: dict(GPU, gpu="Other GPU"))
+    with pytest.raises(BundleError, match="built for GPU 'Fake GPU', this machine has 'Other"):
+        spec_runtime.load(portable_copy, device="tensorrt")
+    monkeypatch.setattr(fake_tensorrt, "__version__", "11.0.0")
+    assert_input_error(run(specrun, "generate", "hi", "--bundle", portable_copy, "--device",
+                           "tensorrt"), "TensorRT '10.99.0-fake'",
+                       f"specexport engine {portable_copy}")
+
+
+def test_specexport_engine_cli(portable_copy, fake_gpu):
+    r = CliRunner().invoke(specexport, ["engine", str(portable_copy), "--fp16",
+                                        "--workspace", "512"])
+    assert r.exit_code == 0, r.output
+    assert "engines for Fake GPU (9.0): target.decoder.trt, draft.decoder.trt" in r.stdout
+    record = json.loads((portable_copy / "manifest.json").read_text())["engines"]["tensorrt"]
+    assert record["fp16"] is True and record["workspace_mb"] == 512
+    assert_input_error(run(specexport, "engine", portable_copy, "--workspace", "8"),
+                       "--workspace 8")
+
+
+def test_without_tensorrt_or_with_a_fused_bundle_engine_exits_2(portable_copy, llama_pair,
+                                                                monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # not installed
+    assert_input_error(run(specexport, "engine", portable_copy), "need TensorRT",
+                       "pip install tensorrt")
+    assert_input_error(run(specexport, "engine", llama_pair[2]), "fused kernels",
+                       "--kernels portable")
