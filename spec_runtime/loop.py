@@ -116,7 +116,8 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
         # 1. The draft proposes γ tokens x_1..x_γ from p_draft (fewer near max_new_tokens: a
         #    round emits up to γ+1).
         g = min(req.gamma.next(req.stats), req.remaining - 1) if draft is not None else 0
-        drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng) if g > 0 \
+        most = min(req.gamma.max_gamma, req.remaining - 1) if g > 0 else 0
+        drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng, most) if g > 0 \
             else (_NO_DRAFTS, None)
         k = len(drafts)
 
@@ -136,10 +137,17 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
             rec.round(k, n_acc, g, beta_sum, examined)
             draft.rewind(req.n_seq + n_acc)
             if draft.needs:
-                draft.observe({"logits": logits[: n_acc + 1]})
+                draft.observe(_needed(draft.needs, logits[: n_acc + 1], req.stats))
 
         # 5. Emit, stopping at EOS or max_new_tokens.
         yield req.emit(new)
+
+
+def _needed(needs: frozenset[str], logits: np.ndarray, stats: DecodeStats) -> dict:
+    """What a draft declared it reads: the target's logits of the verified positions, and the
+    request's statistics (α, c, row cost measured so far)."""
+    available = {"logits": logits, "stats": stats}
+    return {name: available[name] for name in needs}
 
 
 def _accept(drafts, p_draft, logits, params: SamplingParams, rng):

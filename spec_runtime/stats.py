@@ -86,6 +86,11 @@ class DecodeStats:
     def draft_step_time_s(self) -> float:
         return self.draft_counters.step_time_s if self.draft_counters else 0.0
 
+    @property
+    def draft_rounds(self) -> dict | None:
+        """Rounds drafted by each source of a hybrid draft."""
+        return dict(getattr(self.draft_counters, "rounds", None) or {}) or None
+
     def record_round(self, n_proposed: int, n_accepted: int, gamma: int) -> None:
         self.rounds += 1
         self.proposed += n_proposed
@@ -137,6 +142,7 @@ class DecodeStats:
             draft_time_s=self.draft_time_s,
             draft_step_calls=self.draft_step_calls,
             draft_step_time_s=self.draft_step_time_s,
+            draft_rounds=self.draft_rounds,
             acceptance_rate=self.acceptance_rate,
             alpha=self.alpha,
             c=self.c,
@@ -157,11 +163,9 @@ class Recorder:
     target's calls (the first is the prefill; after it, seconds by rows scored, for the auto γ
     policy's row cost) and each round's proposals, acceptances and β. `clock` is injectable."""
 
-    def __init__(self, stats: DecodeStats, clock: Callable[[], float] = time.perf_counter,
-                 rows: bool = False):
+    def __init__(self, stats: DecodeStats, clock: Callable[[], float] = time.perf_counter):
         self.stats = stats
         self.clock = clock
-        self.rows = rows  # record seconds by rows scored (only "auto" γ reads them)
         self.t0 = clock()
 
     def start(self, mode: str, draft) -> None:
@@ -180,9 +184,8 @@ class Recorder:
             s.prefill_time_s = elapsed
         else:
             s.target_time_s += elapsed
-            if self.rows:
-                total, calls = s.call_rows.get(len(tokens), (0.0, 0))
-                s.call_rows[len(tokens)] = (total + elapsed, calls + 1)
+            total, calls = s.call_rows.get(len(tokens), (0.0, 0))
+            s.call_rows[len(tokens)] = (total + elapsed, calls + 1)
         s.target_calls += 1
         return logits
 

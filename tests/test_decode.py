@@ -7,6 +7,7 @@ from scipy import stats as sps
 from toy_models import FakeClock, ToyEngine, exact_joint
 
 from spec_runtime import CacheCapacityError, Generator, ModelDraft, NgramDraft, SamplingParams, warp
+from spec_runtime.drafts import HybridDraft
 from spec_runtime.stats import best_gamma, row_cost
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram draft finds matches
@@ -27,6 +28,9 @@ def make(draft_kind, vocab=VOCAB, max_len=64, max_gamma=8, mix=0.6, **kw):
         draft = ModelDraft(ToyEngine(vocab=vocab, max_len=max_len, seed=1, like=target, mix=mix))
     elif draft_kind == "ngram":
         draft = NgramDraft(vocab)
+    elif draft_kind == "hybrid":
+        draft = HybridDraft(ModelDraft(ToyEngine(vocab=vocab, max_len=max_len, seed=1,
+                                                 like=target, mix=mix)), NgramDraft(vocab))
     else:
         draft = None
     return Generator(target, draft, max_gamma=max_gamma, **kw)
@@ -52,7 +56,7 @@ def chi_square_p(counts, probs):
     return sps.chisquare(obs[keep], exp[keep]).pvalue
 
 
-@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_joint_of_first_three_tokens_equals_the_target(draft_kind, gamma, setting):
@@ -70,7 +74,7 @@ def test_the_joint_test_detects_a_draft_whose_q_is_not_what_it_sampled_from():
     but reports the unwarped one as q. The sequence-level test must reject it."""
 
     class LyingDraft(ModelDraft):
-        def propose(self, seq, gamma, params, rng):
+        def propose(self, seq, gamma, params, rng, most=None):
             tokens, _ = super().propose(seq, gamma, params, rng)
             logits = self.engine.forward(np.r_[seq, tokens[:-1]], 0, gamma)  # same tokens again
             return tokens, warp(logits, SamplingParams(temperature=1.0))
@@ -82,7 +86,7 @@ def test_the_joint_test_detects_a_draft_whose_q_is_not_what_it_sampled_from():
     assert chi_square_p(joint_counts(gen, 3, setting), exact) < P_MIN
 
 
-@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_speculative_equals_greedy_target_only(draft_kind, gamma):
     gen = make(draft_kind, max_len=128)
@@ -102,8 +106,9 @@ def test_greedy_sampling_matches_argmax_of_target_logits():
     assert r.tokens == list(logits.argmax(axis=-1))
 
 
-def test_same_seed_same_tokens_different_seeds_differ():
-    gen = make("model")
+@pytest.mark.parametrize("draft_kind", ["model", "hybrid"])
+def test_same_seed_same_tokens_different_seeds_differ(draft_kind):
+    gen = make(draft_kind)
     runs = [gen.generate(PROMPT, max_new_tokens=30, temperature=1.0, seed=s).tokens
             for s in (11, 11, 12)]
     assert runs[0] == runs[1]
@@ -270,3 +275,27 @@ def test_tokens_beyond_the_drafts_vocabulary_never_reach_its_graph():
     for prompt in ([7, 6, 1], [2, 7]):
         spec = gen.generate(prompt, max_new_tokens=30, gamma=3)
         assert spec.tokens == gen.generate(prompt, max_new_tokens=30, use_draft=False).tokens
+
+
+def test_the_hybrid_draft_looks_up_where_the_context_repeats_and_drafts_elsewhere():
+    """Greedy output of a toy model falls into a cycle (its next token depends on the last two
+    and the position mod 3): once it repeats, lookup proposes long continuations that are all
+    accepted, and wins the rounds from an unrelated model draft; before that, and for a model
+    draft that agrees with the target, the model drafts. The choice per round is the expected
+    accepted tokens at each source's own acceptance so far."""
+    poor = make("hybrid", max_len=160, mix=1.0, max_gamma=8)
+    r = poor.generate([0], max_new_tokens=120, temperature=0.0, gamma=2)
+    rounds, tail = r.stats["draft_rounds"], r.tokens[-60:]
+    period = next(p for p in range(1, 30) if tail[:-p] == tail[p:])  # the output cycles
+    print("poor model:", rounds, "tokens/call", r.stats["tokens_per_target_call"], period)
+    assert rounds["ngram"] > rounds["model"] and r.stats["tokens_per_target_call"] > 3
+    only_model = make("model", max_len=160, mix=1.0, max_gamma=8)
+    m = only_model.generate([0], max_new_tokens=120, temperature=0.0, gamma=2)
+    assert m.tokens == r.tokens and m.stats["tokens_per_target_call"] < 2
+
+    # a draft that is the target and costs 1/40 of it: model rounds yield more per step
+    good = timed(mix=0.0, draft_s=0.0001)
+    good.draft = HybridDraft(good.draft, NgramDraft(VOCAB))
+    g = good.generate([0, 5, 3], max_new_tokens=30, temperature=0.0, gamma=4)
+    assert g.stats["draft_rounds"]["model"] > g.stats["draft_rounds"]["ngram"], g.stats
+    assert sum(g.stats["draft_rounds"].values()) <= g.stats["rounds"]

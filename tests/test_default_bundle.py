@@ -23,7 +23,7 @@ def default_bundle(tmp_path_factory):
 
 def test_default_bundle_generates_text_with_stats(default_bundle):
     m = json.loads((default_bundle / "manifest.json").read_text())
-    assert m["target"]["family"] == "llama" and m["draft"]["kind"] == "model"
+    assert m["target"]["family"] == "llama" and m["draft"]["kind"] == "hybrid"
     assert m["draft"]["quantization"]["gguf_blocks"] == {"Q4_1": 150, "Q8_0": 1}
     assert m["target"]["gguf_file"].endswith(".gguf")
     print("parity", m["target"]["parity"])  # (the build refuses more than its tolerance)
@@ -38,7 +38,7 @@ def test_default_bundle_generates_text_with_stats(default_bundle):
     print({k: obj["stats"][k] for k in ("alpha", "accepted", "proposed", "tokens_per_target_call",
                                         "tokens_per_s")})
     assert obj["text"].strip()
-    assert obj["stats"]["draft_kind"] == "model" and obj["stats"]["target_calls"] >= 1
+    assert obj["stats"]["draft_kind"] == "hybrid" and obj["stats"]["target_calls"] >= 1
     # the draft is the target's own weights at int4: it agrees on most tokens (README: 93-98%)
     assert obj["stats"]["acceptance_rate"] > 0.8, obj["stats"]
 

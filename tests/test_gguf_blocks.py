@@ -159,14 +159,15 @@ def test_self_draft_is_the_targets_own_weights_at_int4(q4_1, tmp_path):
                      progress=False)
 
 
-def test_auto_draft_is_self_for_an_fp32_gguf_target_only(q4_1, tmp_path):
+def test_auto_draft_is_the_hybrid_for_an_fp32_gguf_target_only(q4_1, tmp_path):
     from specedge.cli.specexport import main as specexport
 
     r = CliRunner().invoke(specexport, ["build", "--target", str(q4_1[0]), "--out",
                                         str(tmp_path / "fp32"), "--max-len", "64", "--quiet"])
     assert r.exit_code == 0, r.output
     m = manifest(tmp_path / "fp32")
-    assert m["draft"]["kind"] == "model" and m["draft"]["precision"] == "int4"
+    assert m["draft"]["kind"] == "hybrid" and m["draft"]["precision"] == "int4"
+    assert m["draft"]["source"] == m["target"]["source"] and m["draft"]["max_ngram"] == 3
     # an int4 target has no lower precision to draft at; a non-GGUF target would be quantized
     # twice: both keep prompt lookup
     int4 = build_bundle(str(q4_1[0]), out=tmp_path / "int4", max_len=64, precision="int4",
