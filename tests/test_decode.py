@@ -295,7 +295,7 @@ def test_the_hybrid_draft_looks_up_where_the_context_repeats_and_drafts_elsewher
 
     # a draft that is the target and costs 1/40 of it: model rounds yield more per step
     good = timed(mix=0.0, draft_s=0.0001)
-    good.draft = HybridDraft(good.draft, NgramDraft(VOCAB))
+    good.draft = HybridDraft(good.draft, NgramDraft(VOCAB), draft_cost=0.025)
     g = good.generate([0, 5, 3], max_new_tokens=30, temperature=0.0, gamma=4)
     assert g.stats["draft_rounds"]["model"] > g.stats["draft_rounds"]["ngram"], g.stats
     assert sum(g.stats["draft_rounds"].values()) <= g.stats["rounds"]
