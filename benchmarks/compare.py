@@ -11,6 +11,11 @@ Systems (names for --skip):
     ortgenai-ngram    the same with its n-gram speculative mode
     llamacpp          llama.cpp (llama-cpp-python) on the Q4_1 GGUF itself (int4 table only)
     llamacpp-lookup   the same with its prompt-lookup speculative mode
+    openvino          OpenVINO GenAI on optimum-intel's IR of the same weights: true f32 in the
+                      fp32 table (INFERENCE_PRECISION_HINT / KV_CACHE_PRECISION f32), its int4
+                      IR at its CPU defaults (bf16 compute, u8 KV cache) in the int4 table
+    openvino-lookup   the same with prompt lookup (--ov-lookup-tokens, --ov-ngram)
+    openvino-draft    the same with its int4 IR as draft model (fp32 table only)
 
 tokens/s = new tokens / wall time of the whole generate call (prefill included); the table shows
 the median per system and prompt kind. After one warm-up call per system, the systems take turns
@@ -37,26 +42,33 @@ import machine  # noqa: E402  (benchmarks/ is not a package)
 import peers  # noqa: E402
 
 SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
-           "llamacpp", "llamacpp-lookup")
+           "llamacpp", "llamacpp-lookup", "openvino", "openvino-lookup", "openvino-draft")
 REFERENCE = "hf"
 # without hf (int4), each speculative mode is compared with its own plain mode: exactness is
 # relative to the deployed target
 PLAIN_OF = {"specedge-spec": "specedge", "ortgenai-ngram": "ortgenai",
-            "llamacpp-lookup": "llamacpp", "hf-lookup": "hf"}
-# the speed targets: (ours, peer, wanted ratio) per precision
-TARGETS = {"fp32": [("specedge-spec", "ortgenai-ngram", 1.5)],
-           "int4": [("specedge-spec", "ortgenai-ngram", 1.3), ("specedge-spec", "llamacpp", 1.5)]}
+            "llamacpp-lookup": "llamacpp", "hf-lookup": "hf", "openvino-lookup": "openvino",
+            "openvino-draft": "openvino"}
+# speed targets: (ours, peer, wanted ratio) per precision; the fp32 one against every peer
+# mode at true f32, the int4 one against OpenVINO's int4 with prompt lookup (first step 1.0×,
+# the goal 1.3×)
+TARGETS = {"fp32": [("specedge-spec", peer, 1.5) for peer in
+                    ("ortgenai-ngram", "openvino", "openvino-lookup", "openvino-draft")],
+           "int4": [("specedge-spec", "openvino-lookup", 1.0), ("specedge-spec", "openvino", 1.0),
+                    ("specedge-spec", "ortgenai-ngram", 1.3), ("specedge-spec", "llamacpp", 1.5)]}
 # What each --precision compares. An int4 entry adds the int4 rows: a specedge bundle exported at
 # int4 (--bundle), onnxruntime-genai's `-p int4` build; PyTorch has no comparable CPU int4 path, so
 # its rows would be skipped with that reason.
 PRECISIONS = {
     "fp32": {"bundle_precision": "fp32", "genai": "fp32", "hf_skip": None,
-             "llamacpp_skip": "the shipped GGUF is Q4_1: llama.cpp rows are in the int4 table"},
+             "llamacpp_skip": "the shipped GGUF is Q4_1: llama.cpp rows are in the int4 table",
+             "openvino": "fp32", "openvino_f32": True, "openvino_draft": "int4"},
     # HF transformers has no 4-bit CPU path comparable to MatMulNBits; its fp32 rows stand in
     # the fp32 table
     "int4": {"bundle_precision": "int4", "genai": "int4",
              "hf_skip": "no comparable int4 CPU path in transformers (see the fp32 table)",
-             "llamacpp_skip": None},
+             "llamacpp_skip": None, "openvino": "int4", "openvino_f32": False,
+             "openvino_draft": None},
 }
 
 
@@ -86,6 +98,12 @@ def parse_args(argv=None):
     ap.add_argument("--eos", choices=["continue", "stop"], default="continue",
                     help="continue: EOS is an ordinary token and every system makes exactly "
                     "--max-new-tokens; stop: each system stops at EOS (actual tokens counted)")
+    ap.add_argument("--openvino-python", type=Path, default=None,
+                    help="python of an environment with openvino-genai and optimum-intel "
+                         "(benchmarks/README.md); without it the OpenVINO rows are skipped")
+    ap.add_argument("--ov-lookup-tokens", type=int, default=8,
+                    help="OpenVINO prompt lookup: num_assistant_tokens")
+    ap.add_argument("--ov-ngram", type=int, default=3, help="OpenVINO prompt lookup: max_ngram_size")
     ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS, metavar="NAME",
                     help=f"leave a system out (repeatable): {', '.join(SYSTEMS)}")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -161,6 +179,26 @@ def build_systems(args, gen, eos_id: int):
         else:
             lookup = args.llamacpp_lookup if name == "llamacpp-lookup" else 0
             systems[name] = peers.LlamaCpp(args.threads, lookup, stop, eos_id)
+    openvino = [n for n in ("openvino", "openvino-lookup", "openvino-draft") if n in wanted]
+    if openvino:
+        why = peers.openvino_missing(args.openvino_python)
+        for name in openvino:
+            if name == "openvino-draft" and not setup["openvino_draft"]:
+                skipped[name] = "no lower-precision model of this target to draft with"
+            elif why:
+                skipped[name] = why
+            else:
+                try:
+                    model = peers.openvino_dir(args.openvino_python, setup["openvino"])
+                    draft = (peers.openvino_dir(args.openvino_python, setup["openvino_draft"])
+                             if name == "openvino-draft" else None)
+                    mode = {"openvino": "plain", "openvino-lookup": "lookup",
+                            "openvino-draft": "draft"}[name]
+                    systems[name] = peers.OpenVino(
+                        args.openvino_python, model, mode, args.threads, setup["openvino_f32"],
+                        stop, draft, args.ov_lookup_tokens, args.ov_ngram)
+                except Exception as e:  # its export or load failing is a result, not a crash
+                    skipped[name] = f"OpenVINO setup failed: {str(e)[:300]}"
     return systems, skipped, hf_model
 
 
@@ -404,6 +442,15 @@ def notes(args) -> list[str]:
         f"{args.genai_max_draft}, ngram_chained_lookup={args.genai_chained}) on the plain "
         "Generator loop; the same Model object serves both genai rows.",
     ]
+    if args.openvino_python:
+        how = ("at true f32 (INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION=f32)"
+               if PRECISIONS[args.precision]["openvino_f32"] else
+               "at its CPU defaults (bf16 compute, u8 KV cache)")
+        out.append(f"OpenVINO GenAI runs {how} on optimum-intel's export of the same weights, "
+                   f"greedy, token ids in (no chat template of its own), ignore_eos with "
+                   f"`--eos continue`; prompt lookup with num_assistant_tokens "
+                   f"{args.ov_lookup_tokens}, max_ngram_size {args.ov_ngram}; its draft mode "
+                   f"drafts with the int4 export, 4 tokens a round.")
     if args.precision == "int4":
         out.append("llama.cpp runs through llama-cpp-python's Llama.generate (top_k=1, temp=0), "
                    "context reset before each call; its lookup row uses LlamaPromptLookupDecoding"

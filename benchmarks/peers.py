@@ -13,6 +13,7 @@ the functions that need them.
 Model files are cached under benchmarks/.cache/ (git-ignored):
     hf-fp32/                save_pretrained dir of the GGUF target (HF baselines, genai builder)
     ortgenai-<precision>/   onnxruntime-genai's own build of it (its model builder, `-p`)
+    ov-<fp32|int4>/         optimum-intel's OpenVINO IR of it (`optimum-cli export openvino`)
 """
 
 from __future__ import annotations
@@ -91,6 +92,35 @@ def ortgenai_dir(precision: str = "fp32") -> Path:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     tmp.rename(out)
     return out
+
+
+def openvino_dir(python: Path, precision: str) -> Path:
+    """optimum-intel's OpenVINO IR of the same target, exported with the OpenVINO environment's
+    own optimum-cli: fp32 weights, or int4 (asymmetric, group 64: SmolLM2's 576-wide layers are
+    not a multiple of the default 128; every layer, ratio 1)."""
+    out = CACHE / f"ov-{precision}"
+    if (out / "openvino_model.xml").exists():
+        return out
+    tmp = out.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    weights = ["--weight-format", "fp32"] if precision == "fp32" else \
+        ["--weight-format", "int4", "--group-size", "64", "--ratio", "1.0"]
+    cli = Path(python).with_name("optimum-cli")
+    cmd = [str(cli), "export", "openvino", "--model", str(hf_dir()), "--task",
+           "text-generation-with-past", *weights, str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    tmp.rename(out)
+    return out
+
+
+def openvino_missing(python: Path | None) -> str | None:
+    """Why the OpenVINO rows cannot run, or None."""
+    if python is None or not Path(python).exists():
+        return ("no OpenVINO environment: make one as benchmarks/README.md says and pass "
+                "--openvino-python PATH/bin/python")
+    return None
 
 
 def onnx_weight_bytes(path: Path) -> int:
@@ -234,6 +264,35 @@ class LlamaCpp:
             if len(tokens) >= n or (self.stop_at_eos and tok == self.eos_id):
                 break
         return Run(tokens, time.perf_counter() - t0)
+
+
+class OpenVino:
+    """OpenVINO GenAI's LLMPipeline in its own environment (benchmarks/ov_worker.py, one process
+    per system, JSON lines over a pipe; the wall time is measured inside, around generate)."""
+
+    WORKER = Path(__file__).resolve().parent / "ov_worker.py"
+
+    def __init__(self, python: Path, model: Path, mode: str, threads: int, f32: bool,
+                 stop_at_eos: bool, draft: Path | None = None, lookup_tokens: int = 8,
+                 ngram: int = 3):
+        cmd = [str(python), str(self.WORKER), "--model", str(model), "--mode", mode,
+               "--threads", str(threads), "--lookup-tokens", str(lookup_tokens),
+               "--ngram", str(ngram)]
+        cmd += ["--f32"] if f32 else []
+        cmd += [] if stop_at_eos else ["--ignore-eos"]
+        cmd += ["--draft", str(draft)] if draft else []
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"{' '.join(cmd)} exited before it was ready")
+        self.version = json.loads(ready).get("openvino_genai")
+
+    def run(self, ids, n) -> Run:
+        self.proc.stdin.write(json.dumps({"ids": [int(t) for t in ids], "n": n}) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        return Run(answer["tokens"], answer["wall_s"], answer["info"])
 
 
 def llamacpp_missing() -> str | None:
