@@ -408,8 +408,12 @@ def target_summary(report: dict) -> str:
 
 def draft_summary(draft: dict) -> str:
     """The manifest's draft entry without its graph contract."""
+    if draft.get("kind") == "hybrid":
+        model = draft_summary({**draft, "kind": "model"})
+        return (f"hybrid: prompt lookup (n-grams {draft.get('min_ngram')}–{draft.get('max_ngram')})"
+                f" or {model}, measured cost {draft.get('draft_cost')} of a target step")
     if draft.get("kind") != "model":
-        return json.dumps(draft)
+        return json.dumps({k: v for k, v in draft.items() if k != "graphs"})
     q = draft.get("quantization") or {}
     agree = (draft.get("parity") or {}).get(draft.get("precision"), {})
     text = f"model {draft.get('gguf_file') or draft.get('source')} at {draft.get('precision')}"
@@ -449,8 +453,9 @@ def notes(args) -> list[str]:
         out.append(f"OpenVINO GenAI runs {how} on optimum-intel's export of the same weights, "
                    f"greedy, token ids in (no chat template of its own), ignore_eos with "
                    f"`--eos continue`; prompt lookup with num_assistant_tokens "
-                   f"{args.ov_lookup_tokens}, max_ngram_size {args.ov_ngram}; its draft mode "
-                   f"drafts with the int4 export, 4 tokens a round.")
+                   f"{args.ov_lookup_tokens}, max_ngram_size {args.ov_ngram}"
+                   + ("; its draft mode drafts with the int4 export, 4 tokens a round."
+                      if PRECISIONS[args.precision]["openvino_draft"] else "."))
     if args.precision == "int4":
         out.append("llama.cpp runs through llama-cpp-python's Llama.generate (top_k=1, temp=0), "
                    "context reset before each call; its lookup row uses LlamaPromptLookupDecoding"
