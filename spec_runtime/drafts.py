@@ -224,8 +224,8 @@ class HybridDraft:
     round goes to the source with the larger expected speedup, the paper's
     (1 − a^(k+1)) / ((1 − a)(1 + k·c)): a is that source's acceptance so far in the request
     (lookup's kept apart for 1-token and longer matches), c the model draft's step cost relative
-    to the target's (0 for lookup), taken as the ratio of their weights' bytes, which decoding
-    reads every step (`draft_cost`, recorded at build). The choice depends only on what earlier
+    to the target's (0 for lookup): their 1-token step times measured at build on the building
+    machine (`draft_cost` in the manifest). The choice depends only on what earlier
     rounds accepted, never on this round's draws nor on timings, so each round is an ordinary
     draft-and-verify round with the chosen draft's q (exact), and a seed reproduces a sample.
     The model draft's cache stays in step through lookup rounds (it feeds what it has not seen

@@ -281,8 +281,8 @@ def test_the_hybrid_draft_looks_up_where_the_context_repeats_and_drafts_elsewher
     """Greedy output of a toy model falls into a cycle (its next token depends on the last two
     and the position mod 3): once it repeats, lookup proposes long continuations that are all
     accepted, and wins the rounds from an unrelated model draft; before that, and for a model
-    draft that agrees with the target, the model drafts. The choice per round is the expected
-    accepted tokens at each source's own acceptance so far."""
+    draft that agrees with the target, the model drafts. The choice per round is the paper's
+    expected speedup at each source's own acceptance so far and its step cost."""
     poor = make("hybrid", max_len=160, mix=1.0, max_gamma=8)
     r = poor.generate([0], max_new_tokens=120, temperature=0.0, gamma=2)
     rounds, tail = r.stats["draft_rounds"], r.tokens[-60:]

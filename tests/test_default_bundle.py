@@ -39,8 +39,9 @@ def test_default_bundle_generates_text_with_stats(default_bundle):
                                         "tokens_per_s")})
     assert obj["text"].strip()
     assert obj["stats"]["draft_kind"] == "hybrid" and obj["stats"]["target_calls"] >= 1
-    # the draft is the target's own weights at int4: it agrees on most tokens (README: 93-98%)
-    assert obj["stats"]["acceptance_rate"] > 0.8, obj["stats"]
+    # the model draft is the target's own weights at int4 and agrees on most tokens (README:
+    # α 0.89-0.95), lookup rounds add long guesses: several tokens per target call
+    assert obj["stats"]["tokens_per_target_call"] > 2.5, obj["stats"]
 
     base = CliRunner().invoke(specrun, ["generate", prompt, "--bundle", str(default_bundle),
                                         "--max-new-tokens", "48", "--json", "--no-draft"])
