@@ -20,7 +20,7 @@ import numpy as np
 from .engine import Engine
 from .errors import BundleError, InputError
 from .manifest import REBUILD, DraftEntry, ModelEntry
-from .sampling import SamplingParams, _check_finite, sample, warp
+from .sampling import SamplingParams, _check_finite, penalize, sample, warp
 
 
 @dataclass
@@ -112,14 +112,23 @@ class ModelDraft:
         # verification never reads q, so no V-wide row is built per step
         p_draft = None if params.greedy else np.empty((gamma, self.vocab_size), dtype=np.float64)
         logits = self._forward(seq[self.valid :], self.valid)
-        self.valid = len(seq)
+        self.valid = n = len(seq)
+        # the context each draft position sees, for parameters that read it (penalties)
+        context = np.concatenate([seq, tokens]) if params.reads_context else None
         for i in range(gamma):
+            row = logits[-1]
             if p_draft is None:
-                _check_finite(logits[-1])
-                tokens[i] = logits[-1].argmax()
+                _check_finite(row)
+                if context is not None:
+                    row = penalize(row, params, context[: n + i])
+                tokens[i] = row.argmax()
+                if context is not None:
+                    context[n + i] = tokens[i]
             else:
-                p_draft[i] = warp(logits[-1], params)
+                p_draft[i] = warp(row, params, None if context is None else context[: n + i])
                 tokens[i] = sample(p_draft[i], rng)
+                if context is not None:
+                    context[n + i] = tokens[i]
             if i + 1 < gamma:  # the last draft token is fed next round, with the correction
                 logits = self._forward(tokens[i : i + 1], self.valid)
                 self.valid += 1

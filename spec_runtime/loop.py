@@ -12,6 +12,7 @@ position, never a copy.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from .drafts import Draft
 from .engine import Engine
 from .errors import CacheCapacityError
-from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, warp
+from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
 from .stats import DecodeStats, Recorder, best_gamma
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
@@ -48,14 +49,15 @@ class Request:
     def __init__(self, prompt: np.ndarray, params: SamplingParams, max_new_tokens: int,
                  gamma: GammaPolicy | None, eos_token_ids: frozenset[int],
                  rng: np.random.Generator, recorder: Recorder):
-        self.params = params
+        n = len(prompt)
+        # presence and frequency penalties count generated tokens: the context from here on
+        self.params = replace(params, penalty_start=n) if params.reads_context else params
         self.max_new_tokens = max_new_tokens
         self.gamma = gamma
         self.eos = np.fromiter(eos_token_ids, dtype=np.int64)
         self.rng = rng
         self.recorder = recorder
         self.stats = recorder.stats
-        n = len(prompt)
         # room for every new token, and for the γ + 1 a last round may produce before the cut
         self.seq = np.empty(n + max_new_tokens + (gamma.max_gamma if gamma else 0) + 1, np.int64)
         self.seq[:n] = prompt
@@ -128,7 +130,8 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
 
         # 3. Accept x_i while r < p_target(x_i) / p_draft(x_i); at the first rejection draw from
         #    norm(max(0, p_target - p_draft)), or from p_target[k] when all k were accepted.
-        new, beta_sum, examined = _accept(drafts, p_draft, logits, req.params, req.rng)
+        new, beta_sum, examined = _accept(drafts, p_draft, logits, req.params, req.rng,
+                                          req.tokens)
         n_acc = len(new) - 1
 
         # 4. Roll back by position: both caches now hold the old sequence + accepted drafts.
@@ -150,15 +153,18 @@ def _needed(needs: frozenset[str], logits: np.ndarray, stats: DecodeStats) -> di
     return {name: available[name] for name in needs}
 
 
-def _accept(drafts, p_draft, logits, params: SamplingParams, rng):
+def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):
     """Step 3 of a round: (the round's tokens, Σ β = Σ min(p_target, p_draft) over the positions
-    examined, how many were examined); β feeds the α estimate."""
+    examined, how many were examined); β feeds the α estimate. Row i of `logits` follows
+    `context` + drafts[:i], which is what penalties read."""
     k = len(drafts)
     if params.greedy:
+        if params.reads_context:
+            logits = penalize(logits, params, context, drafts)
         new = accept_drafts_greedy(drafts, logits)
         examined = min(len(new), k)
         return new, float(min(len(new) - 1, examined)), examined  # one-hot p, q: β is 1 or 0
-    p_target = warp(logits, params)
+    p_target = warp(logits, params, context, drafts)
     if k == 0:
         return accept_drafts(drafts, np.empty((0, p_target.shape[-1])), p_target, rng), 0.0, 0
     new = accept_drafts(drafts, p_draft, p_target, rng)

@@ -52,16 +52,31 @@ def _show(x) -> str:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become the distribution that is sampled.
+    """How logits become the distribution that is sampled, in this order (Hugging Face's order,
+    with OpenAI's penalties beside its repetition penalty):
 
-    temperature 0 is greedy decoding: the distribution is one-hot at the argmax (so speculative
-    greedy is exact sampling from a one-hot target). top_k 0 and top_p 1.0 disable truncation.
+    1. logit_bias {token id: bias} is added to the logits (OpenAI's `logit_bias`, -100..100);
+    2. repetition_penalty divides a positive logit and multiplies a negative one of every token
+       in the context, prompt included (Hugging Face's and vLLM's `repetition_penalty`; 1 = off);
+    3. frequency_penalty × (times the token was generated) + presence_penalty × (1 if it was)
+       is subtracted (OpenAI's penalties, -2..2; they count generated tokens, i.e. the context
+       from `penalty_start` on, which a request sets to its prompt's length);
+    4. temperature (0 = greedy: the distribution is one-hot at the argmax of the logits after
+       1-3), then top-k, top-p and min-p truncation (0, 1.0 and 0 disable them).
+
+    Steps 1-3 read the context of each position, so `warp` takes the tokens before it.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # a dict is accepted and converted
+    penalty_start: int = 0
 
     def __post_init__(self):
         # numpy scalars (np.float32(0.5), np.int64(3)) are numbers like any other; stored as
@@ -76,13 +91,33 @@ class SamplingParams:
         p = self.top_p
         if not _real(p) or not (0.0 < p <= 1.0):
             raise InputError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
+        m = self.min_p
+        if not _real(m) or not (0.0 <= m <= 1.0):
+            raise InputError(f"min_p={_show(m)} is invalid: use a number in [0, 1] (0 = no min-p)")
+        r = self.repetition_penalty
+        if not _real(r) or not math.isfinite(r) or r <= 0:
+            raise InputError(f"repetition_penalty={_show(r)} is invalid: use a number > 0 "
+                             f"(1 = none; 1.1-1.3 is typical)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _real(v) or not -2.0 <= v <= 2.0:
+                raise InputError(f"{name}={_show(v)} is invalid: use a number in [-2, 2] "
+                                 f"(0 = none)")
+            object.__setattr__(self, name, float(v))
         s = self.seed
         if s is not None and (not _integer(s) or s < 0):
-            raise InputError(f"seed={_show(s)} is invalid: use an integer >= 0, or none for a "
-                             f"random seed")
+            raise InputError(f"seed={_show(s)} is invalid: use a non-negative integer, or leave "
+                             f"it out for a random seed")
+        start = self.penalty_start
+        if not _integer(start) or start < 0:
+            raise InputError(f"penalty_start={_show(start)} is invalid: use an integer >= 0")
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "min_p", float(m))
+        object.__setattr__(self, "repetition_penalty", float(r))
+        object.__setattr__(self, "penalty_start", int(start))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if s is not None:
             object.__setattr__(self, "seed", int(s))
 
@@ -90,16 +125,95 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def reads_context(self) -> bool:
+        """Whether the distribution at a position depends on the tokens before it (steps 1-3:
+        logit_bias does not, but it goes through the same function)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 \
+            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Logits [..., V] -> float64 probabilities [..., V] after temperature, top-k, then top-p.
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
+    """{token id: bias} (or pairs) -> sorted ((id, bias), ...), None when empty."""
+    if bias is None:
+        return None
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    else:
+        try:
+            items = [tuple(pair) for pair in bias]
+        except TypeError:
+            items = None
+        if items is None or any(len(pair) != 2 for pair in items):
+            raise InputError(f"logit_bias={bias!r} is invalid: use a dict {{token id: bias}}")
+    out = {}
+    for tok, b in items:
+        if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
+            tok = int(tok)  # JSON object keys are strings (OpenAI's API sends them so)
+        if not _integer(tok) or tok < 0:
+            raise InputError(f"logit_bias token id {_show(tok)} is invalid: use a token id "
+                             f"(an integer >= 0)")
+        if not _real(b) or not -100.0 <= b <= 100.0:
+            raise InputError(f"logit_bias[{_show(tok)}]={_show(b)} is invalid: use a number in "
+                             f"[-100, 100] (-100 bans the token, 100 all but forces it)")
+        out[int(tok)] = float(b)
+    return tuple(sorted(out.items())) or None
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, tokens=None, appended=None) -> np.ndarray:
+    """Steps 1-3 of SamplingParams: logits [V] or [R, V] -> float64 logits of the same shape.
+    Row r's context is `tokens` followed by appended[:r] (a verify call's rows see the draft
+    tokens before them); ids at or beyond V (another model's padding) are ignored."""
+    x = np.array(logits, dtype=np.float64)  # a copy
+    rows = x.reshape(-1, x.shape[-1])
+    vocab = rows.shape[-1]
+    if params.logit_bias:
+        ids = np.array([t for t, _ in params.logit_bias], np.int64)
+        bias = np.array([b for _, b in params.logit_bias])
+        inside = ids < vocab
+        rows[:, ids[inside]] += bias[inside]
+    if not (params.repetition_penalty != 1.0 or params.presence_penalty
+            or params.frequency_penalty):
+        return x
+    if tokens is None:
+        raise ValueError("these sampling parameters read the context: pass the tokens before "
+                         "the first row")
+    tokens = np.asarray(tokens, np.int64)
+    appended = np.zeros(0, np.int64) if appended is None else np.asarray(appended, np.int64)
+    if len(appended) < len(rows) - 1:
+        raise ValueError(f"{len(rows)} rows need {len(rows) - 1} appended tokens, got "
+                         f"{len(appended)}")
+    start = min(params.penalty_start, len(tokens))
+    for r, row in enumerate(rows):
+        context = np.concatenate([tokens, appended[:r]])
+        context = context[context < vocab]
+        if params.repetition_penalty != 1.0:
+            seen = np.unique(context)
+            v = row[seen]
+            row[seen] = np.where(v < 0, v * params.repetition_penalty,
+                                 v / params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            generated = np.concatenate([tokens[start:], appended[:r]])
+            ids, counts = np.unique(generated[generated < vocab], return_counts=True)
+            row[ids] -= counts * params.frequency_penalty + params.presence_penalty
+    return x
+
+
+def warp(logits: np.ndarray, params: SamplingParams, tokens=None, appended=None) -> np.ndarray:
+    """Logits [..., V] -> float64 probabilities [..., V]: `penalize` (for parameters that read
+    the context: `tokens` before the first row, `appended` between rows), then temperature,
+    top-k, top-p and min-p.
 
     The order and the tie rules follow Hugging Face's warpers: top-k keeps every token tied with
     the k-th largest logit; top-p keeps the smallest set of most likely tokens whose mass reaches
-    top_p (always at least one).
+    top_p (always at least one); min-p keeps the tokens whose probability is at least min_p
+    times the largest.
     """
     logits = np.asarray(logits)
-    row_max = _check_finite(logits)[..., None]
+    _check_finite(logits)
+    if params.reads_context:
+        logits = penalize(logits, params, tokens, appended)
+    row_max = logits.max(axis=-1)[..., None]
     if params.greedy:
         probs = np.zeros(logits.shape, dtype=np.float64)
         np.put_along_axis(probs, logits.argmax(axis=-1)[..., None], 1.0, axis=-1)
@@ -124,6 +238,10 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         keep = np.zeros(probs.shape, dtype=bool)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    if params.min_p > 0.0:
+        # the largest probability always survives (min_p <= 1)
+        probs = np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
@@ -190,7 +308,8 @@ def accept_drafts(
 
 
 def accept_drafts_greedy(draft_tokens: np.ndarray, logits: np.ndarray) -> list[int]:
-    """`accept_drafts` for temperature 0, on logits [γ+1, V] directly.
+    """`accept_drafts` for temperature 0, on logits [γ+1, V] directly (after `penalize`, for
+    parameters that read the context).
 
     Greedy p_target and p_draft are one-hot, so Algorithm 1 accepts a draft token exactly when it
     is the target's argmax, and the residual at the first mismatch is the target's one-hot: the
