@@ -63,6 +63,29 @@ def eos_ids(hf_model, tokenizer) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def generation_defaults(hf_model) -> dict:
+    """The sampling settings the model's generation_config asks for, as Hugging Face's generate
+    reads them: without do_sample it decodes greedily (temperature, top-k, top-p and min-p are
+    then unused), and repetition_penalty applies either way. Only what differs from specedge's
+    own defaults (greedy, no truncation, no penalty) is recorded."""
+    gc = getattr(hf_model, "generation_config", None)
+    if gc is None:
+        return {}
+    out = {}
+    if getattr(gc, "do_sample", False):
+        out["temperature"] = float(gc.temperature if gc.temperature is not None else 1.0)
+        if gc.top_k:  # Hugging Face's default is 50 when sampling
+            out["top_k"] = int(gc.top_k)
+        if gc.top_p is not None and gc.top_p < 1.0:
+            out["top_p"] = float(gc.top_p)
+        if getattr(gc, "min_p", None):
+            out["min_p"] = float(gc.min_p)
+    penalty = getattr(gc, "repetition_penalty", None)
+    if penalty is not None and penalty != 1.0:
+        out["repetition_penalty"] = float(penalty)
+    return out
+
+
 def library_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -101,6 +124,41 @@ def _stages(names: list[str], progress: bool):
             bar.close()
 
     return advance
+
+
+def _one_of(values) -> str:
+    """("a", "b", "c") -> "a, b or c": choices as a message names them."""
+    values = [str(v) for v in values]
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
+
+
+AUTO_HYBRID_REASON = "fp32 llama-family GGUF target: its own int4 blocks + prompt lookup"
+
+
+def resolve_auto_draft(t_spec, precision: str, draft_precision: str | None, int4_weights: str,
+                       kernels: str) -> tuple[str, str]:
+    """What `--draft auto` means for this build, before the target is loaded: ("hybrid" or
+    "ngram", why). The target's own GGUF blocks at int4 draft for an fp32 target: they agree with
+    it on nearly every token at a fraction of its cost, on chat and grounded prompts alike;
+    prompt lookup costs nothing and drafts further where the context repeats, so the hybrid
+    takes it in those rounds (README, Performance). Without a GGUF the int4 draft would be
+    quantized a second time and agree on about half of the tokens, so prompt lookup stays the
+    default there. A hybrid whose target turns out to have no fused int4 graph falls back to
+    prompt lookup once the target is loaded (_write_bundle)."""
+    if precision != "fp32":
+        why = (f"{precision} target: nothing lower to draft with" if precision == "int4" else
+               f"{precision} target: the int4 self draft is offered for fp32 targets")
+    elif draft_precision not in (None, "int4"):
+        why = f"--draft-precision {draft_precision}: the self draft reuses the GGUF's int4 blocks"
+    elif not t_spec.gguf_file:
+        why = "target not read from a GGUF, so an int4 self draft would be rounded twice"
+    elif int4_weights == "quantize":
+        why = "--int4-weights quantize: an int4 self draft would be rounded twice"
+    elif kernels == "portable":
+        why = "--kernels portable: the int4 self draft needs the fused graph"
+    else:
+        return "hybrid", AUTO_HYBRID_REASON
+    return "ngram", why
 
 
 def choose_kernels(module, kernels: str, role: str, precision: str) -> str:
@@ -178,7 +236,9 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
                     or agree["mean_kl"] > FP16_TOLERANCE["max_mean_kl"]:
                 raise BuildError(f"{path.stem}: the float16 graph agrees with the float model on "
                                  f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
-                                 f"{agree['mean_kl']:.3g}), outside {FP16_TOLERANCE}: this "
+                                 f"{agree['mean_kl']:.3g}), outside top-1 >= "
+                                 f"{FP16_TOLERANCE['min_top1_agreement']:.0%} and KL <= "
+                                 f"{FP16_TOLERANCE['max_mean_kl']}: this "
                                  f"model's activations do not fit float16; use --precision fp32")
         if broken_quantization(agree):
             raise BuildError(f"{path.stem}: {precision} graph agrees with the float model on only "
@@ -251,18 +311,11 @@ def build_bundle(
     gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources."""
     from spec_runtime.bundle import default_bundle_dir
 
-    t_spec = model_spec(target, gguf_file) if target else default_target()
-    auto_draft = draft == "auto"
-    if auto_draft:
-        # The target's own GGUF blocks at int4 draft for an fp32 target: they agree with it on
-        # nearly every token at a fraction of its cost, on chat and grounded prompts alike;
-        # prompt lookup costs nothing and drafts further where the context repeats, so the
-        # hybrid takes it in those rounds (README, Performance). Without a GGUF the int4 draft
-        # would be quantized a second time and agree on about half of the tokens, so prompt
-        # lookup stays the default there.
-        draft = "hybrid" if (precision == "fp32" and draft_precision in (None, "int4")
-                             and t_spec.gguf_file and int4_weights != "quantize"
-                             and kernels != "portable") else "ngram"
+    t_spec = model_spec(target, gguf_file, "--target") if target else default_target()
+    auto_reason = None  # --draft auto: why it chose what it chose, recorded in the manifest
+    if draft == "auto":
+        draft, auto_reason = resolve_auto_draft(t_spec, precision, draft_precision,
+                                                int4_weights, kernels)
     lookup = draft == "hybrid"
     if lookup:
         draft = "self"
@@ -275,12 +328,12 @@ def build_bundle(
     draft_precision = draft_precision or precision
     for name, value in (("--precision", precision), ("--draft-precision", draft_precision)):
         if value not in PRECISIONS:
-            raise BuildError(f"{name} {value!r} is not supported: use one of {PRECISIONS}")
+            raise BuildError(f"{name} {value!r} is not supported: use {_one_of(PRECISIONS)}")
     if int4_weights not in INT4_WEIGHTS:
-        raise BuildError(f"--int4-weights {int4_weights!r} is not supported: use one of "
-                         f"{INT4_WEIGHTS}")
+        raise BuildError(f"--int4-weights {int4_weights!r} is not supported: use "
+                         f"{_one_of(INT4_WEIGHTS)}")
     if kernels not in KERNEL_CHOICES:
-        raise BuildError(f"--kernels {kernels!r} is not supported: use one of {KERNEL_CHOICES}")
+        raise BuildError(f"--kernels {kernels!r} is not supported: use {_one_of(KERNEL_CHOICES)}")
     if block_size not in (16, 32, 64, 128, 256):
         raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
     for name, value, low in (("--max-len", max_len, MIN_MAX_LEN),
@@ -289,11 +342,12 @@ def build_bundle(
         if value is None and name == "--max-len":
             continue  # the model's own position limit, once it is loaded
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise BuildError(f"{name} {value!r} is invalid: use an integer >= {low}")
+            raise BuildError(f"{name} {'is missing' if value is None else f'{value!r} is invalid'}"
+                             f": use an integer >= {low}")
     if gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
     d_spec = (None if draft == "ngram" else t_spec if draft == "self"
-              else model_spec(draft, draft_gguf_file))
+              else model_spec(draft, draft_gguf_file, "--draft"))
     if int4_weights == "gguf":
         for role, spec, prec in (("--target", t_spec, precision),
                                  ("--draft", d_spec, draft_precision)):
@@ -314,7 +368,7 @@ def build_bundle(
         stage = _stages(names, progress)
         with BuildDir(out) as work:
             try:
-                _write_bundle(work.bundle, stage, t_spec, d_spec, auto_draft=auto_draft,
+                _write_bundle(work.bundle, stage, t_spec, d_spec, auto_reason=auto_reason,
                               lookup=lookup,
                               precision=precision, draft_precision=draft_precision,
                               int4_weights=int4_weights, kernels=kernels, max_len=max_len,
@@ -333,7 +387,7 @@ def build_bundle(
     return out
 
 
-def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, lookup: bool,
+def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, lookup: bool,
                   precision: str,
                   draft_precision: str, int4_weights: str, kernels: str, max_len: int | None,
                   max_source_len: int, gamma: int, max_gamma: int, prefill_chunk: int,
@@ -353,8 +407,11 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, lookup:
                          "or generation_config.json, or the tokenizer's eos_token): set one, so "
                          "that generation can stop")
     encdec = is_encoder_decoder(t_model.config)
-    if auto_draft and d_spec is t_spec and fused_unsupported(t_model.config):
-        d_spec, draft_precision = None, precision  # no int4 graph for this family: lookup
+    if auto_reason and d_spec is t_spec:
+        why = fused_unsupported(t_model.config)
+        if why:  # no int4 graph for this family: lookup
+            d_spec, draft_precision = None, precision
+            auto_reason = f"no int4 self draft for this target: {why}"
     if d_spec is t_spec:
         d_model = t_model
     elif d_spec:  # refuse a mismatched draft before spending minutes on exports
@@ -409,6 +466,8 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, lookup:
         # does not (README, Performance).
         d_entry = DraftEntry("ngram", options={"max_ngram": 3,
                                                "min_ngram": 2 if precision == "int4" else 1})
+    if auto_reason:
+        d_entry = replace(d_entry, options={**d_entry.options, "auto_reason": auto_reason})
     stage("write bundle")
     manifest = Manifest(
         architecture="encoder-decoder" if encdec else "decoder-only",
@@ -420,7 +479,7 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_draft: bool, lookup:
             chat_template=t_tok.chat_template if isinstance(t_tok.chat_template, str) else None),
         max_source_len=max_source_len if encdec else None,
         decoder_start_token_id=decoder_start_token_id(t_model) if encdec else None,
-        created_by=library_versions())
+        generation=generation_defaults(t_model), created_by=library_versions())
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))

@@ -33,8 +33,10 @@ __all__ = [
 ]
 
 
-def load(bundle_dir, device: str = "cpu", **kwargs) -> Generator:
-    """Open an exported bundle (see `specexport build`) and return its `Generator`."""
+def load(bundle_dir=None, device: str = "cpu", **kwargs) -> Generator:
+    """Open an exported bundle (see `specexport build`) and return its `Generator`; without
+    `bundle_dir`, the default bundle (`$SPECEDGE_BUNDLE`, else where `specexport build` writes
+    without --out: `specrun where` prints it)."""
     from .bundle import load_bundle
 
     return load_bundle(bundle_dir, device=device, **kwargs)

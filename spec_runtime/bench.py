@@ -21,9 +21,13 @@ from .stats import expected_speedup, expected_tokens_per_round
 KINDS = ("grounded", "chat")
 
 
-def load_prompts(path=None, kind: str = "all") -> list[dict]:
+QUICK_PROMPTS = 3  # built-in prompts per kind in `specrun bench` without --full
+
+
+def load_prompts(path=None, kind: str = "all", per_kind: int | None = None) -> list[dict]:
     """[{"kind", "text"}]: the built-in set, or a JSON file of the same shape ({"grounded":
-    [...], "chat": [...]}), or a text file with one prompt per non-empty line (kind "custom")."""
+    [...], "chat": [...]}), or a text file with one prompt per non-empty line (kind "custom");
+    `per_kind` keeps the first that many of each kind."""
     if path is None:
         data = json.loads(resources.files("spec_runtime").joinpath("data/bench_prompts.json")
                           .read_text(encoding="utf-8"))
@@ -43,7 +47,7 @@ def load_prompts(path=None, kind: str = "all") -> list[dict]:
         else:
             data = {"custom": [line for line in raw.splitlines() if line.strip()]}
     prompts = [{"kind": k, "text": t} for k, texts in data.items() if isinstance(texts, list)
-               for t in texts if kind in ("all", k)]
+               for t in texts[:per_kind] if kind in ("all", k)]
     if not prompts:
         raise InputError(f"no prompts of kind {kind!r} found: use --kind all, or give --prompts")
     return prompts
@@ -98,7 +102,7 @@ def _summarise(gamma, kind, pairs) -> dict:
 
 
 def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.0,
-              max_new_tokens: int = 64, repeats: int = 1, chat: bool | None = None,
+              max_new_tokens: int = 128, repeats: int = 1, chat: bool | None = None,
               progress: Callable[[int], None] | None = None) -> dict:
     """Run every (γ, prompt, repeat) in both modes; returns the report (rows per γ and prompt
     kind, plus "all")."""

@@ -189,4 +189,5 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         decoder_start_token_id=manifest.decoder_start_token_id,
         manifest=manifest,
         bundle_dir=bundle_dir,
+        generation_defaults=manifest.generation,
     )

@@ -37,7 +37,7 @@ LEVEL = 1e-3  # p-value below which the sampling test rejects
 POWER = 0.9  # power at which the detectable TV is reported
 NEAR_TIE = 1e-4  # relative logit gap below which a greedy divergence is a near-tie
 DEFAULT_SAMPLES = 400  # per mode (README, "Check exactness": what this takes and detects)
-DEFAULT_SECONDS = 90.0
+DEFAULT_SECONDS = None  # no time limit: the defaults draw all their samples
 DEFAULT_TOKENS = 3
 GREEDY_TOKENS = 24
 
@@ -75,24 +75,36 @@ def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict 
             "logit_gap": la - lb, "relative_gap": rel, "near_tie": rel < NEAR_TIE}
 
 
+# greedy parity compares plain greedy decoding: every context-dependent control off, whatever
+# the bundle's generation defaults say
+GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+              presence_penalty=0.0, frequency_penalty=0.0)
+
+
 def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPLES,
-              seconds: float = DEFAULT_SECONDS, greedy_tokens: int = GREEDY_TOKENS,
-              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-              gamma=None, prompts=PROMPTS, progress=None) -> dict:
+              seconds: float | None = DEFAULT_SECONDS, greedy_tokens: int = GREEDY_TOKENS,
+              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+              repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+              frequency_penalty: float = 0.0, seed: int = 0, gamma=None, prompts=PROMPTS,
+              progress=None) -> dict:
     """Run both tests and return the report (a dict; `exit_code` 0 consistent, 1 not).
-    `seconds` bounds the whole run: sampling stops when it is spent."""
+    `seconds`, when given, bounds the whole run: sampling stops when it is spent. The sampling
+    test runs at exactly the setting given (the bundle's generation defaults do not apply)."""
     _positive("--tokens", tokens)
     _positive("--samples", samples)
-    _positive("--seconds", seconds, float)
+    if seconds is not None:
+        _positive("--seconds", seconds, float)
     _positive("--greedy-tokens", greedy_tokens)
-    setting = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    setting = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty)
     SamplingParams(**setting)  # validate everything before spending minutes
     if temperature == 0:
         raise InputError("--temperature 0 is greedy, which the greedy parity test covers: "
                          "check sampling at a temperature > 0")
     gen.gamma_policy(gamma)
     start = time.monotonic()
-    deadline = start + seconds
+    deadline = start + seconds if seconds is not None else float("inf")
     ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
     engines = [gen.target] + ([gen.draft.engine] if hasattr(gen.draft, "engine") else [])
     for p in ids:
@@ -102,8 +114,8 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     # 1. greedy parity
     greedy = []
     for text, p in zip(prompts, ids):
-        spec = gen.generate(p, max_new_tokens=greedy_tokens, gamma=gamma).tokens
-        base = gen.generate(p, max_new_tokens=greedy_tokens, use_draft=False).tokens
+        spec = gen.generate(p, max_new_tokens=greedy_tokens, gamma=gamma, **GREEDY).tokens
+        base = gen.generate(p, max_new_tokens=greedy_tokens, use_draft=False, **GREEDY).tokens
         div = first_divergence(gen, p, spec, base)
         greedy.append({"prompt": text, "identical": div is None, "divergence": div})
         if div is not None and div["near_tie"]:
@@ -135,8 +147,17 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
         if progress is not None:
             progress(1)
     result = compare(list(zip(drawn_spec, drawn_base)), LEVEL, POWER, seed=seed)
-    if drawn < samples:
-        warnings.append(f"time limit reached: {drawn} of {samples} samples per mode drawn")
+    if drawn < samples and result["min_detectable_tv"] is not None:
+        # the detectable TV shrinks about as 1/sqrt(N) (README, "Check exactness")
+        full = result["min_detectable_tv"] * (drawn / samples) ** 0.5
+        warnings.append(f"--seconds {seconds:g} ran out after {drawn} of {samples} samples per "
+                        f"mode: the test is weaker than asked (it detects a TV of "
+                        f"{result['min_detectable_tv']:.2f} or more, where all {samples} would "
+                        f"detect about {full:.2f}); raise --seconds, or leave it out to draw "
+                        f"them all")
+    elif drawn < samples:
+        warnings.append(f"--seconds {seconds:g} ran out after {drawn} of {samples} samples per "
+                        f"mode; raise --seconds, or leave it out to draw them all")
     if proposed == 0:
         warnings.append("the draft proposed no token: the verify path was not exercised")
     if result["p_value"] is None:
@@ -164,7 +185,8 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
 
 def format_report(r: dict) -> str:
     s, g = r["sampling"], r["greedy"]
-    setting = ", ".join(f"{k} {v}" for k, v in s["setting"].items())
+    setting = ", ".join(f"{k} {v}" for k, v in s["setting"].items()
+                        if v != GREEDY.get(k) or k == "temperature")
     lines = [f"specrun check {r['bundle']}  (draft {r['draft']}, γ {r['gamma']})", "",
              f"sampling   {setting}; first {s['tokens']} tokens of {s['prompts']} prompts",
              f"  drawn    {s['drawn']} speculative + {s['drawn']} target-only "

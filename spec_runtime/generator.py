@@ -23,6 +23,10 @@ from .sampling import SamplingParams
 from .stats import DecodeStats, Recorder
 from .text import BYTES_PROMPT, IncrementalText, check_text, stop_strings, token_list
 
+# the sampling arguments of generate() and stream(), SamplingParams' fields but the seed
+SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "logit_bias")
+
 
 @dataclass
 class GenerationResult:
@@ -48,6 +52,7 @@ class Generator:
         decoder_start_token_id: int | None = None,
         manifest=None,
         bundle_dir=None,
+        generation_defaults: dict | None = None,
         clock=time.perf_counter,
     ):
         self.target = target
@@ -62,6 +67,9 @@ class Generator:
         self.decoder_start_token_id = decoder_start_token_id
         self.manifest = manifest  # manifest.Manifest of the bundle, when loaded from one
         self.bundle_dir = bundle_dir
+        # the model's own sampling defaults (the manifest's `generation`): what a request that
+        # leaves a sampling argument unset (None) gets, before SamplingParams' own defaults
+        self.generation_defaults = dict(generation_defaults or {})
         self.clock = clock
         # ids past the target's vocabulary are padding, never input (a draft with a smaller
         # vocabulary reads such ids as 0: drafts.ModelDraft)
@@ -69,6 +77,7 @@ class Generator:
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
         self._owner: int | None = None  # thread id of the request holding the lock
         self.last_stats: dict | None = None  # stats of the latest finished generate/stream
+        self.last_result: GenerationResult | None = None  # and its whole result
 
     # -- text -------------------------------------------------------------------------------
 
@@ -125,21 +134,48 @@ class Generator:
                                 or not 1 <= gamma <= self.max_gamma):
             raise InputError(
                 f"gamma={gamma!r} is invalid: use an integer in [1, {self.max_gamma}] (the bundle's "
-                f"max_gamma), 'auto', or None for the bundle's default ({self.default_gamma})"
+                f"max_gamma), 'auto', or leave it out for the bundle's default ({self.default_gamma})"
             )
         return GammaPolicy(gamma, start=self.default_gamma, max_gamma=self.max_gamma)
 
-    def prompt_ids(self, prompt, chat: bool = False) -> np.ndarray:
-        """The ids a request feeds: the chat template applied (chat) and tokenized, or checked
-        token ids."""
+    def prompt_ids(self, prompt, chat: bool | None = None) -> np.ndarray:
+        """The ids a request feeds. `prompt` is text, a list of {"role", "content"} messages (a
+        conversation, always through the chat template) or token ids (never through it). `chat`
+        None (the default) applies the bundle's chat template to text when the bundle has one;
+        True requires it, False feeds the text as it is."""
         if isinstance(prompt, (bytes, bytearray, memoryview)):  # before the chat template too
             raise InputError(BYTES_PROMPT)
         if isinstance(prompt, str) and not prompt:
             # refused before the chat template, which would wrap "" into a non-empty prompt
             raise InputError("the prompt is empty: give at least one token of text")
+        messages = isinstance(prompt, (list, tuple)) and bool(prompt) \
+            and all(isinstance(m, dict) for m in prompt)
+        if messages and chat is False:
+            raise InputError("a list of messages needs the chat template: leave chat on, or "
+                             "give the prompt as text")
+        if chat and isinstance(prompt, (list, tuple, np.ndarray)) and not messages:
+            raise InputError("chat=True applies the chat template to text or messages, not to "
+                             "token ids: pass text, or leave chat unset for token ids")
+        if chat is None:
+            chat = messages or (isinstance(prompt, str) and bool(self.chat_template))
         if chat:
             prompt = self.apply_chat_template(prompt)
         return self.tokenize(prompt, add_special_tokens=not chat)
+
+    def sampling_params(self, seed: int | None = None, **given) -> SamplingParams:
+        """A request's SamplingParams: each argument it gives (not None), else the bundle's
+        generation default, else SamplingParams' own (greedy, no truncation, no penalty)."""
+        unknown = sorted(set(given) - set(SAMPLING_ARGS))
+        if unknown:
+            raise TypeError(f"unknown sampling argument(s) {unknown}")
+        values = {**self.generation_defaults,
+                  **{k: v for k, v in given.items() if v is not None}}
+        params = SamplingParams(seed=seed, **values)
+        for tok, _ in params.logit_bias or ():
+            if tok >= self.vocab_size:
+                raise InputError(f"logit_bias token id {tok} is out of the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        return params
 
     def _begin(self, ids: np.ndarray, draft) -> np.ndarray:
         """Start a request on the engines: an encoder-decoder runs its encoders on `ids` and
@@ -151,10 +187,9 @@ class Generator:
             draft.engine.encode_source(ids)
         return np.asarray([self.decoder_start_token_id], dtype=np.int64)
 
-    def _rounds(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma, use_draft,
+    def _rounds(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
                 chat) -> Iterator[tuple[np.ndarray, DecodeStats]]:
         """Validate a request, then hold the engines and yield each round's tokens."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
@@ -182,7 +217,7 @@ class Generator:
             finally:
                 self._owner = None
 
-    def _texts(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma, use_draft,
+    def _texts(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
                stop, chat, live: bool = True) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
         """The one implementation of text and stop strings behind generate() and stream():
         yields (new text safe to show, the text so far, stats) per round. A stop string ends
@@ -192,8 +227,7 @@ class Generator:
         stop = stop_strings(stop)
         text = IncrementalText(self.detokenize, stop)
         shown = 0
-        rounds = self._rounds(prompt, max_new_tokens, temperature, top_k, top_p, seed, gamma,
-                              use_draft, chat)
+        rounds = self._rounds(prompt, max_new_tokens, params, gamma, use_draft, chat)
         try:
             for new, stats in rounds:
                 if not live and not stop:
@@ -214,51 +248,82 @@ class Generator:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | list[dict],
         max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
         gamma: int | str | None = None,
         use_draft: bool = True,
         stop: str | Sequence[str] | None = (),
-        chat: bool = False,
+        chat: bool | None = None,
+        *,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
     ) -> GenerationResult:
-        """Decode up to max_new_tokens new tokens. use_draft=False is target-only decoding on the
-        same engines. `stop` (a string or a list of them) ends generation; the text is cut before
-        the stop string."""
+        """Decode up to max_new_tokens new tokens from `prompt`: text, a list of
+        {"role", "content"} messages, or token ids. A sampling argument left None takes the
+        bundle's generation default (the model's generation_config), else greedy / off (see
+        SamplingParams for what each does). `chat` None applies the bundle's chat template to
+        text when it has one. use_draft=False is target-only decoding on the same engines.
+        `stop` (a string or a list of them) ends generation; the text is cut before it. A seed
+        reproduces a sample within a mode; speculative and target-only draws differ for the
+        same seed (the same distribution, other random numbers)."""
+        params = self.sampling_params(
+            seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         if self.tokenizer is None:  # token ids in, token ids out: no text, no stop strings
             if stop_strings(stop):
                 raise InputError("stop strings need a tokenizer: this generator has none")
             tokens, stats = [], DecodeStats()
-            for new, stats in self._rounds(prompt, max_new_tokens, temperature, top_k, top_p,
-                                           seed, gamma, use_draft, chat):
+            for new, stats in self._rounds(prompt, max_new_tokens, params, gamma, use_draft,
+                                           chat):
                 tokens.extend(int(t) for t in new)
             return self._result(tokens, None, stats)
         text = stats = None
-        for _, text, stats in self._texts(prompt, max_new_tokens, temperature, top_k, top_p,
-                                          seed, gamma, use_draft, stop, chat, live=False):
+        for _, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
+                                          stop, chat, live=False):
             pass
         return self._result(text.tokens, text.finish(), stats)
 
-    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, gamma=None, use_draft: bool = True,
-               stop: str | Sequence[str] | None = (), chat: bool = False) -> Iterator[str]:
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               gamma=None, use_draft: bool = True, stop: str | Sequence[str] | None = (),
+               chat: bool | None = None, *, min_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None,
+               logit_bias: dict[int, float] | None = None) -> Iterator[str]:
         """Yield the new text piece by piece, as rounds complete: the same tokens, text and
-        stats as generate(). Holds back an incomplete UTF-8 character and any tail that could
-        still become a stop string."""
+        stats as generate() with the same arguments. Holds back an incomplete UTF-8 character
+        and any tail that could still become a stop string."""
         if self.tokenizer is None:
             raise InputError("stream() needs a tokenizer: use generate() for token ids")
-        for piece, text, stats in self._texts(prompt, max_new_tokens, temperature, top_k, top_p,
-                                              seed, gamma, use_draft, stop, chat):
+        params = self.sampling_params(
+            seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat)
+
+    def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat):
+        text = stats = None
+        pieces = []
+        for piece, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
+                                              stop, chat):
             if piece:
+                pieces.append(piece)
                 yield piece
-        self._result(text.tokens, None, stats)
+        self._result(text.tokens, "".join(pieces), stats)
 
     def _result(self, tokens: list[int], text: str | None, stats: DecodeStats) -> GenerationResult:
         self.last_stats = stats.to_dict()
-        return GenerationResult(list(tokens), text, self.last_stats, stats.finish_reason)
+        self.last_result = GenerationResult(list(tokens), text, self.last_stats,
+                                            stats.finish_reason)
+        return self.last_result
 
     def target_logits(self, prompt_ids, prefix: Sequence[int]) -> np.ndarray:
         """The target's logits float64 [V] for the next token after prompt + prefix (the prefix

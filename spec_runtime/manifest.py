@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -118,6 +119,10 @@ class Manifest:
     # {"tensorrt": {"tensorrt_version", "gpu", "compute_capability", "fp16", "workspace_mb",
     #               "graphs": {"target/decoder": file, ...}}}
     engines: dict = field(default_factory=dict)
+    # the model's own sampling defaults (its generation_config), which generate() and specrun
+    # use for what a request leaves unset: {"temperature", "top_k", "top_p", "min_p",
+    # "repetition_penalty"} (absent = greedy, no truncation, no penalty)
+    generation: dict = field(default_factory=dict)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -148,6 +153,8 @@ class Manifest:
              "files": {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in self.files.items()}}
         if self.engines:
             d["engines"] = self.engines
+        if self.generation:
+            d["generation"] = dict(self.generation)
         if self.encoder_decoder:
             d.update(max_source_len=self.max_source_len,
                      decoder_start_token_id=self.decoder_start_token_id)
@@ -177,7 +184,7 @@ class Manifest:
             decoder_start_token_id=d.get("decoder_start_token_id"),
             files={n: FileEntry(f["bytes"], f["sha256"]) for n, f in d["files"].items()},
             created_by=d.get("created_by") or {}, schema_version=d["schema_version"],
-            engines=d.get("engines") or {})
+            engines=d.get("engines") or {}, generation=d.get("generation") or {})
 
 
 def _model(d: dict) -> ModelEntry:
@@ -213,7 +220,8 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST
     if not bundle_dir.is_dir():
-        raise BundleError(f"no bundle at {str(bundle_dir)!r}: build one with `specexport build`")
+        raise BundleError(f"no bundle at {str(bundle_dir)!r}: build one there with "
+                          f"`specexport build --out {shlex.quote(str(bundle_dir))}`")
     if not path.is_file():
         raise BundleError(f"{str(bundle_dir)!r} has no {MANIFEST}: it is not a complete bundle; "
                           f"{REBUILD}")

@@ -99,6 +99,28 @@ def validate(m: dict) -> None:
     _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
     _check_distinct_graphs(m)
     _check_engines(m.get("engines"), files)
+    _check_generation(m.get("generation"))
+
+
+GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _check_generation(generation) -> None:
+    """The model's sampling defaults: known keys with values SamplingParams accepts."""
+    if generation is None:
+        return
+    if not isinstance(generation, dict):
+        raise _bad("generation", generation, "it must be an object")
+    from .errors import InputError
+    from .sampling import SamplingParams
+
+    for key, value in generation.items():
+        if key not in GENERATION_KEYS:
+            raise _bad(f"generation.{key}", value, f"the keys are {list(GENERATION_KEYS)}")
+        try:
+            SamplingParams(**{key: value})
+        except InputError as e:
+            raise BundleError(f"manifest generation.{key}: {e}; {REBUILD}") from None
 
 
 def _check_engines(engines, files: dict) -> None:

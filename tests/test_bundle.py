@@ -34,7 +34,7 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
     gen.eos_token_ids = frozenset()  # random models may emit EOS anywhere; compare 40 tokens
     accepted = 0
     for prompt in PROMPTS:
-        r = gen.generate(prompt, max_new_tokens=40, gamma=gamma)
+        r = gen.generate(prompt, max_new_tokens=40, gamma=gamma, chat=False)
         assert r.tokens == hf_greedy(target_dir, prompt, 40), prompt
         accepted += r.stats["accepted"]
     if pair.startswith("llama"):

@@ -48,8 +48,8 @@ def test_fp16_speculative_is_exact_relative_to_the_fp16_target(fp16_pair):
     gen.eos_token_ids = frozenset()
     same = 0
     for prompt in ("hello world", "The cat sat on", "abc abc abc abc"):
-        spec = gen.generate(prompt, max_new_tokens=24, gamma=4)
-        base = gen.generate(prompt, max_new_tokens=24, use_draft=False)
+        spec = gen.generate(prompt, max_new_tokens=24, gamma=4, chat=False)
+        base = gen.generate(prompt, max_new_tokens=24, use_draft=False, chat=False)
         assert spec.tokens == base.tokens, prompt
         hf = hf_greedy(fp16_pair[0], prompt, 24)
         same += next((i for i, (a, b) in enumerate(zip(base.tokens, hf)) if a != b), 24)
