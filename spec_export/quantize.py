@@ -16,8 +16,13 @@ def quantize_int8(src: Path, dst: Path) -> dict:
     graph contract and the runtime are unchanged."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    import onnx
+
+    # the fused graph's contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization) have
+    # no type inference in the quantizer: their outputs, the next MatMul's inputs, are float32
     quantize_dynamic(str(src), str(dst), per_channel=True, weight_type=QuantType.QInt8,
-                     op_types_to_quantize=["MatMul", "Gemm"])
+                     op_types_to_quantize=["MatMul", "Gemm"],
+                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     return {"method": "onnxruntime.quantization.quantize_dynamic", "weights": "int8 per channel",
             "activations": "int8 dynamic", "embedding": "float32"}
 
