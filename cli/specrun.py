@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import click
 
-from .common import BadInput, input_errors
+from spec_runtime.errors import InputError
+
+from .common import BadInput, BundleCommand, input_errors
+
+MAX_NEW_TOKENS = 128  # the one default, for every command (and Generator.generate)
 
 
 def _gamma(value):
@@ -42,6 +47,13 @@ def _read_prompt(prompt, prompt_file):
                          f"`iconv -t UTF-8`") from None
 
 
+def bundle_option(fn):
+    """-b/--bundle, the same for every command that reads a bundle."""
+    return click.option("-b", "--bundle", type=click.Path(), default=None,
+                        help="bundle directory [default: $SPECEDGE_BUNDLE, else where "
+                             "`specexport build` writes without --out: see `specrun where`]")(fn)
+
+
 def device_options(fn):
     """--device and --draft-device, shared by the commands that load a bundle."""
     from spec_runtime.kv_cache import DEVICES
@@ -51,8 +63,94 @@ def device_options(fn):
                       help="where a model draft runs [default: --device], e.g. an int4 draft on "
                            "cpu beside an fp16 target on cuda")(fn)
     return click.option("--device", type=devices, default="cpu", show_default=True,
-                        help="where the target runs: ONNX Runtime's CPU, CUDA or TensorRT "
-                             "provider (the last two need onnxruntime-gpu)")(fn)
+                        help="where the target runs: cpu (ONNX Runtime's CPU provider), cuda or "
+                             "tensorrt (ONNX Runtime's CUDA or TensorRT provider, which need "
+                             "onnxruntime-gpu; tensorrt also runs engines built by "
+                             "`specexport engine`)")(fn)
+
+
+def _logit_bias(values) -> dict | None:
+    out = {}
+    for v in values:
+        tok, sep, bias = v.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise BadInput(f"--logit-bias {v!r} is invalid: use TOKEN_ID=BIAS, e.g. "
+                           f"--logit-bias 2=-100 to ban token 2") from None
+        if not sep:
+            raise BadInput(f"--logit-bias {v!r} is invalid: use TOKEN_ID=BIAS")
+    return out or None
+
+
+def sampling_options(fn, temperature_default=None):
+    """The sampling controls, each defaulting to the bundle's generation default (the model's
+    generation_config), else off; generate and chat share them."""
+    the_bundles = "[default: the bundle's, else {}]"
+    options = [
+        click.option("--temperature", type=float, default=temperature_default,
+                     help="sampling temperature, >= 0; 0 = greedy "
+                          + the_bundles.format("0 = greedy")),
+        click.option("--top-k", type=int, default=None,
+                     help="keep the k most likely tokens, >= 0; 0 = all "
+                          + the_bundles.format("0")),
+        click.option("--top-p", type=float, default=None,
+                     help="keep the most likely tokens up to this probability mass, in (0, 1] "
+                          + the_bundles.format("1 = all")),
+        click.option("--min-p", type=float, default=None,
+                     help="drop tokens less likely than min-p × the most likely one, in [0, 1] "
+                          + the_bundles.format("0 = off")),
+        click.option("--repetition-penalty", type=float, default=None,
+                     help="divide the logits of tokens already in the context (prompt "
+                          "included), > 0; 1.1-1.3 curbs loops " + the_bundles.format("1 = off")),
+        click.option("--presence-penalty", type=float, default=None,
+                     help="subtract from the logit of every token generated so far, in [-2, 2] "
+                          "[default: 0 = off]"),
+        click.option("--frequency-penalty", type=float, default=None,
+                     help="subtract this × how often a token was generated so far, in [-2, 2] "
+                          "[default: 0 = off]"),
+        click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
+                     help="add BIAS (in [-100, 100]) to token ID's logit; repeatable; "
+                          "-100 bans a token"),
+        click.option("--seed", type=int, default=None,
+                     help="random seed, >= 0: the same seed gives the same sample in the same "
+                          "mode (speculative and --no-draft draw differently) [default: random]"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                    frequency_penalty, logit_bias, seed) -> dict:
+    """The sampling arguments for Generator.generate/stream, checked before a bundle loads
+    (values that need the bundle, a token id's range, are checked by the generator)."""
+    from spec_runtime.sampling import SamplingParams
+
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+              frequency_penalty=frequency_penalty, logit_bias=_logit_bias(logit_bias))
+    try:
+        SamplingParams(seed=seed, **{k: v for k, v in kw.items() if v is not None})
+    except InputError as e:
+        raise BadInput(cli_words(str(e))) from None
+    return dict(kw, seed=seed)
+
+
+def check_gamma(gen, gamma) -> None:
+    """--gamma against the loaded bundle's max_gamma, in the command line's words."""
+    try:
+        gen.gamma_policy(gamma)
+    except InputError as e:
+        raise BadInput(cli_words(str(e))) from None
+
+
+def cli_words(message: str) -> str:
+    """A sampling message in the command line's words: "top_p=1.5 is invalid" -> "--top-p 1.5
+    is invalid", "logit_bias[5]=200" -> "--logit-bias 5=200"."""
+    message = re.sub(r"^logit_bias\[(.*?)\]=", r"--logit-bias \1=", message)
+    message = re.sub(r"^logit_bias token id", "--logit-bias token id", message)
+    return re.sub(r"^([a-z_]+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
 def stats_line(stats: dict) -> str:
@@ -66,46 +164,70 @@ def stats_line(stats: dict) -> str:
     return s
 
 
-@click.group()
-def main():
-    """Generate with exact speculative decoding from a specedge bundle."""
+@click.group(invoke_without_command=True)
+@click.version_option(package_name="specedge", message="%(prog)s %(version)s")
+@click.pass_context
+def main(ctx):
+    """Generate with exact speculative decoding from a specedge bundle: `specrun generate
+    "PROMPT"`, `specrun chat`, `specrun bench`, `specrun check`. Every command reads the bundle
+    that `specexport build` wrote, or the one -b/--bundle names."""
+    if ctx.invoked_subcommand is None:
+        click.echo(ctx.get_help())
 
 
 @main.command()
 @click.argument("prompt", required=False)
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
-              default=None)
-@click.option("--bundle", type=click.Path(), default=None,
-              help="bundle directory [default: where `specexport build` writes]")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--gamma", default=None, help="draft length γ, or 'auto' [default: the bundle's]")
+              default=None, help="read the prompt from this UTF-8 file ('-' = stdin) [default: the PROMPT "
+                   "argument, else stdin]")
+@bundle_option
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=MAX_NEW_TOKENS,
+              show_default=True, help="stop after this many new tokens (or at EOS)")
+@sampling_options
+@click.option("--gamma", default=None,
+              help="draft length γ, 1..the bundle's max_gamma, or 'auto' (re-chosen every round "
+                   "from the measured acceptance and costs) [default: the bundle's]")
 @click.option("--no-draft", is_flag=True, help="target-only decoding (the baseline)")
 @click.option("--chat/--no-chat", default=None,
-              help="apply the bundle's chat template [default: on when it has one]")
-@click.option("--stream", is_flag=True, help="print text as it is generated")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object: tokens, text, stats")
+              help="apply the bundle's chat template to the prompt [default: on when the bundle "
+                   "has one]")
+@click.option("--stream", is_flag=True, help="print the text as it is generated")
+@click.option("--json", "as_json", is_flag=True,
+              help="print one JSON object (tokens, text, stats); with --stream, one JSON object "
+                   "per line: {\"text\": piece} per piece, then the whole text and stats")
 @device_options
 @input_errors
-def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, top_p, seed, gamma,
+def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, top_p, min_p,
+             repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, gamma,
              no_draft, chat, stream, as_json, device, draft_device):
     """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
     import spec_runtime
 
     text = _read_prompt(prompt, prompt_file)
+    kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
+                  chat=chat, **sampling_kwargs(temperature, top_k, top_p, min_p,
+                                               repetition_penalty, presence_penalty,
+                                               frequency_penalty, logit_bias, seed))
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
-    if chat is None:
-        chat = bool(gen.chat_template)
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                  top_p=top_p, seed=seed, gamma=_gamma(gamma), use_draft=not no_draft, chat=chat)
-    if stream and not as_json:
-        for piece in gen.stream(text, **kwargs):
-            click.echo(piece, nl=False)
-        click.echo()
-        click.echo(stats_line(gen.last_stats), err=True)
+    check_gamma(gen, kwargs["gamma"])
+    if stream:
+        try:
+            for piece in gen.stream(text, **kwargs):
+                if as_json:
+                    click.echo(json.dumps({"text": piece}))
+                else:
+                    click.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            if not as_json:
+                click.echo()  # "interrupted" goes on a line of its own
+            raise
+        if as_json:
+            last = gen.last_result
+            click.echo(json.dumps({"done": True, "text": last.text, "tokens": last.tokens,
+                                   "finish_reason": last.finish_reason, "stats": last.stats}))
+        else:
+            click.echo()
+            click.echo(stats_line(gen.last_stats), err=True)
         return
     result = gen.generate(text, **kwargs)
     if as_json:
@@ -116,6 +238,84 @@ def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, to
         click.echo(stats_line(result.stats), err=True)
 
 
+@main.command(cls=BundleCommand)
+@bundle_option
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=MAX_NEW_TOKENS,
+              show_default=True, help="longest answer, in tokens")
+@sampling_options
+@click.option("--system", default=None,
+              help="a system message that starts the conversation [default: the chat "
+                   "template's own, if any]")
+@click.option("--gamma", default=None,
+              help="draft length γ, 1..the bundle's max_gamma, or 'auto' [default: the bundle's]")
+@click.option("--no-draft", is_flag=True, help="target-only decoding (the baseline)")
+@device_options
+@input_errors
+def chat(bundle, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+         presence_penalty, frequency_penalty, logit_bias, seed, system, gamma, no_draft, device,
+         draft_device):
+    """Talk with the bundle's model: a multi-turn conversation through its chat template,
+    answers streamed, the speed and acceptance of each on one line. Type /reset to start
+    over, /stats for the conversation's totals, /exit (or Ctrl-D) to leave; Ctrl-C stops an
+    answer."""
+    import spec_runtime
+    from spec_runtime.chat_session import ChatSession
+
+    kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
+                  **sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty,
+                                    presence_penalty, frequency_penalty, logit_bias, seed))
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    check_gamma(gen, kwargs["gamma"])
+    session = ChatSession(gen, system=system, **kwargs)
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    if interactive:
+        click.echo(f"specrun chat · {gen.bundle_dir} · /reset /stats /exit · Ctrl-C stops an "
+                   f"answer", err=True)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo("\n(/exit or Ctrl-D leaves)", err=True)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            session.reset()
+            click.echo("(conversation cleared)", err=True)
+            continue
+        if line == "/stats":
+            click.echo(session.totals_line(), err=True)
+            continue
+        if line.startswith("/"):
+            click.echo(f"unknown command {line.split()[0]!r}: /reset, /stats or /exit", err=True)
+            continue
+        try:
+            for note in session.fit(line):
+                click.echo(f"({note})", err=True)
+        except spec_runtime.InputError as e:
+            click.echo(f"error: {e}", err=True)
+            continue
+        answer = session.answer(line)
+        try:
+            for piece in answer:
+                click.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            answer.close()  # keeps what was said so far in the conversation
+            click.echo()
+            click.echo("(answer stopped)", err=True)
+            continue
+        except spec_runtime.InputError as e:  # this turn cannot run; the conversation goes on
+            click.echo(f"error: {e}", err=True)
+            continue
+        click.echo()
+        click.echo(stats_line(session.last_stats), err=True)
+
+
 def _gammas(value: str) -> list:
     out = []
     for part in value.split(","):
@@ -124,76 +324,133 @@ def _gammas(value: str) -> list:
     return out
 
 
-@main.command()
-@click.option("--bundle", type=click.Path(), default=None)
+class _Progress:
+    """A progress bar on a terminal, a line per step elsewhere (a log, CI)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done = total, label, 0
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = click.progressbar(length=total, label=label, file=sys.stderr)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def update(self, n: int = 1):
+        step = max(1, self.total // 10)  # about ten lines when it is not a terminal
+        before, self.done = self.done, self.done + n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.done // step > before // step or self.done == self.total:
+            click.echo(f"{self.label}: {self.done}/{self.total}", err=True)
+
+
+@main.command(cls=BundleCommand)
+@bundle_option
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
-              help="JSON {kind: [prompts]} or a text file, one prompt per line [default: built-in]")
+              help="JSON {kind: [prompts]} or a text file, one prompt per line [default: "
+                   "built-in grounded and chat prompts]")
 @click.option("--kind", type=click.Choice(["all", "grounded", "chat"]), default="all",
               show_default=True, help="which built-in prompts")
-@click.option("--gamma", default="1,2,4,8", show_default=True, help="γ values, or 'auto'")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
-@click.option("--repeats", type=int, default=1, show_default=True)
+@click.option("--gamma", default=None,
+              help="γ values to compare, comma-separated integers or 'auto' [default: the "
+                   "bundle's γ; with --full 1,2,4,8]")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="sampling temperature, >= 0; 0 = greedy")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=MAX_NEW_TOKENS,
+              show_default=True, help="new tokens per generation")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="runs per prompt and mode")
+@click.option("--full", is_flag=True,
+              help="the whole grid: every built-in prompt (12) and γ 1,2,4,8 (about 10 minutes "
+                   "on 2 cores); without it, 3 prompts of each kind at the bundle's γ (about a "
+                   "minute)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="write a PNG of speedup vs γ (needs matplotlib)")
+              help="write a PNG of speedup vs γ (needs matplotlib) [default: no plot]")
 @device_options
 @input_errors
-def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, as_json, plot,
-          device, draft_device):
+def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, full,
+          as_json, plot, device, draft_device):
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
-    from spec_runtime.bench import format_table, load_prompts, run_bench
+    from spec_runtime.bench import QUICK_PROMPTS, format_table, load_prompts, run_bench
     from spec_runtime.bench import plot as plot_report
+    from spec_runtime.sampling import SamplingParams
 
-    if repeats < 1:
-        raise BadInput(f"--repeats {repeats} is invalid: use an integer >= 1")
-    prompts = load_prompts(prompts_file, kind if prompts_file is None else "all")
-    gammas = _gammas(gamma)
+    SamplingParams(temperature=temperature)
+    gammas = _gammas(gamma) if gamma is not None else ([1, 2, 4, 8] if full else None)
+    prompts = load_prompts(prompts_file, kind if prompts_file is None else "all",
+                           per_kind=None if full or prompts_file else QUICK_PROMPTS)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gammas = gammas or [gen.default_gamma]
     for g in gammas:
-        gen.gamma_policy(g)  # validate every γ before minutes of measuring
-    with click.progressbar(length=len(gammas) * len(prompts) * repeats, label="bench",
-                           file=sys.stderr) as bar:
+        check_gamma(gen, g)  # validate every γ before minutes of measuring
+    with _Progress(len(gammas) * len(prompts) * repeats, "bench") as progress:
         report = run_bench(gen, prompts, gammas, temperature=temperature,
-                           max_new_tokens=max_new_tokens, repeats=repeats, progress=bar.update)
+                           max_new_tokens=max_new_tokens, repeats=repeats,
+                           progress=progress.update)
     if plot:
         plot_report(report, plot)
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
 
 
-@main.command()
-@click.argument("bundle", type=click.Path(), required=False)
+@main.command(cls=BundleCommand)
+@bundle_option
 @click.option("--tokens", type=int, default=3, show_default=True,
-              help="length k of the continuations whose joint distribution is compared")
+              help="length k (>= 1) of the continuations whose joint distribution is compared")
 @click.option("--samples", type=int, default=None,
-              help="continuations per mode (speculative, target-only) [default: 400]")
+              help="continuations per mode (speculative, target-only), >= 1 [default: 400]")
 @click.option("--seconds", type=float, default=None,
-              help="time budget; sampling stops when it is spent [default: 90]")
-@click.option("--temperature", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--gamma", default=None, help="draft length γ, or 'auto' [default: the bundle's]")
-@click.option("--seed", type=int, default=0, show_default=True)
+              help="time budget; sampling stops when it is spent, and the report says what the "
+                   "fewer samples can detect [default: none, all samples are drawn]")
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              help="the sampling setting checked: temperature, > 0")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = all tokens")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="in (0, 1]; 1 = all")
+@click.option("--min-p", type=float, default=0.0, show_default=True, help="in [0, 1]; 0 = off")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="> 0; 1 = off")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="in [-2, 2]; 0 = off")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="in [-2, 2]; 0 = off")
+@click.option("--gamma", default=None,
+              help="draft length γ, 1..the bundle's max_gamma, or 'auto' [default: the bundle's]")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="seed of the whole check (each generation gets its own, drawn from it)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @device_options
 @input_errors
-def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, gamma, seed, as_json,
-          device, draft_device):
-    """Test that speculative decoding on BUNDLE samples from the target's distribution: a
+def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, repetition_penalty,
+          presence_penalty, frequency_penalty, gamma, seed, as_json, device, draft_device):
+    """Test that speculative decoding on the bundle samples from the target's distribution: a
     two-sample chi-square of speculative vs target-only continuations, and greedy parity.
     Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
     import spec_runtime
-    from spec_runtime.check import DEFAULT_SAMPLES, DEFAULT_SECONDS, format_report, run_check
+    from spec_runtime.check import DEFAULT_SAMPLES, format_report, run_check
+    from spec_runtime.sampling import SamplingParams
 
+    setting = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty)
+    try:
+        SamplingParams(**setting)  # bad values before the bundle loads
+    except InputError as e:
+        raise BadInput(cli_words(str(e))) from None
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
     samples = DEFAULT_SAMPLES if samples is None else samples
-    with click.progressbar(length=max(samples, 1), label="check", file=sys.stderr) as bar:
-        report = run_check(gen, tokens=tokens, samples=samples,
-                           seconds=DEFAULT_SECONDS if seconds is None else seconds,
-                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           gamma=_gamma(gamma), progress=bar.update)
+    with _Progress(max(samples, 1), "check") as progress:
+        check_gamma(gen, _gamma(gamma))
+        report = run_check(gen, tokens=tokens, samples=samples, seconds=seconds, seed=seed,
+                           gamma=_gamma(gamma), progress=progress.update, **setting)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     sys.exit(report["exit_code"])
 

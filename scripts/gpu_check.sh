@@ -24,7 +24,7 @@ specexport build --precision fp16 --kernels portable --out "$work/portable" --qu
 run_device() {  # bundle device
   echo "== $2: bench (chat prompts, γ 4, 64 tokens) and check (200 samples)"
   specrun bench --bundle "$1" --device "$2" --kind chat --gamma 4 --max-new-tokens 64
-  specrun check "$1" --device "$2" --samples 200 --seconds 120
+  specrun check --bundle "$1" --device "$2" --samples 200 --seconds 120
 }
 
 if has CUDAExecutionProvider; then
@@ -44,7 +44,7 @@ fi
 if native >/dev/null 2>&1; then
   echo "== native TensorRT: $(native)"
   cp -r "$work/portable" "$work/native"
-  specexport engine "$work/native"
+  specexport engine --bundle "$work/native"
   run_device "$work/native" tensorrt
 else
   echo "== skipped: native TensorRT (needs the tensorrt and cuda-python packages and a GPU)"

@@ -54,9 +54,10 @@ HEAD_DIM_MULTIPLE = 16
 def fused_unsupported(module) -> str | None:
     """Why `module` cannot be written as a fused graph, or None if it can. Anything with
     `model_type` and `head_dim` does: a models.llama module or a Hugging Face config."""
-    if getattr(module, "model_type", None) != "llama":
-        return f"fused kernels cover the llama family; {getattr(module, 'model_type', None)!r} " \
-               f"exports as a portable graph"
+    model_type = getattr(module, "model_type", None)
+    if model_type != "llama":
+        what = f"a {model_type!r} model" if model_type else "a model without a model_type"
+        return f"fused kernels cover the llama family; {what} exports as a portable graph"
     if module.head_dim % HEAD_DIM_MULTIPLE:
         return f"head_dim {module.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} (ONNX " \
                f"Runtime's GroupQueryAttention needs one)"

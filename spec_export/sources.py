@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from spec_runtime.errors import BuildError
@@ -18,6 +19,8 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class ModelSpec:
     source: str
     gguf_file: str | None = None
+    # the option that named it ("--target", "--draft"), for messages; not part of the manifest
+    option: str | None = field(default=None, compare=False)
 
     def describe(self) -> dict:
         return {"source": self.source, "gguf_file": self.gguf_file}
@@ -50,13 +53,47 @@ def default_target() -> ModelSpec:
     return ModelSpec(str(directory), DEFAULT_GGUF_FILE)
 
 
-def model_spec(source: str, gguf_file: str | None) -> ModelSpec:
-    if source.endswith(".gguf") and Path(source).is_file():
-        return ModelSpec(str(Path(source).parent), Path(source).name)
-    if gguf_file and not (Path(source) / gguf_file).is_file() and Path(source).exists():
-        raise BuildError(f"--gguf-file {gguf_file!r} is not in {source!r}: give the file's name "
-                         f"inside that directory")
-    return ModelSpec(source, gguf_file)
+# what a Hugging Face repo id can be: `name` or `owner/name`, letters, digits, - _ .
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+SOURCE_FIX = ("give an existing save_pretrained directory or .gguf file, or a Hugging Face id "
+              "like owner/name")
+
+
+def looks_like_path(source: str) -> bool:
+    """A value no Hugging Face id can be: it names a local file or directory."""
+    return (source.startswith(("/", "./", "../", "~")) or source in (".", "..")
+            or source.endswith((".gguf", "/")) or source.count("/") > 1
+            or not HUB_ID.match(source))
+
+
+def model_spec(source: str, gguf_file: str | None, option: str = "--target") -> ModelSpec:
+    """`source` as given to `option`: a local directory or .gguf file when one exists (a leading
+    ~ is expanded), else a Hugging Face id; a value that can only be a path and names nothing
+    is refused here, before anything is loaded."""
+    local = Path(source).expanduser()
+    if not local.exists():
+        if looks_like_path(source):
+            raise BuildError(f"{option} {source!r}: no such file or directory: {SOURCE_FIX}")
+        return ModelSpec(source, gguf_file, option)  # a hub id, resolved when it is loaded
+    if local.is_file():
+        if source.endswith(".gguf"):
+            if gguf_file and gguf_file != local.name:
+                raise BuildError(f"{option} {source!r} is a GGUF file already and "
+                                 f"{_gguf_option(option)} {gguf_file!r} names another: drop "
+                                 f"{_gguf_option(option)}")
+            return ModelSpec(str(local.parent), local.name, option)
+        raise BuildError(f"{option} {source!r} is a file but not a .gguf file: {SOURCE_FIX}")
+    if gguf_file and not (local / gguf_file).is_file():
+        present = sorted(p.name for p in local.glob("*.gguf"))
+        listing = (f" (it holds {', '.join(present[:5])}{', ...' if len(present) > 5 else ''})"
+                   if present else " (it holds no .gguf file)")
+        raise BuildError(f"{_gguf_option(option)} {gguf_file!r} is not in {source!r}{listing}: "
+                         f"give the file's name inside that directory")
+    return ModelSpec(str(local) if source.startswith("~") else source, gguf_file, option)
+
+
+def _gguf_option(option: str) -> str:
+    return "--draft-gguf-file" if option == "--draft" else "--gguf-file"
 
 
 def check_vocabularies(target_tok, draft_tok) -> None:
@@ -92,6 +129,13 @@ def load_model(spec: ModelSpec):
     try:
         return load_hf_model(spec.source, gguf_file=spec.gguf_file)
     except (OSError, ValueError) as e:
-        where = spec.source + (f" (GGUF file {spec.gguf_file})" if spec.gguf_file else "")
-        raise BuildError(f"cannot load a model from {where}: {str(e).splitlines()[0]}; give a "
-                         f"Hugging Face id, a save_pretrained directory, or a GGUF file") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
+        gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""
+        if Path(spec.source).exists():
+            raise BuildError(f"cannot load a model from {named}{gguf}: {reason}; give a "
+                             f"save_pretrained directory (config.json, weights, tokenizer) or a "
+                             f".gguf file") from None
+        raise BuildError(f"{named}{gguf} is not a local file or directory, and loading it as a "
+                         f"Hugging Face id failed: {reason}; {SOURCE_FIX} (an id needs network "
+                         f"access, or the model in the local Hugging Face cache)") from None

@@ -9,17 +9,20 @@ graph against its PyTorch model, loaded again from the source the manifest recor
   bundles: only the "broken" rule the build applies);
 - an int8 encoder-decoder graph: max |diff| within the recorded limit.
 A graph that fails raises BundleError: the bundle does not hold the model it says it does.
+`format_report` turns the report into the table `specexport verify` prints.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.errors import BundleError
 from spec_runtime.manifest import Manifest, ModelEntry, read_manifest
 
-from .quality import FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS, broken_quantization
+from .quality import (FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT, PARITY_PROMPT,
+                      QUANT_PROMPTS, broken_quantization)
 from .sources import ModelSpec, load_model
 
 
@@ -88,3 +91,80 @@ def _parity(model, bundle_dir: Path, entry: ModelEntry, manifest: Manifest,
     source, decoder_ids = parity_inputs(model, ids, manifest.max_source_len)
     return check_parity_seq2seq(model, bundle_dir / graphs["encoder"].file,
                                 bundle_dir / graphs["decoder"].file, source, decoder_ids)
+
+
+# -- the table `specexport verify` prints ---------------------------------------------------------
+
+DIFF_CHECK = "max |Δlogit| vs PyTorch"
+TOP1_CHECK = "top-1 agreement vs float model"
+KL_CHECK = "mean KL vs float model"
+COLUMNS = ("role", "graph", "precision", "check", "measured", "threshold", "result")
+
+
+def _ok(flag: bool) -> str:
+    return "ok" if flag else "FAIL"
+
+
+def report_rows(report: dict) -> list[dict]:
+    """One row per graph and check of a verify_bundle report, as strings: role, graph,
+    precision, check (what was compared with what), measured, threshold, result ("ok", "FAIL",
+    or "info" for a value shown but not judged)."""
+    rows = []
+    for key, g in report["graphs"].items():
+        role, graph = key.split("/", 1)
+        base = {"role": role, "graph": graph, "precision": g["precision"]}
+        diff = f"{g['max_abs_diff']:.3g}"
+        if "top1_agreement" in g:  # a quantized decoder graph: judged against the float model
+            limits = g.get("thresholds")
+            if limits:
+                top1_limit = f">= {limits['min_top1_agreement']:.1%}"
+                kl_limit = f"<= {limits['max_mean_kl']:.3g}"
+                top1_ok = g["top1_agreement"] >= limits["min_top1_agreement"]
+                kl_ok = g["mean_kl"] <= limits["max_mean_kl"]
+            else:  # a bundle built before thresholds were recorded: only the "broken" rule
+                top1_limit = f">= {MIN_TOP1_AGREEMENT:.0%} or KL <= {MAX_BROKEN_KL}"
+                kl_limit = f"<= {MAX_BROKEN_KL} or top-1 >= {MIN_TOP1_AGREEMENT:.0%}"
+                top1_ok = kl_ok = g["ok"]
+            rows += [dict(base, check=TOP1_CHECK, measured=f"{g['top1_agreement']:.1%}",
+                          threshold=top1_limit, result=_ok(top1_ok)),
+                     dict(base, check=KL_CHECK, measured=f"{g['mean_kl']:.3g}",
+                          threshold=kl_limit, result=_ok(kl_ok)),
+                     dict(base, check=DIFF_CHECK, measured=diff, threshold="not judged",
+                          result="info")]
+        else:  # fp32, or an int8 encoder-decoder graph with the limit its build recorded
+            limit = g.get("limit")
+            rows.append(dict(base, check=DIFF_CHECK, measured=diff,
+                             threshold="not recorded" if limit is None else f"<= {limit:.3g}",
+                             result=_ok(g.get("ok", True))))
+    return rows
+
+
+def format_report(report: dict) -> str:
+    """The report as a table, one row per graph and check, then what the checks mean."""
+    rows = report_rows(report)
+    header = dict(zip(COLUMNS, COLUMNS))
+    widths = {c: max(len(r[c]) for r in [header, *rows]) for c in COLUMNS}
+
+    def line(r: dict) -> str:
+        return "  ".join(r[c].ljust(widths[c]) for c in COLUMNS).rstrip()
+
+    failed = sum(r["result"] == "FAIL" for r in rows)
+    judged = sum(r["result"] != "info" for r in rows)
+    files = ("every file's size and sha256 match the manifest" if report["files"] == "ok"
+             else report["files"])
+    int8_encdec = any(r["precision"] != "fp32" and r["check"] == DIFF_CHECK
+                      and r["result"] != "info" for r in rows)
+    notes = [f"Float (fp32) graphs are judged by max |Δlogit| against the PyTorch model they "
+             f"came from (<= {FP32_TOLERANCE:g}); quantized graphs (int4, int8, fp16) by top-1 "
+             f"agreement and mean KL against the float model, within the thresholds recorded at "
+             f"build" + ("; int8 encoder-decoder graphs by max |Δlogit| within the limit "
+                         "recorded at build." if int8_encdec else ".")]
+    shown = [r for r in rows if r["result"] == "info"]
+    if shown:
+        where = ", ".join(f"{r['measured']} on the {r['role']} {r['graph']}" for r in shown)
+        notes.append(f"A quantized graph's max |Δlogit| is its expected rounding error, shown "
+                     f"for information and not a failure ({where}).")
+    out = [f"bundle {report['bundle']}", f"files: {files}", "", line(header), *map(line, rows),
+           "", f"{judged - failed} of {judged} checks passed"
+           + (f", {failed} FAILED" if failed else "")]
+    return "\n".join(out + [textwrap.fill(n, 100) for n in notes])

@@ -15,6 +15,8 @@ which is how its bookkeeping is tested on a machine without either (tests/fake_t
 
 from __future__ import annotations
 
+import shlex
+
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,7 @@ def import_tensorrt():
 
 
 def rebuild_hint(bundle_dir) -> str:
-    return f"rebuild them here with `specexport engine {bundle_dir}`"
+    return f"rebuild them here with `specexport engine --bundle {shlex.quote(str(bundle_dir))}`"
 
 
 def check_compatible(record: dict, installed: dict, bundle_dir) -> None:

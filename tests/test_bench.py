@@ -51,7 +51,7 @@ def test_builtin_prompts_have_both_kinds():
 
 
 @pytest.mark.parametrize("args, words", [(["--gamma", "0"], "gamma=0"),
-                                         (["--repeats", "0"], "--repeats 0"),
+                                         (["--repeats", "0"], "'--repeats': 0 is not in the range"),
                                          (["--prompts", "/nonexistent.txt"], "cannot be read")])
 def test_bench_bad_values_exit_2(llama_pair, args, words):
     r = CliRunner().invoke(specrun, ["bench", "--bundle", str(llama_pair[2]), *args])

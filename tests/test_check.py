@@ -18,8 +18,8 @@ from spec_runtime.sampling import sample
 from specedge.cli.specrun import main as specrun
 
 
-def run_cli(*args):
-    return CliRunner().invoke(specrun, ["check", *map(str, args)])
+def run_cli(bundle, *args):
+    return CliRunner().invoke(specrun, ["check", "--bundle", str(bundle), *map(str, args)])
 
 
 def no_residual(draft_tokens, p_draft, p_target, rng):
@@ -171,8 +171,16 @@ def test_check_fails_when_the_draft_misreports_q(llama_pair, monkeypatch):
 def test_check_text_report_and_time_limit(llama_pair):
     r = run_cli(llama_pair[2], "--samples", 10**6, "--seconds", 3)
     assert r.exit_code == 0, r.output
-    for words in ("chi2", "TV", "power", "greedy", "time limit reached", "verdict"):
+    for words in ("chi2", "TV", "power", "greedy", "--seconds 3 ran out after", "verdict"):
         assert words in r.stdout, r.stdout
+    # what the fewer samples mean: the detectable TV reported, and what all would detect
+    # (about 1/sqrt(N): README)
+    report = json.loads(run_cli(llama_pair[2], "--samples", 10**6, "--seconds", 2,
+                                "--json").stdout)
+    s = report["sampling"]
+    want = f"where all {10**6} would detect about " \
+           f"{s['min_detectable_tv'] * (s['drawn'] / 10**6) ** 0.5:.2f}"
+    assert s["drawn"] < 10**6 and any(want in w for w in report["warnings"]), report["warnings"]
 
 
 @pytest.mark.parametrize(
@@ -182,10 +190,10 @@ def test_check_text_report_and_time_limit(llama_pair):
         (["--samples", "-1"], ["--samples -1"]),
         (["--seconds", "0"], ["--seconds 0.0"]),
         (["--seconds", "nan"], ["--seconds nan"]),
-        (["--temperature", "-1"], ["temperature=-1.0"]),
+        (["--temperature", "-1"], ["--temperature -1.0"]),
         (["--temperature", "0"], ["greedy"]),
-        (["--top-p", "2"], ["top_p=2.0"]),
-        (["--gamma", "99"], ["gamma=99"]),
+        (["--top-p", "2"], ["--top-p 2.0"]),
+        (["--gamma", "99"], ["--gamma 99"]),
         (["--tokens", "500"], ["max_len is 96"]),
     ],
 )

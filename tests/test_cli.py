@@ -36,9 +36,14 @@ def test_build_then_generate_json(tmp_path):
     r = run(specrun, "generate", "--bundle", out, "--max-new-tokens", 5, "--stream", input="hi")
     assert r.exit_code == 0 and "tok/s" in r.stderr
 
-    r = run(specexport, "verify", out)
+    r = run(specexport, "verify", "--bundle", out, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["graphs"]["target/decoder"]["ok"]
+    diff = json.loads(r.stdout)["graphs"]["target/decoder"]["max_abs_diff"]
+    table = run(specexport, "verify", "-b", out)  # the readable form of the same report
+    assert table.exit_code == 0, table.output
+    row = next(line for line in table.stdout.splitlines() if line.startswith("target"))
+    assert "decoder" in row and "fp32" in row and f"{diff:.3g}" in row and row.endswith("ok")
 
 
 def test_ngram_bundle_reports_acceptance(llama_pair, tmp_path):
@@ -56,11 +61,11 @@ def test_ngram_bundle_reports_acceptance(llama_pair, tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--temperature", "-1"], ["temperature=-1.0", "use a finite number"]),
-        (["--top-p", "0"], ["top_p=0.0"]),
-        (["--top-k", "-2"], ["top_k=-2"]),
+        (["--temperature", "-1"], ["--temperature -1.0", "use a finite number"]),
+        (["--top-p", "0"], ["--top-p 0.0"]),
+        (["--top-k", "-2"], ["--top-k -2"]),
         (["--gamma", "fast"], ["--gamma 'fast'"]),
-        (["--gamma", "99"], ["gamma=99"]),
+        (["--gamma", "99"], ["--gamma 99"]),
         (["--max-new-tokens", "500"], ["max_len is 96", "--max-len"]),
     ],
 )
@@ -117,7 +122,7 @@ def test_mismatched_vocabularies_are_refused(tmp_path):
 def test_build_refuses_to_overwrite_a_directory_that_is_not_a_bundle(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    r = run(specexport, "build", "--target", tmp_path / "x", "--out", tmp_path / "mine")
+    r = run(specexport, "build", "--target", tmp_path, "--out", tmp_path / "mine")
     assert_input_error(r, "not a specedge bundle")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
@@ -126,7 +131,11 @@ def test_bad_build_values_exit_2(tmp_path):
     assert_input_error(run(specexport, "build", "--gamma", "9", "--max-gamma", "8", "--out",
                            tmp_path / "b"), "--gamma 9")
     assert_input_error(run(specexport, "build", "--target", tmp_path / "missing", "--out",
-                           tmp_path / "b", "--quiet"), "cannot load a model")
+                           tmp_path / "b", "--quiet"),
+                       f"--target '{tmp_path / 'missing'}': no such file or directory")
+    # a directory that holds no model is named as such, not as a malformed Hugging Face id
+    assert_input_error(run(specexport, "build", "--target", tmp_path, "--out", tmp_path / "b",
+                           "--quiet"), "cannot load a model from --target")
 
 
 def test_an_internal_bug_keeps_its_traceback(llama_pair, monkeypatch):

@@ -178,13 +178,27 @@ def test_verify_reports_top1_and_kl_for_int4(int4_pair):
 
     from specedge.cli.specexport import main as specexport
 
-    r = CliRunner().invoke(specexport, ["verify", str(int4_pair)])
+    r = CliRunner().invoke(specexport, ["verify", "--bundle", str(int4_pair), "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)["graphs"]["target/decoder"]
     recorded = json.loads((int4_pair / "manifest.json").read_text())["target"]["parity"]["int4"]
     assert report["precision"] == "int4"
     assert report["top1_agreement"] == pytest.approx(recorded["top1_agreement"])
     assert report["mean_kl"] == pytest.approx(recorded["mean_kl"], rel=1e-3)
+
+    # the table judges the int4 graph by top-1 and KL against the recorded thresholds, and shows
+    # its logit difference without judging it
+    table = CliRunner().invoke(specexport, ["verify", "--bundle", str(int4_pair)])
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.stdout.splitlines() if line.startswith("target")]
+    limits = recorded["verify_thresholds"]
+    top1 = next(r for r in rows if "top-1" in r)
+    assert f"{report['top1_agreement']:.1%}" in top1 and \
+        f">= {limits['min_top1_agreement']:.1%}" in top1 and top1.endswith("ok")
+    kl = next(r for r in rows if "KL" in r)
+    assert f"<= {limits['max_mean_kl']:.3g}" in kl and kl.endswith("ok")
+    diff = next(r for r in rows if "logit" in r)
+    assert "not judged" in diff and diff.endswith("info")
 
 
 def test_int4_ngram_bundle_proposes_after_two_token_matches(tmp_path):
@@ -228,7 +242,7 @@ def test_verify_fails_an_int4_graph_whose_weights_are_not_the_models(int4_pair, 
     edit_manifest(bad, lambda m: m["files"]["target.onnx"].update(
         bytes=(bad / "target.onnx").stat().st_size, sha256=sha256_file(bad / "target.onnx")))
     spec_runtime.load(bad)  # consistent as far as load can see
-    r = CliRunner().invoke(specexport, ["verify", str(bad)])
+    r = CliRunner().invoke(specexport, ["verify", "--bundle", str(bad)])
     assert r.exit_code == 2, r.output
     assert "target int4 graph agrees with the float model on" in r.output
     assert "Traceback" not in r.output

@@ -316,7 +316,7 @@ def test_cli_build_then_generate(tmp_path):
     obj = json.loads(r.stdout)
     assert obj["stats"]["mode"] == "speculative" and 1 <= len(obj["tokens"]) <= 12
 
-    r = run(specexport, "verify", out)
+    r = run(specexport, "verify", "--bundle", out, "--json")
     assert r.exit_code == 0, r.output
     graphs = json.loads(r.stdout)["graphs"]
     assert set(graphs) == {f"{r}/{g}" for r in ("target", "draft") for g in ("encoder", "decoder")}

@@ -60,8 +60,8 @@ def test_engines_are_built_recorded_and_run_token_for_token(portable_copy, fake_
     plain = spec_runtime.load(portable_copy)
     for kw in ({}, {"temperature": 1.0, "seed": 5}, {"use_draft": False}):
         for prompt in ("hello world", "x" * 70):  # the second prefills in a chunk of 70
-            a = native.generate(prompt, max_new_tokens=20, **kw)
-            b = plain.generate(prompt, max_new_tokens=20, **kw)
+            a = native.generate(prompt, max_new_tokens=20, chat=False, **kw)
+            b = plain.generate(prompt, max_new_tokens=20, chat=False, **kw)
             assert a.tokens == b.tokens, (prompt, kw)
 
 
@@ -86,24 +86,24 @@ def test_an_engine_for_another_tensorrt_or_gpu_is_refused_with_the_rebuild_comma
     monkeypatch.setattr(fake_tensorrt, "__version__", "11.0.0")
     assert_input_error(run(specrun, "generate", "hi", "--bundle", portable_copy, "--device",
                            "tensorrt"), "TensorRT '10.99.0-fake'",
-                       f"specexport engine {portable_copy}")
+                       f"specexport engine --bundle {portable_copy}")
 
 
 def test_specexport_engine_cli(portable_copy, fake_gpu):
-    r = CliRunner().invoke(specexport, ["engine", str(portable_copy), "--fp16",
+    r = CliRunner().invoke(specexport, ["engine", "--bundle", str(portable_copy), "--fp16",
                                         "--workspace", "512"])
     assert r.exit_code == 0, r.output
     assert "engines for Fake GPU (9.0): target.decoder.trt, draft.decoder.trt" in r.stdout
     record = json.loads((portable_copy / "manifest.json").read_text())["engines"]["tensorrt"]
     assert record["fp16"] is True and record["workspace_mb"] == 512
-    assert_input_error(run(specexport, "engine", portable_copy, "--workspace", "8"),
+    assert_input_error(run(specexport, "engine", "--bundle", portable_copy, "--workspace", "8"),
                        "--workspace 8")
 
 
 def test_without_tensorrt_or_with_a_fused_bundle_engine_exits_2(portable_copy, llama_pair,
                                                                 monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # not installed
-    assert_input_error(run(specexport, "engine", portable_copy), "need TensorRT",
+    assert_input_error(run(specexport, "engine", "--bundle", portable_copy), "need TensorRT",
                        "pip install tensorrt")
-    assert_input_error(run(specexport, "engine", llama_pair[2]), "fused kernels",
+    assert_input_error(run(specexport, "engine", "--bundle", llama_pair[2]), "fused kernels",
                        "--kernels portable")

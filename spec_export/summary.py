@@ -1,0 +1,84 @@
+"""What `specexport build` prints when it is done: a few lines describing the bundle, read back
+from the manifest it wrote (so the summary is always what was written, never what was asked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spec_runtime.manifest import MANIFEST, Manifest, ModelEntry, read_manifest
+
+
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.1f} MB" if n_bytes >= 50_000 else f"{n_bytes / 1e6:.2f} MB"
+
+
+def _model_bytes(manifest: Manifest, entry: ModelEntry) -> int:
+    """The model's graph files with their external weights (`<graph>.data`)."""
+    names = {g.file for g in entry.graphs.values()}
+    names |= {n + ".data" for n in names}
+    return sum(f.bytes for n, f in manifest.files.items() if n in names)
+
+
+def _source(entry: ModelEntry) -> str:
+    if entry.gguf_file:
+        return f"{entry.source.rstrip('/')}/{entry.gguf_file}"
+    return str(entry.source)
+
+
+def _parity(role: str, entry: ModelEntry, encoder_decoder: bool) -> str:
+    """What the build measured for one model against PyTorch (and, quantized, against the
+    float model)."""
+    p = entry.parity or {}
+    parts = []
+    if "max_abs_diff_fp32" in p:
+        what = "max |Δlogit|" if entry.precision == "fp32" else "fp32 export max |Δlogit|"
+        parts.append(f"{what} {p['max_abs_diff_fp32']:.2g} (tolerance "
+                     f"{p.get('tolerance_fp32', 0):g})")
+    q = p.get(entry.precision) if entry.precision != "fp32" else None
+    if isinstance(q, dict) and "top1_agreement" in q:
+        parts.append(f"top-1 {q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.3g} vs the float "
+                     f"model")
+    if encoder_decoder and "max_abs_diff_int8" in p:
+        parts.append(f"int8 max |Δlogit| {p['max_abs_diff_int8']:.2g}")
+    return f"{role} {entry.precision}: " + ("; ".join(parts) or "not recorded")
+
+
+def _draft(manifest: Manifest) -> str:
+    d = manifest.draft
+    o = d.options
+    if d.kind == "ngram":
+        what = (f"prompt lookup (matches of {o.get('min_ngram', 1)} to {o.get('max_ngram', 3)} "
+                f"tokens), no graph")
+    elif d.model is not None:
+        m = d.model
+        own = m.source == manifest.target.source and m.gguf_file == manifest.target.gguf_file
+        what = (f"the target's own weights at {m.precision}" if own
+                else f"{m.family or 'model'} from {_source(m)}, {m.precision}")
+        what += f", {_mb(_model_bytes(manifest, m))}"
+        if d.kind == "hybrid":
+            what += ", + prompt lookup"
+    else:
+        what = ""
+    auto = f" (auto: {o['auto_reason']})" if o.get("auto_reason") else ""
+    return f"{d.kind}{auto}" + (f": {what}" if what else "")
+
+
+def build_summary(bundle_dir) -> str:
+    """A few lines on the bundle at `bundle_dir`: target, draft (and why, when `--draft auto`
+    chose it), parity, cache and γ, total size and path."""
+    bundle_dir = Path(bundle_dir)
+    m = read_manifest(bundle_dir, check_files=False)  # just written and hashed
+    t = m.target
+    total = sum(f.bytes for f in m.files.values()) + (bundle_dir / MANIFEST).stat().st_size
+    target = f"{t.family or 'model'}, {t.precision}, {_mb(_model_bytes(m, t))}, from {_source(t)}"
+    rows = [("target", target),
+            ("draft", _draft(m))]
+    rows += [("parity", _parity(role, e, m.encoder_decoder)) for role, e in m.models()]
+    cache = f"max_len {m.max_len}, γ {m.default_gamma} (up to {m.max_gamma}), prefill chunk " \
+            f"{m.prefill_chunk}"
+    if m.encoder_decoder:
+        cache += f", max_source_len {m.max_source_len}"
+    rows += [("cache", cache), ("size", f"{_mb(total)} in {len(m.files) + 1} files")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([*(f"{k.ljust(width)}  {v}" for k, v in rows),
+                      f"bundle written to {bundle_dir}"])

@@ -1,0 +1,146 @@
+"""The command lines a new user meets: one way to name a bundle, help for every option, versions,
+bad values refused before a bundle loads, JSON lines from --stream --json, `specrun chat`, and
+the same chat default in the CLI and the Python API."""
+
+import json
+from importlib.metadata import version
+
+import click
+import pytest
+from click.testing import CliRunner
+from helpers import assert_input_error, run
+
+import spec_runtime
+from specedge.cli.specexport import main as specexport
+from specedge.cli.specrun import main as specrun
+
+TOOLS = {"specexport": specexport, "specrun": specrun}
+READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "chat"), ("specrun", "bench"),
+                  ("specrun", "check"), ("specexport", "verify"), ("specexport", "engine")}
+
+
+def commands():
+    for name, tool in TOOLS.items():
+        for sub, command in tool.commands.items():
+            yield name, sub, command
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_version_and_a_bare_command_prints_help(name):
+    r = CliRunner().invoke(TOOLS[name], ["--version"], prog_name=name)
+    assert r.exit_code == 0 and r.stdout == f"{name} {version('specedge')}\n", r.output
+    r = CliRunner().invoke(TOOLS[name], [], prog_name=name)
+    assert r.exit_code == 0 and "Usage:" in r.stdout and "Commands:" in r.stdout, r.output
+
+
+def test_every_option_has_help_with_its_default():
+    missing = []
+    for name, sub, command in commands():
+        for p in command.params:
+            if not isinstance(p, click.Option) or p.name == "help":
+                continue
+            text = p.help or ""
+            if not text:
+                missing.append(f"{name} {sub} {p.opts[0]}: no help")
+            elif not (p.is_flag or p.multiple or p.show_default or "[default" in text):
+                missing.append(f"{name} {sub} {p.opts[0]}: no default in {text!r}")
+    assert missing == []
+
+
+def test_every_command_that_reads_a_bundle_takes_it_as_dash_b(llama_pair):
+    found = {(name, sub) for name, sub, c in commands()
+             if any("--bundle" in p.opts and "-b" in p.opts for p in c.params)}
+    assert found == READS_A_BUNDLE
+    for name, sub in READS_A_BUNDLE - {("specrun", "generate")}:  # generate's argument is PROMPT
+        r = CliRunner().invoke(TOOLS[name], [sub, str(llama_pair[2])], prog_name=name)
+        assert r.exit_code == 2 and f"{name} {sub} --bundle {llama_pair[2]}" in r.output, r.output
+
+
+@pytest.mark.parametrize("sub", ["generate", "chat", "check"])
+@pytest.mark.parametrize("args, words", [
+    (["--top-p", "2"], "--top-p 2.0 is invalid"),
+    (["--temperature", "-1"], "--temperature -1.0 is invalid"),
+    (["--repetition-penalty", "0"], "--repetition-penalty 0.0 is invalid"),
+    (["--min-p", "1.5"], "--min-p 1.5 is invalid"),
+])
+def test_sampling_values_are_refused_before_the_bundle_loads(sub, args, words, tmp_path):
+    """The bundle named does not exist: the message is about the value, so nothing was loaded
+    first, and it is in the command line's words, not Python's."""
+    extra = ["hi"] if sub == "generate" else []
+    r = run(specrun, sub, *extra, "--bundle", tmp_path / "nothing", *args)
+    assert_input_error(r, words)
+    assert "_" not in r.output.split("is invalid")[0] and "None" not in r.output
+
+
+def test_presence_and_logit_bias_values_are_named_as_options(tmp_path):
+    r = run(specrun, "generate", "hi", "--bundle", tmp_path, "--presence-penalty", "3")
+    assert_input_error(r, "--presence-penalty 3.0 is invalid", "[-2, 2]")
+    r = run(specrun, "generate", "hi", "--bundle", tmp_path, "--logit-bias", "5=300")
+    assert_input_error(r, "--logit-bias 5=300.0 is invalid")
+    r = run(specrun, "generate", "hi", "--bundle", tmp_path, "--logit-bias", "five")
+    assert_input_error(r, "--logit-bias 'five' is invalid", "TOKEN_ID=BIAS")
+
+
+def test_stream_json_is_one_object_per_piece_then_the_result(llama_pair):
+    bundle = llama_pair[2]
+    whole = run(specrun, "generate", "hello", "-b", bundle, "--max-new-tokens", 12, "--json")
+    r = run(specrun, "generate", "hello", "-b", bundle, "--max-new-tokens", 12, "--json",
+            "--stream")
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    *pieces, last = lines
+    assert pieces and all(set(p) == {"text"} for p in pieces)
+    expected = json.loads(whole.stdout)
+    assert last["done"] is True and last["tokens"] == expected["tokens"]
+    assert "".join(p["text"] for p in pieces) == last["text"] == expected["text"]
+
+
+def test_chat_default_is_the_same_in_the_cli_and_the_api(llama_pair, monkeypatch):
+    """A text prompt goes through the bundle's chat template in both, unless told otherwise;
+    `load()` with no argument opens the default bundle."""
+    monkeypatch.setenv("SPECEDGE_BUNDLE", str(llama_pair[2]))
+    gen = spec_runtime.load()
+    assert gen.chat_template
+    cli = json.loads(run(specrun, "generate", "hello", "--max-new-tokens", 8, "--json").stdout)
+    templated = gen.generate(gen.apply_chat_template("hello"), chat=False, max_new_tokens=8)
+    assert gen.generate("hello", max_new_tokens=8).tokens == cli["tokens"] == templated.tokens
+    raw = json.loads(run(specrun, "generate", "hello", "--max-new-tokens", 8, "--json",
+                         "--no-chat").stdout)
+    assert gen.generate("hello", max_new_tokens=8, chat=False).tokens == raw["tokens"]
+
+
+def test_a_missing_bundle_names_the_command_that_makes_it(tmp_path):
+    with pytest.raises(spec_runtime.BundleError, match="specexport build --out") as e:
+        spec_runtime.load(tmp_path / "my-bundle")
+    assert str(tmp_path / "my-bundle") in str(e.value)
+
+
+def test_chat_keeps_the_conversation_and_answers_as_generate_does(llama_pair):
+    """Each answer is what generate gives for the conversation so far as chat messages
+    (greedy), /reset forgets it, /stats prints the totals, and the answers stream to stdout with
+    one stats line each on stderr."""
+    bundle = llama_pair[2]
+    gen = spec_runtime.load(bundle)
+    r = run(specrun, "chat", "-b", bundle, "--max-new-tokens", 6,
+            input="hello\nhow are you\n/stats\n/reset\nhow are you\n/exit\n")
+    assert r.exit_code == 0, r.output
+
+    def answer(messages):
+        return gen.generate(messages, max_new_tokens=6).text
+
+    first = answer([{"role": "user", "content": "hello"}])
+    second = answer([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                     {"role": "user", "content": "how are you"}])
+    fresh = answer([{"role": "user", "content": "how are you"}])
+    assert second != fresh  # the history changes the answer, so the test can tell them apart
+    assert r.stdout == "".join(a + "\n" for a in (first, second, fresh))
+    assert r.stderr.count("tok/s") >= 3 and "2 answer(s)" in r.stderr, r.stderr
+
+
+def test_bench_shows_progress_when_stderr_is_not_a_terminal(llama_pair, tmp_path):
+    prompts = tmp_path / "prompts.txt"  # the built-in prompts do not fit the tiny bundle's cache
+    prompts.write_text("".join(f"prompt number {i}\n" for i in range(20)))
+    r = run(specrun, "bench", "-b", llama_pair[2], "--max-new-tokens", 4, "--prompts", prompts)
+    assert r.exit_code == 0, r.output
+    progress = [line for line in r.stderr.splitlines() if line.startswith("bench")]
+    assert 2 <= len(progress) <= 12, r.stderr
