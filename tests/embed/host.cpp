@@ -1,12 +1,18 @@
 // A C++ program that embeds Python and generates with a specedge bundle (the README example).
 //
-//   g++ -std=c++17 host.cpp $(python3-config --embed --cflags --ldflags) -o host
-//   ./host BUNDLE_DIR            # prints the new token ids, one line
+//   PY=$(python3 -c 'import sys; print(sys.executable)')    # the Python that has specedge
+//   g++ -std=c++17 host.cpp $(python3-config --embed --cflags --ldflags) -DSPECEDGE_PYTHON="\"$PY\"" -o host
+//   ./host BUNDLE_DIR ["PROMPT"]     # prints the generated text, then its token ids on one line
 //
-// Python finds spec_runtime on its usual path (set PYTHONPATH for a virtual environment).
+// The interpreter starts as SPECEDGE_PYTHON does: same prefix and site-packages, a virtual
+// environment's included, from any directory and whatever PATH says; no PYTHONPATH needed.
 #include <Python.h>
 
 #include <cstdio>
+
+#ifndef SPECEDGE_PYTHON
+#error "define SPECEDGE_PYTHON, the path of the Python to run as: see the build command above"
+#endif
 
 namespace {
 
@@ -20,20 +26,27 @@ struct Ref {
     explicit operator bool() const { return p != nullptr; }
 };
 
-// gen = spec_runtime.load(bundle); r = gen.generate([ids], max_new_tokens=16); print(r.tokens)
-bool generate(const char* bundle) {
+// r = spec_runtime.load(bundle).generate(prompt, max_new_tokens=16, temperature=0.0)
+// print(r.text); print(*r.tokens)
+bool generate(const char* bundle, const char* prompt) {
     Ref runtime(PyImport_ImportModule("spec_runtime"));
     if (!runtime) return false;
-    Ref gen(PyObject_CallMethod(runtime.p, "load", "s", bundle));
+    Ref gen(PyObject_CallMethod(runtime.p, "load", "s", bundle));  // once; keep it
     if (!gen) return false;
     Ref method(PyObject_GetAttrString(gen.p, "generate"));
-    Ref args(Py_BuildValue("([iiiii])", 72, 101, 108, 108, 111));  // fixed prompt token ids
+    Ref args(Py_BuildValue("(N)", PyUnicode_DecodeFSDefault(prompt)));  // argv's encoding
     Ref kwargs(Py_BuildValue("{s:i,s:d}", "max_new_tokens", 16, "temperature", 0.0));
     if (!method || !args || !kwargs) return false;
     Ref result(PyObject_Call(method.p, args.p, kwargs.p));
     if (!result) return false;
+    Ref text(PyObject_GetAttrString(result.p, "text"));      // str
     Ref tokens(PyObject_GetAttrString(result.p, "tokens"));  // list[int]
-    if (!tokens) return false;
+    if (!text || !tokens) return false;
+    Py_ssize_t size;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(text.p, &size);
+    if (!utf8) return false;
+    std::fwrite(utf8, 1, size, stdout);
+    std::printf("\n");
     for (Py_ssize_t i = 0; i < PyList_Size(tokens.p); ++i) {
         std::printf("%s%ld", i ? " " : "", PyLong_AsLong(PyList_GetItem(tokens.p, i)));
     }
@@ -44,12 +57,20 @@ bool generate(const char* bundle) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc != 2) {
-        std::fprintf(stderr, "usage: %s BUNDLE_DIR\n", argv[0]);
+    if (argc < 2 || argc > 3) {
+        std::fprintf(stderr, "usage: %s BUNDLE_DIR [PROMPT]\n", argv[0]);
         return 2;
     }
-    Py_Initialize();
-    bool ok = generate(argv[1]);
+    // Without a program name, Python would take the first `python3` on PATH as its own and use
+    // that one's prefix and site-packages (another Python's, or a virtual environment's or not).
+    PyConfig config;
+    PyConfig_InitPythonConfig(&config);
+    PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, SPECEDGE_PYTHON);
+    if (!PyStatus_Exception(status)) status = Py_InitializeFromConfig(&config);
+    PyConfig_Clear(&config);
+    if (PyStatus_Exception(status)) Py_ExitStatusException(status);
+
+    bool ok = generate(argv[1], argc > 2 ? argv[2] : "What is speculative decoding?");
     if (!ok) PyErr_Print();  // a bad bundle prints the library's message and hint
     if (Py_FinalizeEx() < 0) return 120;
     return ok ? 0 : 1;
