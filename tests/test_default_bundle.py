@@ -13,14 +13,6 @@ from specedge.cli.specrun import main as specrun
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def default_bundle(tmp_path_factory):
-    out = tmp_path_factory.mktemp("default") / "bundle"
-    r = CliRunner().invoke(specexport, ["build", "--out", str(out), "--quiet"])
-    assert r.exit_code == 0, r.output
-    return out
-
-
 def test_default_bundle_generates_text_with_stats(default_bundle):
     m = json.loads((default_bundle / "manifest.json").read_text())
     assert m["target"]["family"] == "llama" and m["draft"]["kind"] == "hybrid"
