@@ -50,7 +50,7 @@ def test_builtin_prompts_have_both_kinds():
     assert {p["kind"] for p in load_prompts(kind="chat")} == {"chat"}
 
 
-@pytest.mark.parametrize("args, words", [(["--gamma", "0"], "gamma=0"),
+@pytest.mark.parametrize("args, words", [(["--gamma", "0"], "--gamma 0"),
                                          (["--repeats", "0"], "'--repeats': 0 is not in the range"),
                                          (["--prompts", "/nonexistent.txt"], "cannot be read")])
 def test_bench_bad_values_exit_2(llama_pair, args, words):
