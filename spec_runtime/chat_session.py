@@ -41,10 +41,9 @@ class ChatSession:
         return out + [{"role": "user", "content": user}]
 
     def _capacity(self) -> int:
-        engines = [self.gen.target] + ([self.gen.draft.engine]
-                                       if hasattr(self.gen.draft, "engine") else [])
         # a prompt of n tokens and m new ones write n + m - 1 cache positions
-        return min(e.max_len for e in engines) - self.kwargs["max_new_tokens"] + 1
+        use_draft = self.kwargs.get("use_draft", True)
+        return self.gen.capacity(use_draft) - self.kwargs["max_new_tokens"] + 1
 
     def fit(self, user: str) -> list[str]:
         """Drop the oldest turns until the conversation and `user` fit the cache beside the

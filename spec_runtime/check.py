@@ -28,7 +28,6 @@ import time
 
 import numpy as np
 
-from .loop import check_capacity
 from .errors import InputError
 from .sampling import SamplingParams
 from .twosample import compare
@@ -106,9 +105,8 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     start = time.monotonic()
     deadline = start + seconds if seconds is not None else float("inf")
     ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
-    engines = [gen.target] + ([gen.draft.engine] if hasattr(gen.draft, "engine") else [])
     for p in ids:
-        check_capacity(engines, 1 if gen.encoder_decoder else len(p), max(tokens, greedy_tokens))
+        gen.check_capacity(len(p), max(tokens, greedy_tokens))
     warnings: list[str] = []
 
     # 1. greedy parity

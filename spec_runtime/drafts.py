@@ -58,6 +58,10 @@ class Draft(Protocol):
     def observe(self, outputs: dict) -> None:
         """What `needs` names, after each verification."""
 
+    def fork(self) -> "Draft":
+        """Another draft of the same kind over the same weights, with state of its own (its
+        engine's cache, its counters): for a second request beside this one's."""
+
 
 class ModelDraft:
     """A smaller model behind the engine interface, sampled autoregressively.
@@ -86,6 +90,13 @@ class ModelDraft:
         if entry.model is None:
             raise BundleError(f"manifest draft of kind 'model' has no graphs; {REBUILD}")
         return cls(open_engine(entry.model))
+
+    def fork(self) -> "ModelDraft":
+        return type(self)(fork_engine(self.engine), self.clock)
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [self.engine]
 
     def reset(self) -> None:
         self.engine.reset()
@@ -179,6 +190,11 @@ class NgramDraft:
             raise BundleError(f"manifest draft.max_ngram {max_ngram!r}, draft.min_ngram "
                               f"{min_ngram!r}: {e}; {REBUILD}") from None
 
+    def fork(self) -> "NgramDraft":
+        return type(self)(self.vocab_size, self.max_ngram, self.min_ngram, self.clock)
+
+    engines: tuple = ()  # no model, no cache
+
     def reset(self) -> None:
         self.counters = DraftCounters()
 
@@ -262,6 +278,13 @@ class HybridDraft:
         except InputError as e:
             raise BundleError(f"manifest draft.{e}; {REBUILD}") from None
 
+    def fork(self) -> "HybridDraft":
+        return type(self)(self.model.fork(), self.ngram.fork(), self.draft_cost)
+
+    @property
+    def engines(self) -> list[Engine]:
+        return self.model.engines
+
     def reset(self) -> None:
         self.model.reset()
         self.ngram.reset()
@@ -300,6 +323,27 @@ class HybridDraft:
 
     def observe(self, outputs: dict) -> None:
         pass
+
+
+def draft_engines(draft) -> list[Engine]:
+    """The engines (and so the caches) a draft holds: a model draft's one, a hybrid's model's,
+    none for prompt lookup; a draft kind of another package may say so with `engines`."""
+    if draft is None:
+        return []
+    engines = getattr(draft, "engines", None)
+    if engines is not None:
+        return list(engines)
+    return [draft.engine] if hasattr(draft, "engine") else []
+
+
+def fork_engine(engine: Engine) -> Engine:
+    """`engine.fork()`, or the reason this engine kind cannot serve two requests at once."""
+    fork = getattr(engine, "fork", None)
+    if fork is None:
+        raise InputError(f"a {type(engine).__name__} holds one request at a time (it cannot "
+                         f"fork its cache): serve it with one slot, or run it through ONNX "
+                         f"Runtime")
+    return fork()
 
 
 def _expected(a: float, k: int) -> float:

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .drafts import draft_engines, fork_engine
 from .errors import InputError
 from .loop import GammaPolicy, Request, check_capacity, generate_tokens
 from .sampling import SamplingParams
@@ -125,6 +126,38 @@ class Generator:
 
     # -- requests ---------------------------------------------------------------------------
 
+    # -- requests side by side ----------------------------------------------------------------
+
+    def fork(self) -> "Generator":
+        """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
+        copy of the weights) and tokenizer, a KV cache and request state of its own, so that a
+        second request decodes beside this one's (`specrun serve --slots N`)."""
+        target = fork_engine(self.target)
+        draft = self.draft.fork() if self.draft is not None else None
+        return Generator(target, draft, tokenizer=self.tokenizer,
+                         eos_token_ids=self.eos_token_ids, default_gamma=self.default_gamma,
+                         max_gamma=self.max_gamma, chat_template=self.chat_template,
+                         special_tokens=self.special_tokens, encoder_decoder=self.encoder_decoder,
+                         decoder_start_token_id=self.decoder_start_token_id,
+                         manifest=self.manifest, bundle_dir=self.bundle_dir,
+                         generation_defaults=self.generation_defaults, clock=self.clock)
+
+    def _engines(self, use_draft: bool = True) -> list:
+        draft = self.draft if use_draft else None
+        return [self.target] + draft_engines(draft)
+
+    def capacity(self, use_draft: bool = True) -> int:
+        """Cache positions a request may use: prompt + new tokens - 1 (decoder-only; an
+        encoder-decoder's decoder starts from one token)."""
+        return min(e.max_len for e in self._engines(use_draft))
+
+    def check_capacity(self, prompt_len: int, max_new_tokens: int,
+                       use_draft: bool = True) -> None:
+        """CacheCapacityError unless `prompt_len` prompt ids (as prompt_ids gives them) and
+        `max_new_tokens` fit the caches."""
+        check_capacity(self._engines(use_draft), 1 if self.encoder_decoder else prompt_len,
+                       max_new_tokens)
+
     def gamma_policy(self, gamma) -> GammaPolicy:
         """The policy for `gamma` (an integer in [1, max_gamma], "auto", or None for the
         bundle's default); InputError for anything else."""
@@ -183,13 +216,15 @@ class Generator:
         if not self.encoder_decoder:
             return ids
         self.target.encode_source(ids)
-        if draft is not None and hasattr(draft, "engine"):
-            draft.engine.encode_source(ids)
+        for engine in draft_engines(draft):
+            engine.encode_source(ids)
         return np.asarray([self.decoder_start_token_id], dtype=np.int64)
 
     def _rounds(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
-                chat) -> Iterator[tuple[np.ndarray, DecodeStats]]:
-        """Validate a request, then hold the engines and yield each round's tokens."""
+                chat, cancel=None) -> Iterator[tuple[np.ndarray, DecodeStats]]:
+        """Validate a request, then hold the engines and yield each round's tokens; stop after
+        the round in which `cancel` (a threading.Event) is set, with finish_reason
+        "cancelled"."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
@@ -207,18 +242,21 @@ class Generator:
                 stats = DecodeStats()
                 recorder = Recorder(stats, self.clock)
                 prefix = self._begin(ids, draft)
-                engines = [self.target] + ([draft.engine] if hasattr(draft, "engine") else [])
-                check_capacity(engines, len(prefix), int(max_new_tokens))
+                check_capacity(self._engines(use_draft), len(prefix), int(max_new_tokens))
                 request = Request(prefix, params, int(max_new_tokens),
                                   policy if draft is not None else None, self.eos_token_ids,
                                   np.random.default_rng(params.seed), recorder)
                 for new in generate_tokens(self.target, draft, request):
                     yield new, stats
+                    if cancel is not None and cancel.is_set() and not stats.finish_reason:
+                        stats.finish_reason = "cancelled"
+                        return
             finally:
                 self._owner = None
 
     def _texts(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
-               stop, chat, live: bool = True) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
+               stop, chat, live: bool = True,
+               cancel=None) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
         """The one implementation of text and stop strings behind generate() and stream():
         yields (new text safe to show, the text so far, stats) per round. A stop string ends
         the request at the token that completes it; tokens and stats then count up to it.
@@ -227,7 +265,7 @@ class Generator:
         stop = stop_strings(stop)
         text = IncrementalText(self.detokenize, stop)
         shown = 0
-        rounds = self._rounds(prompt, max_new_tokens, params, gamma, use_draft, chat)
+        rounds = self._rounds(prompt, max_new_tokens, params, gamma, use_draft, chat, cancel)
         try:
             for new, stats in rounds:
                 if not live and not stop:
@@ -264,6 +302,7 @@ class Generator:
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         logit_bias: dict[int, float] | None = None,
+        cancel=None,
     ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens from `prompt`: text, a list of
         {"role", "content"} messages, or token ids. A sampling argument left None takes the
@@ -272,7 +311,9 @@ class Generator:
         text when it has one. use_draft=False is target-only decoding on the same engines.
         `stop` (a string or a list of them) ends generation; the text is cut before it. A seed
         reproduces a sample within a mode; speculative and target-only draws differ for the
-        same seed (the same distribution, other random numbers)."""
+        same seed (the same distribution, other random numbers). `cancel`, a threading.Event
+        another thread may set, ends the request after the round in flight (finish_reason
+        "cancelled")."""
         params = self.sampling_params(
             seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -282,12 +323,12 @@ class Generator:
                 raise InputError("stop strings need a tokenizer: this generator has none")
             tokens, stats = [], DecodeStats()
             for new, stats in self._rounds(prompt, max_new_tokens, params, gamma, use_draft,
-                                           chat):
+                                           chat, cancel):
                 tokens.extend(int(t) for t in new)
             return self._result(tokens, None, stats)
         text = stats = None
         for _, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
-                                          stop, chat, live=False):
+                                          stop, chat, live=False, cancel=cancel):
             pass
         return self._result(text.tokens, text.finish(), stats)
 
@@ -297,7 +338,7 @@ class Generator:
                chat: bool | None = None, *, min_p: float | None = None,
                repetition_penalty: float | None = None, presence_penalty: float | None = None,
                frequency_penalty: float | None = None,
-               logit_bias: dict[int, float] | None = None) -> Iterator[str]:
+               logit_bias: dict[int, float] | None = None, cancel=None) -> Iterator[str]:
         """Yield the new text piece by piece, as rounds complete: the same tokens, text and
         stats as generate() with the same arguments. Holds back an incomplete UTF-8 character
         and any tail that could still become a stop string."""
@@ -307,13 +348,13 @@ class Generator:
             seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat)
+        return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel)
 
-    def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat):
+    def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel):
         text = stats = None
         pieces = []
         for piece, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
-                                              stop, chat):
+                                              stop, chat, cancel=cancel):
             if piece:
                 pieces.append(piece)
                 yield piece
