@@ -10,7 +10,7 @@ import click
 
 from spec_runtime.errors import InputError
 
-from .common import BadInput, BundleCommand, input_errors
+from .common import BadInput, BundleCommand, input_errors, library_messages
 
 MAX_NEW_TOKENS = 128  # the one default, for every command (and Generator.generate)
 
@@ -453,6 +453,61 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
                            gamma=_gamma(gamma), progress=progress.update, **setting)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     sys.exit(report["exit_code"])
+
+
+@main.command(cls=BundleCommand)
+@bundle_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to listen on; 127.0.0.1 serves this machine only, 0.0.0.0 every "
+                   "interface (then set --api-key)")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port, 0..65535 (0: any free port, printed at start)")
+@click.option("--slots", type=click.IntRange(min=1), default=1, show_default=True,
+              help="requests decoded at once, >= 1; each slot has its own KV caches, the "
+                   "weights are shared")
+@click.option("--queue", type=click.IntRange(min=0), default=16, show_default=True,
+              help="requests that may wait for a slot, >= 0; beyond it the server answers 429 "
+                   "with Retry-After")
+@click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
+              help="require 'Authorization: Bearer KEY' on /v1/ [default: $SPECEDGE_API_KEY, "
+                   "else none]")
+@click.option("--model-name", default=None,
+              help="the name clients send as `model` [default: the target's file or "
+                   "repository name]")
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="on SIGTERM or Ctrl-C, how long requests in flight may finish before they "
+                   "are cancelled (each gets an error), >= 0")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True, help="the server's log level")
+@device_options
+@input_errors
+def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
+          device, draft_device):
+    """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
+    /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
+    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]"."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise BadInput(f"specrun serve needs {e.name}: pip install \"specedge[serve]\"") from None
+    from spec_runtime.server import create_app, run_uvicorn
+
+    app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
+                     draft_device=draft_device, model_name=model_name,
+                     drain_seconds=drain_seconds)
+
+    def ready(server):
+        for s in server.servers:
+            for sock in s.sockets:
+                address, bound = sock.getsockname()[:2]
+                click.echo(f"serving {app.state.model_name} on http://{address}:{bound}/v1 "
+                           f"({slots} slot{'s' if slots > 1 else ''}, queue {queue})", err=True)
+
+    with library_messages("spec_runtime", "specrun"):
+        run_uvicorn(app, host, port, drain_seconds=drain_seconds, log_level=log_level,
+                    on_ready=ready)
 
 
 @main.command()

@@ -16,7 +16,8 @@ from specedge.cli.specrun import main as specrun
 
 TOOLS = {"specexport": specexport, "specrun": specrun}
 READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "chat"), ("specrun", "bench"),
-                  ("specrun", "check"), ("specexport", "verify"), ("specexport", "engine")}
+                  ("specrun", "check"), ("specrun", "serve"), ("specexport", "verify"),
+                  ("specexport", "engine")}
 
 
 def commands():

@@ -1,0 +1,754 @@
+"""`specrun serve`: the OpenAI HTTP API over one bundle, on one device.
+
+    POST /v1/completions        text (or token ids) in, a continuation out
+    POST /v1/chat/completions   messages through the bundle's chat template
+    GET  /v1/models             the one model this server serves
+    GET  /health                200 while the server takes requests
+    GET  /metrics               Prometheus text format
+
+Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
+max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
+presence_penalty, frequency_penalty, logit_bias) plus specedge's own as documented extensions
+(top_k, min_p, repetition_penalty, gamma, use_draft). Each response carries the request's
+speculative statistics in a `specedge` field (on the last chunk of a stream).
+
+Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
+ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
+The rest wait in a queue of at most `queue` requests; beyond it the server answers 429 with
+Retry-After. A request decodes on a worker thread; a client that disconnects, or a request that
+is cancelled, sets the request's cancel event and the decode loop stops after the round it is in,
+freeing the slot. On SIGTERM the server stops accepting connections, answers new requests on
+open connections with 503, lets the requests it holds finish for up to `drain_seconds`, then
+cancels the rest (each gets an error, in its JSON or as a last stream event) and exits.
+
+The app is plain ASGI (FastAPI on Starlette): uvicorn runs it here, and Ray Serve runs the same
+app in each replica (spec_runtime/ray_serve.py).
+"""
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CacheCapacityError, InputError
+
+log = logging.getLogger("spec_runtime.server")
+
+MAX_BODY_BYTES = 1 << 20  # a request body; a prompt of the largest cache is a few tens of KB
+DEFAULT_QUEUE = 16
+RETRY_AFTER_S = 1
+DRAIN_SECONDS = 30.0
+MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
+# what a finished request reports; "cancelled" never reaches a client that is still listening
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+# -- errors, in the OpenAI API's shape ------------------------------------------------------------
+
+class APIError(Exception):
+    """An error the client caused or must handle, as the OpenAI API returns them."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty", "logit_bias", "seed", "gamma", "max_tokens", "stop", "prompt",
+          "messages")
+
+
+def input_error(e: InputError, prompt_field: str = "prompt") -> APIError:
+    """The library's message, with the request field it names (the library names its own
+    arguments: max_new_tokens is the API's max_tokens)."""
+    message = str(e).replace("max_new_tokens", "max_tokens")
+    if isinstance(e, CacheCapacityError):
+        return APIError(400, message, param=prompt_field, code="context_length_exceeded")
+    param = next((p for p in PARAMS if message.startswith((p + "=", p + " ", p + "["))), None)
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "logit_bias", "seed")
+
+
+def _field(body: dict, name: str, kinds, what: str, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise APIError(400, f"{name} {json.dumps(value)[:80]} is invalid: use {what}",
+                       param=name, code="invalid_type")
+    return value
+
+
+NUMBER = (int, float)
+
+
+@dataclass
+class Job:
+    """One request as the decode loop needs it, parsed from an OpenAI request body."""
+
+    prompt: Any  # text, token ids, or chat messages
+    chat: bool | None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    kwargs: dict = field(default_factory=dict)  # Generator.stream's sampling/γ/draft arguments
+    stop: list[str] = field(default_factory=list)
+    default_max_tokens: int | None = None  # max_tokens left out: this, else the context's room
+    prompt_field: str = "prompt"  # the request field that holds the prompt
+
+
+def parse_common(body: Any, model_name: str) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"The model {model!r} does not exist: this server serves "
+                            f"{model_name!r} (GET /v1/models)", param="model",
+                       code="model_not_found")
+    n = _field(body, "n", (int,), "1 (one choice per request)", 1)
+    if n != 1:
+        raise APIError(400, f"n {n} is not supported: use n = 1 (send several requests for "
+                            f"several choices)", param="n", code="invalid_value")
+    unsupported = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+                   "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
+                   "functions": (None, []), "tool_choice": (None, "none"),
+                   "response_format": (None, {"type": "text"})}
+    for name, allowed in unsupported.items():
+        if name in body and body[name] not in allowed:
+            raise APIError(400, f"{name} is not supported by this server: leave it out",
+                           param=name, code="unsupported_parameter")
+    kwargs = {}
+    for name in SAMPLING_FIELDS:
+        if name == "logit_bias":
+            value = _field(body, name, (dict,), "an object {token id: bias}")
+        elif name in ("top_k", "seed"):
+            value = _field(body, name, (int,), "an integer")
+        else:
+            value = _field(body, name, NUMBER, "a number")
+        if value is not None:
+            kwargs[name] = value
+    gamma = body.get("gamma")
+    if gamma is not None:
+        if not (gamma == "auto" or isinstance(gamma, int) and not isinstance(gamma, bool)):
+            raise APIError(400, f"gamma {json.dumps(gamma)[:40]} is invalid: use an integer or "
+                                f"\"auto\"", param="gamma", code="invalid_type")
+        kwargs["gamma"] = gamma
+    kwargs["use_draft"] = _field(body, "use_draft", (bool,), "true or false", True)
+    max_tokens = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
+    max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens {max_tokens} is invalid: use an integer >= 1",
+                       param="max_tokens", code="invalid_value")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or \
+            not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop is invalid: use a string or a list of at most 4 non-empty "
+                            "strings", param="stop", code="invalid_value")
+    stream = _field(body, "stream", (bool,), "true or false", False)
+    options = _field(body, "stream_options", (dict,), "an object", {})
+    return dict(kwargs=kwargs, max_tokens=max_tokens, stop=stop, stream=stream,
+                include_usage=bool(options.get("include_usage")))
+
+
+def parse_completion(body: Any, model_name: str) -> Job:
+    common = parse_common(body, model_name)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise APIError(400, "prompt is invalid: use a string, a list of token ids, or a "
+                                "list holding one of those (one prompt per request)",
+                           param="prompt", code="invalid_value")
+    elif not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "prompt is missing or empty: give the text to continue",
+                       param="prompt", code="invalid_value")
+    # the completions API continues the text as it is (OpenAI's legacy endpoint); chat=True is
+    # the package's extension for a chat model behind a completions client
+    chat = _field(body, "chat", (bool,), "true or false", False)
+    return Job(prompt=prompt, chat=chat, default_max_tokens=16, **common)  # OpenAI's default
+
+
+def parse_chat(body: Any, model_name: str) -> Job:
+    common = parse_common(body, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages is missing or empty: give a list of {\"role\", "
+                            "\"content\"} objects", param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] is invalid: use {{\"role\": ..., \"content\": "
+                                f"...}}", param=f"messages[{i}]", code="invalid_value")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, f"messages[{i}].content holds a part that is not text: "
+                                    f"this model reads text only", param=f"messages[{i}]",
+                               code="invalid_value")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content is invalid: use a string",
+                           param=f"messages[{i}].content", code="invalid_value")
+        out.append({"role": m["role"], "content": content})
+    return Job(prompt=out, chat=True, prompt_field="messages", **common)
+
+
+# -- slots ----------------------------------------------------------------------------------------
+
+class Overloaded(Exception):
+    pass
+
+
+class Slots:
+    """`n` generators over one loaded bundle and a bounded queue of requests waiting for one.
+    Used from one event loop; the generators themselves run on worker threads."""
+
+    def __init__(self, gen, n: int, queue: int):
+        self.generators = [gen] + [gen.fork() for _ in range(n - 1)]
+        self.free = list(self.generators)
+        self.queue = queue
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def busy(self) -> int:
+        return len(self.generators) - len(self.free)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.waiters)
+
+    async def acquire(self):
+        if self.free and not self.waiters:
+            return self.free.pop()
+        if len(self.waiters) >= self.queue:
+            raise Overloaded()
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.release(waiter.result())  # handed a slot as it was cancelled: pass it on
+            raise
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
+
+    def release(self, gen) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(gen)
+                return
+        self.free.append(gen)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several apps in one process,
+    as in the tests and in Ray Serve's replicas, do not collide)."""
+
+    def __init__(self, slots: Slots):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specedge_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("specedge_errors", "requests answered with an error, by type",
+                              ["type"], registry=r)
+        self.prompt_tokens = Counter("specedge_prompt_tokens", "prompt tokens read", registry=r)
+        self.generated = Counter("specedge_generated_tokens", "tokens generated", registry=r)
+        self.proposed = Counter("specedge_draft_tokens_proposed", "draft tokens proposed",
+                                registry=r)
+        self.accepted = Counter("specedge_draft_tokens_accepted", "draft tokens accepted",
+                                registry=r)
+        self.acceptance = Gauge("specedge_acceptance_rate",
+                                "accepted / proposed draft tokens since the server started",
+                                registry=r)
+        self.acceptance.set_function(
+            lambda: self.accepted._value.get() / max(self.proposed._value.get(), 1))
+        self.tokens_per_s = Histogram(
+            "specedge_request_tokens_per_second", "a request's new tokens / its decode time",
+            buckets=(5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 1000), registry=r)
+        self.ttft = Histogram("specedge_time_to_first_token_seconds",
+                              "from the request's arrival to its first token", registry=r)
+        self.latency = Histogram("specedge_request_duration_seconds",
+                                 "from the request's arrival to its last token", registry=r)
+        queue = Gauge("specedge_queue_depth", "requests waiting for a slot", registry=r)
+        queue.set_function(lambda: slots.waiting)
+        busy = Gauge("specedge_slots_busy", "slots decoding a request", registry=r)
+        busy.set_function(lambda: slots.busy)
+        total = Gauge("specedge_slots", "slots (requests decoded at once)", registry=r)
+        total.set(len(slots.generators))
+
+    def finished(self, stats: dict, started: float, first: float | None) -> None:
+        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+        self.generated.inc(stats.get("new_tokens", 0))
+        self.proposed.inc(stats.get("proposed", 0))
+        self.accepted.inc(stats.get("accepted", 0))
+        if stats.get("tokens_per_s"):
+            self.tokens_per_s.observe(stats["tokens_per_s"])
+        now = time.monotonic()
+        if first is not None:
+            self.ttft.observe(first - started)
+        self.latency.observe(now - started)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+STATS_FIELDS = ("mode", "draft_kind", "alpha", "acceptance_rate", "proposed", "accepted",
+                "tokens_per_target_call", "target_calls", "draft_calls", "tokens_per_s",
+                "predicted_speedup", "new_tokens", "prompt_tokens")
+
+
+def extension(stats: dict) -> dict:
+    """The request's speculative statistics, as the `specedge` field of a response."""
+    return {k: stats[k] for k in STATS_FIELDS if k in stats}
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
+               api_key: str | None = None, device: str = "cpu", draft_device: str | None = None,
+               model_name: str | None = None, drain_seconds: float = DRAIN_SECONDS,
+               generator=None):
+    """The ASGI app serving the bundle at `bundle_dir` (the default bundle when None), or an
+    already loaded `generator`. The bundle is loaded here, once; `slots` - 1 forks share its
+    sessions."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    for name, value, low in (("slots", slots, 1), ("queue", queue, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InputError(f"{name} {value!r} is invalid: use an integer >= {low}")
+    if generator is None:
+        from . import load
+
+        generator = load(bundle_dir, device=device, draft_device=draft_device)
+    gen = generator
+    if model_name is None:
+        model_name = default_model_name(gen)
+    pool = Slots(gen, slots, queue)
+    metrics = Metrics(pool)
+    state = {"draining": False, "drain_deadline": None, "active": set()}
+    created = int(time.time())
+
+    app = FastAPI(title="specedge", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.slots, app.state.metrics, app.state.model_name = pool, metrics, model_name
+    app.state.generator = gen
+
+    def error_response(err: APIError, endpoint: str) -> JSONResponse:
+        metrics.requests.labels(endpoint, str(err.status)).inc()
+        metrics.errors.labels(err.code or err.type).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return error_response(err, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        first = (err.errors() or [{}])[0]
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(APIError(400, f"invalid request: {where} {first.get('msg', '')}"
+                                       .strip(), param=where or None, code="invalid_value"),
+                              request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return error_response(APIError(err.status_code, f"{request.method} {request.url.path}: "
+                                       f"{err.detail}", code=kind), request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, err: Exception):
+        log.error("internal error on %s", request.url.path, exc_info=err)
+        return error_response(APIError(500, "internal server error (logged on the server)",
+                                       type="server_error", code="internal_error"),
+                              request.url.path)
+
+    @app.middleware("http")
+    async def _gate(request: Request, call_next):
+        path = request.url.path
+        if api_key is not None and path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if given != f"Bearer {api_key}":
+                return error_response(APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                    code="invalid_api_key"), path)
+        if request.method == "POST":
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                return error_response(APIError(
+                    413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
+                    code="request_too_large"), path)
+            if state["draining"]:
+                return error_response(APIError(
+                    503, "the server is shutting down: retry on another server or later",
+                    type="server_error", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)}), path)
+        return await call_next(request)
+
+    async def read_json(request: Request) -> Any:
+        body, size = bytearray(), 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
+                               code="request_too_large")
+            body += chunk
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+
+    @app.get("/health")
+    async def health():
+        if state["draining"]:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok", "slots": len(pool.generators), "busy": pool.busy,
+                "waiting": pool.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        metrics.requests.labels("/v1/models", "200").inc()
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": created, "owned_by": "specedge"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        job = parse_completion(await read_json(request), model_name)
+        return await run(request, job, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        job = parse_chat(await read_json(request), model_name)
+        return await run(request, job, "/v1/chat/completions")
+
+    async def run(request: Request, job: Job, endpoint: str):
+        chat = endpoint == "/v1/chat/completions"
+        started = time.monotonic()
+        check(job)
+        try:
+            g = await pool.acquire()
+        except Overloaded:
+            raise APIError(429, f"all {len(pool.generators)} slots are busy and {pool.queue} "
+                                f"requests are waiting: retry after {RETRY_AFTER_S} s",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        task = Decode(g, job, asyncio.get_running_loop())
+        state["active"].add(task)
+        task.start()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if job.stream:
+            return StreamingResponse(
+                stream_events(request, task, job, rid, chat, endpoint, started),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            watcher = asyncio.ensure_future(watch_disconnect(request, task))
+            try:
+                await task.finished
+            finally:
+                watcher.cancel()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            finish(task, g)
+        result = task.outcome()
+        if isinstance(result, APIError):
+            raise result
+        metrics.finished(result.stats, started, task.first_token_at)
+        metrics.requests.labels(endpoint, "200").inc()
+        return completion_body(result, rid, chat, job)
+
+    def check(job: Job) -> None:
+        """What can be checked before a slot is taken (any generator will do: they share one
+        bundle): sampling values, γ, and the prompt and max_tokens against the cache."""
+        try:
+            gen.sampling_params(job.kwargs.get("seed"), **{
+                k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"})
+            gen.gamma_policy(job.kwargs.get("gamma"))
+            n = 1 if gen.encoder_decoder else len(gen.prompt_ids(job.prompt, job.chat))
+            use_draft = job.kwargs.get("use_draft", True)
+            if job.max_tokens is None:
+                room = gen.capacity(use_draft) - n + 1
+                job.max_tokens = max(1, min(room, job.default_max_tokens or MAX_CHAT_TOKENS))
+            gen.check_capacity(n, job.max_tokens, use_draft)
+        except InputError as e:
+            raise input_error(e, job.prompt_field) from None
+
+    def finish(task: "Decode", g) -> None:
+        if task in state["active"]:
+            state["active"].discard(task)
+            task.cancel()  # no-op when it finished
+
+            def release(_=None):
+                pool.release(g)
+
+            if task.thread_done.is_set():
+                release()
+            else:  # the worker stops after its round; the slot is free when it has
+                task.on_thread_done(release)
+
+    def completion_body(result, rid: str, chat: bool, job: Job) -> dict:
+        usage = {"prompt_tokens": result.stats["prompt_tokens"],
+                 "completion_tokens": len(result.tokens),
+                 "total_tokens": result.stats["prompt_tokens"] + len(result.tokens)}
+        reason = FINISH.get(result.finish_reason, result.finish_reason)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": result.text},
+                   "logprobs": None, "finish_reason": reason} if chat else
+                  {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice],
+                "usage": usage, "specedge": extension(result.stats)}
+
+    async def stream_events(request, task: "Decode", job: Job, rid: str, chat: bool,
+                            endpoint: str, started: float):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created_at = int(time.time())
+
+        def chunk(piece: str | None, reason=None, delta=None, **extra) -> str:
+            if chat:
+                delta = delta or ({} if piece is None else {"content": piece})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None,
+                          "finish_reason": reason}
+            body = {"id": rid, "object": obj, "created": created_at, "model": model_name,
+                    "choices": [choice], **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        g = task.gen
+        try:
+            if chat:  # OpenAI's first chunk names the role
+                yield chunk(None, delta={"role": "assistant", "content": ""})
+            while True:
+                kind, value = await task.events.get()
+                if kind == "piece":
+                    yield chunk(value)
+                    continue
+                if kind == "error":
+                    metrics.requests.labels(endpoint, str(value.status)).inc()
+                    metrics.errors.labels(value.code or value.type).inc()
+                    yield f"data: {json.dumps(value.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                result = value
+                break
+            metrics.finished(result.stats, started, task.first_token_at)
+            metrics.requests.labels(endpoint, "200").inc()
+            reason = FINISH.get(result.finish_reason, result.finish_reason)
+            yield chunk(None, reason, specedge=extension(result.stats))
+            if job.include_usage:
+                usage = {"prompt_tokens": result.stats["prompt_tokens"],
+                         "completion_tokens": len(result.tokens),
+                         "total_tokens": result.stats["prompt_tokens"] + len(result.tokens)}
+                body = {"id": rid, "object": obj, "created": created_at, "model": model_name,
+                        "choices": [], "usage": usage}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: Starlette cancels this generator
+            finish(task, g)
+
+    async def watch_disconnect(request: Request, task: "Decode"):
+        while not task.finished.done():
+            if await request.is_disconnected():
+                task.cancel()
+                return
+            await asyncio.sleep(0.1)
+
+    def begin_drain(seconds: float = drain_seconds) -> None:
+        """SIGTERM: refuse new requests, let the held ones finish for `seconds`, then cancel
+        what is left (each gets an error)."""
+        if state["draining"]:
+            return
+        state["draining"] = True
+        loop = asyncio.get_running_loop()
+
+        def cancel_rest():
+            for task in list(state["active"]):
+                task.cancel(APIError(503, "the server shut down before this request finished",
+                                     type="server_error", code="shutting_down"))
+            for waiter in list(pool.waiters):
+                if not waiter.done():
+                    waiter.set_exception(APIError(
+                        503, "the server shut down before a slot was free for this request",
+                        type="server_error", code="shutting_down",
+                        headers={"Retry-After": str(RETRY_AFTER_S)}))
+
+        loop.call_later(seconds, cancel_rest)
+
+    app.state.begin_drain = begin_drain
+    app.state.active = state["active"]
+    return app
+
+
+def default_model_name(gen) -> str:
+    """The name clients send as `model`: the target's file or repository name."""
+    m = gen.manifest
+    if m is None:
+        return "specedge"
+    t = m.target
+    name = t.gguf_file or str(t.source).rstrip("/").split("/")[-1]
+    for suffix in (".gguf",):
+        name = name[:-len(suffix)] if name.endswith(suffix) else name
+    return name or "specedge"
+
+
+class Decode:
+    """One request on a worker thread: its pieces and its end reach the event loop through
+    `events`; `cancel()` stops it after the round it is in."""
+
+    def __init__(self, gen, job: Job, loop: asyncio.AbstractEventLoop):
+        self.gen, self.job, self.loop = gen, job, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.finished = loop.create_future()
+        self.cancel_event = threading.Event()
+        self.thread_done = threading.Event()
+        self._callbacks = []
+        self._lock = threading.Lock()
+        self.first_token_at: float | None = None
+        self._error: APIError | None = None
+        self._result = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._work, name="specedge-decode", daemon=True).start()
+
+    def cancel(self, error: APIError | None = None) -> None:
+        if error is not None and self._error is None and not self.finished.done():
+            self._error = error
+        self.cancel_event.set()
+
+    def on_thread_done(self, fn) -> None:
+        with self._lock:
+            if not self.thread_done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed: nobody is listening
+            pass
+
+    def _work(self) -> None:
+        job = self.job
+        try:
+            for piece in self.gen.stream(job.prompt, max_new_tokens=job.max_tokens,
+                                         stop=job.stop, chat=job.chat,
+                                         cancel=self.cancel_event, **job.kwargs):
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self._post(self.events.put_nowait, ("piece", piece))
+            result = self.gen.last_result
+            if result.finish_reason == "cancelled":
+                end = ("error", self._error or APIError(
+                    499, "the request was cancelled", code="cancelled"))
+            else:
+                end = ("done", result)
+        except InputError as e:
+            end = ("error", input_error(e, job.prompt_field))
+        except Exception as e:  # a bug: logged here, a 500 for the client
+            log.error("decode failed", exc_info=e)
+            end = ("error", APIError(500, "internal server error (logged on the server)",
+                                     type="server_error", code="internal_error"))
+        self._result = end
+        self._post(self._finish, end)
+        with self._lock:
+            self.thread_done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._post(fn)
+
+    def _finish(self, end) -> None:
+        self.events.put_nowait(end)
+        if not self.finished.done():
+            self.finished.set_result(end)
+
+    def outcome(self):
+        kind, value = self._result
+        return value
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+def run_uvicorn(app, host: str = "127.0.0.1", port: int = 8000, *,
+                drain_seconds: float = DRAIN_SECONDS, log_level: str = "info",
+                on_ready=None) -> None:
+    """Serve `app` with uvicorn until SIGTERM or SIGINT, then drain (create_app's
+    begin_drain) and return normally: a clean shutdown is exit code 0. A second signal exits
+    at once."""
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # ours below: drain first, and no re-raised signal after
+            yield
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_ready is not None and self.started:
+                on_ready(self)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_seconds + 5, access_log=False)
+    server = Server(config)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def stop():
+            if server.should_exit:
+                server.force_exit = True
+                return
+            log.warning("shutting down: finishing the requests in flight (at most %.0f s)",
+                        drain_seconds)
+            begin = getattr(app.state, "begin_drain", None)
+            if begin is not None:
+                begin()
+            server.should_exit = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop)
+        await server.serve()
+
+    asyncio.run(main())
