@@ -478,11 +478,20 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
               help="on SIGTERM or Ctrl-C, how long requests in flight may finish before they "
                    "are cancelled (each gets an error), >= 0")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
-              default="info", show_default=True, help="the server's log level")
+              default="info", show_default=True, help="the server's log level (not Ray's)")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="serve as a Ray Serve application: --replicas copies, each with --slots "
+                   "(needs the ray extra: pip install \"specedge[ray]\") [default: one process]")
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="with --ray: replicas of the server, >= 1, each one device's worth of slots "
+                   "[default: 1]")
+@click.option("--ray-address", default=None,
+              help="with --ray: the Ray cluster to join, 'auto' (the one `ray start` runs "
+                   "here) or HEAD:PORT [default: a Ray instance of its own on this machine]")
 @device_options
 @input_errors
 def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
-          device, draft_device):
+          use_ray, replicas, ray_address, device, draft_device):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
     /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]"."""
@@ -492,6 +501,26 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise BadInput(f"specrun serve needs {e.name}: pip install \"specedge[serve]\"") from None
+    if not use_ray:
+        for name, value in (("--replicas", replicas), ("--ray-address", ray_address)):
+            if value is not None:
+                raise BadInput(f"{name} {value} needs --ray: add --ray to serve through Ray "
+                               f"Serve")
+    else:
+        from spec_runtime.ray_serve import run as run_ray  # imports ray itself, when it runs
+
+        def ready_ray(info):
+            n = info["replicas"]
+            click.echo(f"serving {info['model_name']} on {info['url']} through Ray Serve ({n} "
+                       f"replica{'s' if n > 1 else ''} × {slots} slot{'s' if slots > 1 else ''})",
+                       err=True)
+
+        with library_messages("spec_runtime", "specrun"):
+            run_ray(bundle, replicas=replicas or 1, slots=slots, queue=queue, host=host,
+                    port=port, api_key=api_key, model_name=model_name, device=device,
+                    draft_device=draft_device, drain_seconds=drain_seconds,
+                    ray_address=ray_address, on_ready=ready_ray)
+        return
     from spec_runtime.server import create_app, run_uvicorn
 
     app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
