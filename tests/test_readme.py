@@ -5,7 +5,8 @@ order, the way a new user would after the set-up command (a fresh working direct
 repository's tests/, benchmarks/ and scripts/, the default bundle where `specrun` looks); a
 `text` block marked `<!-- readme-test: output of the previous block -->` must be exactly what the
 previous block printed; `cpp` blocks are excerpts, and every line of one must be a line of the
-host program tests/test_embed.py builds and runs. A block that cannot run here says why in a
+host program tests/test_embed.py builds and runs; `yaml` blocks are Ray Serve configs, which
+tests/test_serve_ray.py loads and builds. A block that cannot run here says why in a
 `<!-- readme-test: skip: REASON -->` line above it, and the test prints the reason.
 """
 
@@ -23,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 HOST = ROOT / "tests" / "embed" / "host.cpp"
-LANGUAGES = {"sh", "python", "cpp", "text"}
+LANGUAGES = {"sh", "python", "cpp", "text", "yaml"}
 MARKER = re.compile(r"^<!-- readme-test: (?:skip: (?P<why>.*\S)|(?P<output>output of the "
                     r"previous block)) -->$")
 # what a README block may use from the checkout, besides the installed package
@@ -125,6 +126,28 @@ def test_every_example_runs_as_written(default_bundle, tmp_path):
         (work / name).symlink_to(ROOT / name)
     env = dict(os.environ, SPECEDGE_BUNDLE=str(default_bundle), PYTHONPATH="",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    try:
+        ran, skipped = run_blocks(work, env)
+    finally:
+        stop_what_runs_in(work)  # a server a block started in the background
+    for why in skipped:
+        print("skipped", why)
+    assert ran >= 8
+
+
+def stop_what_runs_in(work: Path) -> None:
+    """SIGTERM to the processes whose working directory is `work` (only this test's)."""
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == work:
+                os.kill(int(proc.name), signal.SIGTERM)
+        except OSError:
+            continue
+
+
+def run_blocks(work: Path, env: dict) -> tuple[int, list[str]]:
     ran, skipped, previous = 0, [], None
     for b in read_blocks(README.read_text()):
         if b.skip:
@@ -146,6 +169,4 @@ def test_every_example_runs_as_written(default_bundle, tmp_path):
             f"README line {b.line} exits {previous.returncode}:\n{b.code}\n--- stdout\n"
             f"{previous.stdout[-3000:]}\n--- stderr\n{previous.stderr[-3000:]}")
         ran += 1
-    for why in skipped:
-        print("skipped", why)
-    assert ran >= 8
+    return ran, skipped
