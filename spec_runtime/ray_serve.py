@@ -47,14 +47,16 @@ This module imports ray only inside its functions, and spec_runtime itself never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from .errors import InputError
+from .openai_api import default_model_name
+from .server import RETRY_AFTER_S, check_count, create_app
 
 log = logging.getLogger("spec_runtime.ray_serve")
 
@@ -77,20 +79,7 @@ def _ray():
     return ray, serve
 
 
-def _integer(name: str, value, low: int) -> int:
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # from `serve run k=v`
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InputError(f"{name} {value!r} is invalid: use an integer >= {low}")
-    return value
-
-
 def _number(name: str, value, low: float) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
         raise InputError(f"{name} {value!r} is invalid: use a number >= {low:g}")
     return float(value)
@@ -115,24 +104,29 @@ def _device(name: str, value) -> None:
         raise InputError(f"{name} {value!r} is not supported: use one of {sorted(DEVICES)}")
 
 
-def build_application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 16,
-                      api_key: str | None = None, model_name: str | None = None,
-                      device: str = "cpu", draft_device: str | None = None,
-                      drain_seconds: float = 30.0, num_cpus: float | None = None,
-                      health_check_period_s: float = HEALTH_CHECK_PERIOD_S):
+def build_application(bundle_dir, **options):
     """The Ray Serve Application serving the bundle at `bundle_dir` (the default bundle when
-    None) from `replicas` replicas, each a `create_app(bundle, slots=slots, queue=queue, ...)`
-    on its own `device` (a replica on cuda or tensorrt reserves one GPU: Ray gives each replica
-    its own). `num_cpus`: the CPUs Ray reserves for each replica (default: Ray's).
-    `health_check_period_s`: how often Ray calls a replica's check_health (Ray replaces a
-    replica after 3 failures in a row). The bundle must be at the same absolute path on every
-    node that runs a replica."""
-    from .server import RETRY_AFTER_S, default_model_name
+    None). Options: `replicas` (1), each a `create_app(bundle, slots=slots, queue=queue,
+    api_key=..., model_name=..., drain_seconds=...)` (`slots` 1, `queue` 16, `drain_seconds`
+    30) on its own `device` ("cpu"; `draft_device`: the target's); a replica on cuda or
+    tensorrt reserves one GPU, so Ray gives each replica its own. `num_cpus`: the CPUs Ray
+    reserves for each replica (default: Ray's). `health_check_period_s`: how often Ray calls a
+    replica's check_health (10 s; Ray replaces a replica after 3 failures in a row). The bundle
+    must be at the same absolute path on every node that runs a replica."""
+    return _application(bundle_dir, **options)[0]
 
+
+def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 16,
+                 api_key: str | None = None, model_name: str | None = None,
+                 device: str = "cpu", draft_device: str | None = None,
+                 drain_seconds: float = 30.0, num_cpus: float | None = None,
+                 health_check_period_s: float = HEALTH_CHECK_PERIOD_S):
+    """build_application's Application, and the model name every replica answers to (the
+    bundle's, unless `model_name` is given: decided here, once)."""
     _, serve = _ray()
-    replicas = _integer("replicas", replicas, 1)
-    slots = _integer("slots", slots, 1)
-    queue = _integer("queue", queue, 0)
+    replicas = check_count("replicas", replicas, 1)
+    slots = check_count("slots", slots, 1)
+    queue = check_count("queue", queue, 0)
     drain_seconds = _number("drain_seconds", drain_seconds, 0)
     if num_cpus is not None:
         num_cpus = _number("num_cpus", num_cpus, 0)
@@ -143,8 +137,8 @@ def build_application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: i
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise InputError("api_key is invalid: use a non-empty string, or leave it out")
     bundle, manifest = _bundle(bundle_dir)
-    if model_name is None:  # decided once here: every replica answers to the same name
-        model_name = default_model_name(SimpleNamespace(manifest=manifest))
+    if model_name is None:
+        model_name = default_model_name(manifest)
     config = dict(slots=slots, queue=queue, api_key=api_key, device=device,
                   draft_device=draft_device, model_name=model_name,
                   drain_seconds=drain_seconds)
@@ -182,7 +176,7 @@ def build_application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: i
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=drain_seconds,
         ray_actor_options=actor_options or None)
-    return deployment.bind()
+    return deployment.bind(), model_name
 
 
 def app_builder(args: dict):
@@ -190,20 +184,23 @@ def app_builder(args: dict):
     bundle=PATH replicas=2`, or `import_path` and `args` in a Serve config file. The keys are
     build_application's parameters, with the bundle as `bundle`."""
     args = dict(args or {})
-    known = ("bundle", "replicas", "slots", "queue", "api_key", "model_name", "device",
-             "draft_device", "drain_seconds", "num_cpus", "health_check_period_s")
+    integers = ("replicas", "slots", "queue")
+    numbers = ("drain_seconds", "num_cpus", "health_check_period_s")
+    known = ("bundle", *integers, *numbers, "api_key", "model_name", "device", "draft_device")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise InputError(f"unknown argument{'s' if len(unknown) > 1 else ''} {unknown}: use "
                          f"{', '.join(known)}")
+    for key, value in args.items():  # `serve run ... key=value` passes strings
+        if isinstance(value, str) and key in integers + numbers:
+            with contextlib.suppress(ValueError):  # else the check names the value
+                args[key] = int(value) if key in integers else float(value)
     bundle = args.pop("bundle", None)
     return build_application(bundle, **args)
 
 
 def _replica_app(bundle: str, config: dict):
     """On the replica: the app over the bundle, with a header naming the replica."""
-    from .server import create_app
-
     if not Path(bundle).is_dir():
         raise InputError(f"no bundle at {bundle!r} on this node: copy the bundle to the same "
                          f"path on every node of the Ray cluster")
@@ -242,35 +239,11 @@ class ReplicaHeader:
 
 
 async def _check_health(app) -> None:
-    """Ray's health check: the app's own GET /health, called in process. Raises (Ray then
-    marks the replica unhealthy and replaces it) unless it answers 200 with status ok."""
-    import json
-
-    messages, asked = [], False
-
-    async def receive():
-        nonlocal asked
-        if not asked:
-            asked = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        messages.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "GET", "scheme": "http", "path": "/health", "raw_path": b"/health",
-             "root_path": "", "query_string": b"", "headers": [],
-             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
-    await app(scope, receive, send)
-    status = next((m["status"] for m in messages if m["type"] == "http.response.start"), None)
-    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
-    try:
-        state = json.loads(body).get("status")
-    except (ValueError, AttributeError):
-        state = None
-    if status != 200 or state != "ok":
-        raise RuntimeError(f"GET /health answered {status}: {body[:200]!r}")
+    """Ray's health check: the answer of the app's own GET /health. Raises (Ray then marks the
+    replica unhealthy and replaces it) unless that is 200."""
+    status, body = app.state.health()
+    if status != 200:
+        raise RuntimeError(f"GET /health answers {status}: {body}")
 
 
 def _loopback_only_ray() -> None:
@@ -298,7 +271,7 @@ def run(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 16,
     logger at WARNING (the CLI shows the library's warnings on stderr)."""
     import threading
 
-    port = _integer("port", port, 1)  # Ray's proxy cannot report a port 0 picked for it
+    port = check_count("port", port, 1)  # Ray's proxy cannot report a port 0 picked for it
     if port > 65535:
         raise InputError(f"port {port} is invalid: use 1..65535")
     if ray_address is not None and (not isinstance(ray_address, str) or not ray_address):
@@ -308,11 +281,10 @@ def run(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 16,
         raise InputError("run() waits for SIGINT/SIGTERM: call it from the main thread")
     if ray_address is None:
         _loopback_only_ray()  # before anything imports ray
-    model = _model_name_of(bundle_dir, model_name)
-    app = build_application(bundle_dir, replicas=replicas, slots=slots, queue=queue,
-                            api_key=api_key, model_name=model, device=device,
-                            draft_device=draft_device, drain_seconds=drain_seconds,
-                            num_cpus=num_cpus)
+    app, model = _application(bundle_dir, replicas=replicas, slots=slots, queue=queue,
+                              api_key=api_key, model_name=model_name, device=device,
+                              draft_device=draft_device, drain_seconds=drain_seconds,
+                              num_cpus=num_cpus)
     ray, serve = _ray()
     connected_here = not ray.is_initialized()
     if connected_here:
@@ -371,11 +343,3 @@ async def _until_signal() -> None:
         for sig in (SIGINT, SIGTERM):
             loop.remove_signal_handler(sig)
 
-
-def _model_name_of(bundle_dir, model_name):
-    if model_name is not None:
-        return model_name
-    from .server import default_model_name
-
-    _, manifest = _bundle(bundle_dir)
-    return default_model_name(SimpleNamespace(manifest=manifest))

@@ -9,8 +9,9 @@
 Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
 presence_penalty, frequency_penalty, logit_bias) plus specedge's own as documented extensions
-(top_k, min_p, repetition_penalty, gamma, use_draft). Each response carries the request's
-speculative statistics in a `specedge` field (on the last chunk of a stream).
+(top_k, min_p, repetition_penalty, gamma, use_draft); spec_runtime/openai_api.py parses them and
+shapes the responses. Each response carries the request's speculative statistics in a
+`specedge` field (on the last chunk of a stream).
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
 ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
@@ -33,10 +34,22 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CacheCapacityError, InputError
+from .errors import InputError
+from .openai_api import (
+    FINISH,
+    SAMPLING_FIELDS,
+    APIError,
+    Job,
+    completion_body,
+    default_model_name,
+    extension,
+    input_error,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 
 log = logging.getLogger("spec_runtime.server")
 
@@ -45,176 +58,13 @@ DEFAULT_QUEUE = 16
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
-# what a finished request reports; "cancelled" never reaches a client that is still listening
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-# -- errors, in the OpenAI API's shape ------------------------------------------------------------
-
-class APIError(Exception):
-    """An error the client caused or must handle, as the OpenAI API returns them."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "logit_bias", "seed", "gamma", "max_tokens", "stop", "prompt",
-          "messages")
-
-
-def input_error(e: InputError, prompt_field: str = "prompt") -> APIError:
-    """The library's message, with the request field it names (the library names its own
-    arguments: max_new_tokens is the API's max_tokens)."""
-    message = str(e).replace("max_new_tokens", "max_tokens")
-    if isinstance(e, CacheCapacityError):
-        return APIError(400, message, param=prompt_field, code="context_length_exceeded")
-    param = next((p for p in PARAMS if message.startswith((p + "=", p + " ", p + "["))), None)
-    return APIError(400, message, param=param, code="invalid_value")
-
-
-# -- requests -----------------------------------------------------------------------------------
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logit_bias", "seed")
-
-
-def _field(body: dict, name: str, kinds, what: str, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise APIError(400, f"{name} {json.dumps(value)[:80]} is invalid: use {what}",
-                       param=name, code="invalid_type")
+def check_count(name: str, value, low: int) -> int:
+    """`value`, an integer >= `low`, or an InputError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InputError(f"{name} {value!r} is invalid: use an integer >= {low}")
     return value
-
-
-NUMBER = (int, float)
-
-
-@dataclass
-class Job:
-    """One request as the decode loop needs it, parsed from an OpenAI request body."""
-
-    prompt: Any  # text, token ids, or chat messages
-    chat: bool | None
-    max_tokens: int | None
-    stream: bool
-    include_usage: bool
-    kwargs: dict = field(default_factory=dict)  # Generator.stream's sampling/γ/draft arguments
-    stop: list[str] = field(default_factory=list)
-    default_max_tokens: int | None = None  # max_tokens left out: this, else the context's room
-    prompt_field: str = "prompt"  # the request field that holds the prompt
-
-
-def parse_common(body: Any, model_name: str) -> dict:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise APIError(404, f"The model {model!r} does not exist: this server serves "
-                            f"{model_name!r} (GET /v1/models)", param="model",
-                       code="model_not_found")
-    n = _field(body, "n", (int,), "1 (one choice per request)", 1)
-    if n != 1:
-        raise APIError(400, f"n {n} is not supported: use n = 1 (send several requests for "
-                            f"several choices)", param="n", code="invalid_value")
-    unsupported = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                   "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
-                   "functions": (None, []), "tool_choice": (None, "none"),
-                   "response_format": (None, {"type": "text"})}
-    for name, allowed in unsupported.items():
-        if name in body and body[name] not in allowed:
-            raise APIError(400, f"{name} is not supported by this server: leave it out",
-                           param=name, code="unsupported_parameter")
-    kwargs = {}
-    for name in SAMPLING_FIELDS:
-        if name == "logit_bias":
-            value = _field(body, name, (dict,), "an object {token id: bias}")
-        elif name in ("top_k", "seed"):
-            value = _field(body, name, (int,), "an integer")
-        else:
-            value = _field(body, name, NUMBER, "a number")
-        if value is not None:
-            kwargs[name] = value
-    gamma = body.get("gamma")
-    if gamma is not None:
-        if not (gamma == "auto" or isinstance(gamma, int) and not isinstance(gamma, bool)):
-            raise APIError(400, f"gamma {json.dumps(gamma)[:40]} is invalid: use an integer or "
-                                f"\"auto\"", param="gamma", code="invalid_type")
-        kwargs["gamma"] = gamma
-    kwargs["use_draft"] = _field(body, "use_draft", (bool,), "true or false", True)
-    max_tokens = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
-    max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", max_tokens)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens {max_tokens} is invalid: use an integer >= 1",
-                       param="max_tokens", code="invalid_value")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or \
-            not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop is invalid: use a string or a list of at most 4 non-empty "
-                            "strings", param="stop", code="invalid_value")
-    stream = _field(body, "stream", (bool,), "true or false", False)
-    options = _field(body, "stream_options", (dict,), "an object", {})
-    return dict(kwargs=kwargs, max_tokens=max_tokens, stop=stop, stream=stream,
-                include_usage=bool(options.get("include_usage")))
-
-
-def parse_completion(body: Any, model_name: str) -> Job:
-    common = parse_common(body, model_name)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise APIError(400, "prompt is invalid: use a string, a list of token ids, or a "
-                                "list holding one of those (one prompt per request)",
-                           param="prompt", code="invalid_value")
-    elif not isinstance(prompt, str) or not prompt:
-        raise APIError(400, "prompt is missing or empty: give the text to continue",
-                       param="prompt", code="invalid_value")
-    # the completions API continues the text as it is (OpenAI's legacy endpoint); chat=True is
-    # the package's extension for a chat model behind a completions client
-    chat = _field(body, "chat", (bool,), "true or false", False)
-    return Job(prompt=prompt, chat=chat, default_max_tokens=16, **common)  # OpenAI's default
-
-
-def parse_chat(body: Any, model_name: str) -> Job:
-    common = parse_common(body, model_name)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages is missing or empty: give a list of {\"role\", "
-                            "\"content\"} objects", param="messages", code="invalid_value")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] is invalid: use {{\"role\": ..., \"content\": "
-                                f"...}}", param=f"messages[{i}]", code="invalid_value")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, f"messages[{i}].content holds a part that is not text: "
-                                    f"this model reads text only", param=f"messages[{i}]",
-                               code="invalid_value")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content is invalid: use a string",
-                           param=f"messages[{i}].content", code="invalid_value")
-        out.append({"role": m["role"], "content": content})
-    return Job(prompt=out, chat=True, prompt_field="messages", **common)
 
 
 # -- slots ----------------------------------------------------------------------------------------
@@ -324,16 +174,6 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-STATS_FIELDS = ("mode", "draft_kind", "alpha", "acceptance_rate", "proposed", "accepted",
-                "tokens_per_target_call", "target_calls", "draft_calls", "tokens_per_s",
-                "predicted_speedup", "new_tokens", "prompt_tokens")
-
-
-def extension(stats: dict) -> dict:
-    """The request's speculative statistics, as the `specedge` field of a response."""
-    return {k: stats[k] for k in STATS_FIELDS if k in stats}
-
-
 # -- the app ------------------------------------------------------------------------------------
 
 def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
@@ -348,16 +188,15 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
-    for name, value, low in (("slots", slots, 1), ("queue", queue, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InputError(f"{name} {value!r} is invalid: use an integer >= {low}")
+    check_count("slots", slots, 1)
+    check_count("queue", queue, 0)
     if generator is None:
         from . import load
 
         generator = load(bundle_dir, device=device, draft_device=draft_device)
     gen = generator
     if model_name is None:
-        model_name = default_model_name(gen)
+        model_name = default_model_name(gen.manifest)
     pool = Slots(gen, slots, queue)
     metrics = Metrics(pool)
     state = {"draining": False, "drain_deadline": None, "active": set()}
@@ -433,12 +272,17 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             raise APIError(400, f"the request body is not valid JSON: {e}",
                            code="invalid_json") from None
 
-    @app.get("/health")
-    async def health():
+    def health() -> tuple[int, dict]:
+        """(status code, body) of GET /health; Ray Serve's health check calls it too."""
         if state["draining"]:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok", "slots": len(pool.generators), "busy": pool.busy,
-                "waiting": pool.waiting}
+            return 503, {"status": "draining"}
+        return 200, {"status": "ok", "slots": len(pool.generators), "busy": pool.busy,
+                     "waiting": pool.waiting}
+
+    @app.get("/health")
+    async def _health():
+        status, body = health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def prometheus():
@@ -495,7 +339,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             raise result
         metrics.finished(result.stats, started, task.first_token_at)
         metrics.requests.labels(endpoint, "200").inc()
-        return completion_body(result, rid, chat, job)
+        return completion_body(result, rid, chat, model_name)
 
     def check(job: Job) -> None:
         """What can be checked before a slot is taken (any generator will do: they share one
@@ -504,7 +348,11 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             gen.sampling_params(job.kwargs.get("seed"), **{
                 k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"})
             gen.gamma_policy(job.kwargs.get("gamma"))
-            n = 1 if gen.encoder_decoder else len(gen.prompt_ids(job.prompt, job.chat))
+            if gen.encoder_decoder:
+                n = 1
+            else:  # tokenized once, here: the decode loop then takes these ids as they are
+                job.prompt, job.chat = gen.prompt_ids(job.prompt, job.chat).tolist(), False
+                n = len(job.prompt)
             use_draft = job.kwargs.get("use_draft", True)
             if job.max_tokens is None:
                 room = gen.capacity(use_draft) - n + 1
@@ -525,18 +373,6 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                 release()
             else:  # the worker stops after its round; the slot is free when it has
                 task.on_thread_done(release)
-
-    def completion_body(result, rid: str, chat: bool, job: Job) -> dict:
-        usage = {"prompt_tokens": result.stats["prompt_tokens"],
-                 "completion_tokens": len(result.tokens),
-                 "total_tokens": result.stats["prompt_tokens"] + len(result.tokens)}
-        reason = FINISH.get(result.finish_reason, result.finish_reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": result.text},
-                   "logprobs": None, "finish_reason": reason} if chat else
-                  {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": [choice],
-                "usage": usage, "specedge": extension(result.stats)}
 
     async def stream_events(request, task: "Decode", job: Job, rid: str, chat: bool,
                             endpoint: str, started: float):
@@ -576,11 +412,8 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             reason = FINISH.get(result.finish_reason, result.finish_reason)
             yield chunk(None, reason, specedge=extension(result.stats))
             if job.include_usage:
-                usage = {"prompt_tokens": result.stats["prompt_tokens"],
-                         "completion_tokens": len(result.tokens),
-                         "total_tokens": result.stats["prompt_tokens"] + len(result.tokens)}
                 body = {"id": rid, "object": obj, "created": created_at, "model": model_name,
-                        "choices": [], "usage": usage}
+                        "choices": [], "usage": usage(result)}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: Starlette cancels this generator
@@ -615,20 +448,9 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         loop.call_later(seconds, cancel_rest)
 
     app.state.begin_drain = begin_drain
+    app.state.health = health
     app.state.active = state["active"]
     return app
-
-
-def default_model_name(gen) -> str:
-    """The name clients send as `model`: the target's file or repository name."""
-    m = gen.manifest
-    if m is None:
-        return "specedge"
-    t = m.target
-    name = t.gguf_file or str(t.source).rstrip("/").split("/")[-1]
-    for suffix in (".gguf",):
-        name = name[:-len(suffix)] if name.endswith(suffix) else name
-    return name or "specedge"
 
 
 class Decode:
