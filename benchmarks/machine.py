@@ -52,10 +52,13 @@ def copy_bandwidth(mib: int = 512, tries: int = 5) -> dict:
     return {"array_bytes": src.nbytes, "best_s": best, "GBps": 2 * src.nbytes / best / 1e9}
 
 
+BUSY_LOAD = 0.5  # a 1-minute load average above this before a run: other work shared the cores
+
+
 def busy_note(before: float, after: float) -> list[str]:
     """The 1-minute load average includes this run's own threads at the end, not at the start:
-    anything above ~0.5 before means other work shared the cores."""
-    if before > 0.5:
+    anything above BUSY_LOAD before means other work shared the cores."""
+    if before > BUSY_LOAD:
         return [f"the machine was busy (load average {before:.2f} before the run, {after:.2f} "
                 "after): treat these figures as indicative only"]
     return []

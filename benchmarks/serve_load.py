@@ -70,7 +70,6 @@ REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # the only address this script talks to
 MODES = {"base": False, "spec": True}  # mode -> use_draft
 MODE_NAMES = {"base": "target-only", "spec": "speculative"}
-BUSY_LOAD = 0.5
 TREE_MAIN = "from cli.specrun import main; main(prog_name='specrun')"
 APP_MAIN = ("import sys; from spec_runtime.server import create_app, run_uvicorn; "
             "b, s, q, p = sys.argv[1:5]; "
@@ -362,15 +361,14 @@ def summarise(requests: list, rounds: list) -> dict:
     alphas = [s["alpha"] for s in stats if s.get("alpha") is not None and s.get("proposed")]
     server_tps = [s["tokens_per_s"] for s in stats if s.get("tokens_per_s")]
     ttft = [r["ttft_s"] for r in ok]
-    per_token = [r["per_token_s"] for r in ok]
+    per_token_ms = [1e3 * r["per_token_s"] for r in ok if r["per_token_s"] is not None]
     e2e = [r["e2e_s"] for r in ok]
     errors = [r["error"] for r in requests if not r["ok"]]
     return {
         "requests": len(requests), "errors": len(errors), "error_samples": errors[:5],
         "tokens": tokens, "wall_s": wall, "throughput_tok_s": tokens / wall if wall > 0 else None,
         "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
-        "per_token_p50_ms": None if pct(per_token, 50) is None else 1e3 * pct(per_token, 50),
-        "per_token_p95_ms": None if pct(per_token, 95) is None else 1e3 * pct(per_token, 95),
+        "per_token_p50_ms": pct(per_token_ms, 50), "per_token_p95_ms": pct(per_token_ms, 95),
         "e2e_p50_s": pct(e2e, 50), "e2e_p95_s": pct(e2e, 95),
         "mean_tokens_per_request": tokens / len(ok) if ok else None,
         "alpha_mean": float(np.mean(alphas)) if alphas else None,
@@ -477,10 +475,10 @@ def main() -> None:
 
     load_before = load_average()
     print(f"uptime: {load_before['uptime']}")
-    if load_before["load_1m"] > BUSY_LOAD:
-        print(f"warning: the 1-minute load average is {load_before['load_1m']:.2f} (> {BUSY_LOAD}):"
-              f" other work shares the cores, the figures will be low and noisy; run it on a "
-              f"quiet machine", file=sys.stderr)
+    if load_before["load_1m"] > machine.BUSY_LOAD:
+        print(f"warning: the 1-minute load average is {load_before['load_1m']:.2f} "
+              f"(> {machine.BUSY_LOAD}): other work shares the cores, the figures will be low "
+              f"and noisy; run it on a quiet machine", file=sys.stderr)
 
     from spec_runtime import bench
 
