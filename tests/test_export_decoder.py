@@ -166,3 +166,20 @@ def test_fused_graph_past_the_protobuf_limit_keeps_weights_beside_it(tmp_path, m
     assert desc["external_data"] and (tmp_path / "f.onnx.data").stat().st_size > 100_000
     prompt = list(range(3, 23))
     assert check_parity(hf, tmp_path / "f.onnx", prompt, prefill_chunk=16) < TOL
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_the_smallest_cache_builds(precision, tmp_path):
+    """--max-len 16, the least a build takes: the parity runs shorten their prompts and calls
+    to fit the cache instead of stepping past it."""
+    import json
+
+    from tiny_models import llama, save
+
+    from spec_export.build import build_bundle
+
+    t = save(llama(0, layers=1), tmp_path / "t")
+    bundle = build_bundle(str(t), "ngram", tmp_path / "b", max_len=16, gamma=2,
+                          precision=precision, progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["max_len"] == 16 and m["target"]["parity"]["max_abs_diff_fp32"] <= TOL
