@@ -76,33 +76,36 @@ def cached_attention(
 ) -> torch.Tensor:
     """Attention over the valid cache prefix plus the new tokens; returns [1, KVH, G, n, D].
 
-        past_k[:P] ─ MatMul(q, ·ᵀ) ─ (+bias_past) ───────────────┐
-                                                                  Concat ─ Softmax ─ Split ─┬─ MatMul(past_v[:P]) ─┐
-        k_new ────── MatMul(q, ·ᵀ) ─ (+bias_new) ─ Where(causal) ─┘                         └─ MatMul(v_new) ────── Add
+        past_k[:P] ─┐                                                        past_v[:P] ─┐
+                    Concat ─ MatMul(q, ·ᵀ) ─ (+bias) ─ Where(visible) ─ Softmax ─ MatMul(Concat)
+        k_new ──────┘                                                        v_new ──────┘
 
-    P = past_len. Slots P..max_len-1 hold stale K/V of rejected drafts; they are never read, so
-    no mask is needed on the cache block. `bias` is an optional additive score bias per block
-    (T5's relative position bias), given on the folded row axis.
+    P = past_len. Slots P..max_len-1 hold stale K/V of rejected drafts; they are never read.
+    A row's scores and its weighted sum are each one product over the whole key sequence
+    (prefix and new tokens together), so a position is computed the same way in a 1-token
+    step and in a verify call of any length: the keys a longer call adds are masked, and a
+    masked key adds an exact 0 (spec_runtime/rows.py checks the result on each machine). `bias`
+    is an optional additive score bias per block (T5's relative position bias), given on the
+    folded row axis.
 
     G query heads share one KV head (GQA). Folding G into the row axis ([1, KVH, G*n, D]) lets
     each KV head be used as is: no repeated K/V is materialised, and every MatMul is a plain
-    batched GEMM. Masked new-block scores become -inf; every row keeps its own diagonal, so the
-    softmax never sees a row of only -inf.
+    batched GEMM. Every row keeps its own diagonal, so the softmax never sees a row of only -inf.
     """
     _, kvh, g, n, d = q.shape
     q = q.reshape(1, kvh, g * n, d)  # [1, KVH, G*n, D]
-    past_k, past_v = past_k[:, :, :past_len], past_v[:, :, :past_len]  # [1, KVH, P, D]
-    s_past = q @ past_k.transpose(-1, -2)  # [1, KVH, G*n, P]
-    s_new = q @ k_new.transpose(-1, -2)  # [1, KVH, G*n, n]
+    k = torch.cat([past_k[:, :, :past_len], k_new], dim=2)  # [1, KVH, P+n, D]
+    v = torch.cat([past_v[:, :, :past_len], v_new], dim=2)  # [1, KVH, P+n, D]
+    s = q @ k.transpose(-1, -2)  # [1, KVH, G*n, P+n]
     if bias is not None:
-        s_past, s_new = s_past + bias[0], s_new + bias[1]
-    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype)
-    # row r of the folded axis is query t = r % n, so the causal mask repeats G times
-    causal_rows = causal.expand(g, n, n).reshape(g * n, n)  # [G*n, n]
-    s_new = torch.where(causal_rows, s_new, neg_inf)
-    probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # [1, KVH, G*n, P+n]
-    out = probs[..., :past_len] @ past_v + probs[..., past_len:] @ v_new  # [1, KVH, G*n, D]
-    return out.reshape(1, kvh, g, n, d)
+        s = s + torch.cat(bias, dim=-1)
+    # query t sees the whole prefix and the new keys t' <= t; row r of the folded axis is
+    # query t = r % n, so the mask repeats G times
+    visible = torch.cat([causal.new_ones(n, past_len), causal], dim=-1)  # [n, P+n]
+    visible = visible.expand(g, n, past_len + n).reshape(g * n, past_len + n)  # [G*n, P+n]
+    s = torch.where(visible, s, torch.tensor(float("-inf"), dtype=q.dtype))
+    probs = torch.softmax(s, dim=-1)  # [1, KVH, G*n, P+n]
+    return (probs @ v).reshape(1, kvh, g, n, d)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
