@@ -161,26 +161,16 @@ def resolve_auto_draft(t_spec, precision: str, draft_precision: str | None, int4
     return "ngram", why
 
 
-def choose_kernels(module, kernels: str, role: str, precision: str) -> str:
-    """"fused" or "portable" for `module`. An explicit "fused" the model cannot have is refused,
-    and so is int4 without the fused graph: MatMulNBits runs on ONNX Runtime only anyway, and
-    only the fused graph scores a position bit for bit the same in a step and in a verify call,
-    which greedy speculative decoding at int4 relies on (see onnx_fused.py)."""
+def choose_kernels(module, kernels: str, role: str) -> str:
+    """"fused" or "portable" for `module`: what `kernels` asks for, "auto" taking the fused
+    graph where the model has one. An explicit "fused" the model cannot have is refused."""
     from .onnx_fused import fused_unsupported
 
     why = fused_unsupported(module)
     if kernels == "fused" and why:
         raise BuildError(f"--kernels fused is not available for the {role}: {why}; use --kernels "
                          f"portable (or auto)")
-    chosen = ("portable" if why else "fused") if kernels == "auto" else kernels
-    if precision == "int4" and chosen != "fused":
-        raise BuildError(
-            f"--precision int4 needs the fused graph, not used for the {role} "
-            f"({why or '--kernels portable'}): only the fused graph scores a position bit for "
-            f"bit the same in a step and in a verify call, which greedy speculative decoding at "
-            f"int4 relies on; use --kernels auto with a llama-family model, or --precision fp32 "
-            f"/ int8")
-    return chosen
+    return ("portable" if why else "fused") if kernels == "auto" else kernels
 
 
 def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
@@ -194,7 +184,7 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
     from .parity import check_parity
 
     module = for_hf_model(hf_model, max_len)
-    kernels = choose_kernels(module, kernels, path.stem, precision)
+    kernels = choose_kernels(module, kernels, path.stem)
     tied = module.lm_head is module.embed
     if precision == "int4":
         module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
@@ -225,7 +215,7 @@ def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids
         elif precision == "fp16":
             quantization = quantize.convert_fp16(fp32_path, path)
         else:
-            quantization = quantize.quantize_int8(fp32_path, path)
+            quantization = quantize.quantize_int8(fp32_path, path, block_size)
         fp32_path.unlink()
         fp32_path.with_name(fp32_path.name + ".data").unlink(missing_ok=True)  # large models
         agree = quantized_parity(hf_model, path, quant_prompts)
@@ -409,9 +399,9 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
     encdec = is_encoder_decoder(t_model.config)
     if auto_reason and d_spec is t_spec:
         why = fused_unsupported(t_model.config)
-        if why:  # no int4 graph for this family: lookup
+        if why:  # no fused int4 self draft for this family: lookup
             d_spec, draft_precision = None, precision
-            auto_reason = f"no int4 self draft for this target: {why}"
+            auto_reason = f"no fused int4 self draft for this target: {why}"
     if d_spec is t_spec:
         d_model = t_model
     elif d_spec:  # refuse a mismatched draft before spending minutes on exports

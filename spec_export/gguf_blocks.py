@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .quantize import ACCURACY_LEVEL
+
 BLOCK = 32
-ACCURACY_LEVEL = 4  # as quantize.INT4_ACCURACY_LEVEL: 8-bit activations, the fast kernels
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 

@@ -7,24 +7,21 @@ from pathlib import Path
 
 import numpy as np
 
-INT4_ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernels
+# MatMulNBits computes with int8 activations, quantized per row and block: the fast CPU
+# kernels, and a row's result does not depend on the other rows of its call
+ACCURACY_LEVEL = 4
 
 
-def quantize_int8(src: Path, dst: Path) -> dict:
-    """Dynamic int8: weights per output channel, activations quantized at run time (MatMul →
-    DynamicQuantizeMatMul / MatMulInteger). The cache inputs and outputs stay float32, so the
-    graph contract and the runtime are unchanged."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    import onnx
-
-    # the fused graph's contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization) have
-    # no type inference in the quantizer: their outputs, the next MatMul's inputs, are float32
-    quantize_dynamic(str(src), str(dst), per_channel=True, weight_type=QuantType.QInt8,
-                     op_types_to_quantize=["MatMul", "Gemm"],
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-    return {"method": "onnxruntime.quantization.quantize_dynamic", "weights": "int8 per channel",
-            "activations": "int8 dynamic", "embedding": "float32"}
+def quantize_int8(src: Path, dst: Path, block_size: int = 32) -> dict:
+    """Weight-only 8-bit: every MatMul with a constant weight becomes MatMulNBits with 8-bit
+    weights (symmetric, one scale per `block_size` inputs) computed with int8 activations, the
+    lm_head included; the embedding and the attention stay float32, and so do the cache inputs
+    and outputs (the graph contract is unchanged). Not ONNX Runtime's dynamic quantization:
+    DynamicQuantizeMatMul quantizes the activations with one scale for the whole call, so a
+    position's logits would depend on the other rows of its call, and a verify call could never
+    score a position as a step does (spec_runtime/rows.py); MatMulNBits quantizes each row's
+    blocks on their own."""
+    return quantize_nbits(src, dst, bits=8, block_size=block_size)
 
 
 # computed in float32 inside a float16 graph (the converter casts around them): x² in the portable
@@ -51,13 +48,21 @@ def convert_fp16(src: Path, dst: Path) -> dict:
 
 def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool = False,
                   model=None, exclude: tuple[str, ...] = ()) -> dict:
-    """Weight-only 4-bit: every MatMul with a constant weight becomes MatMulNBits (symmetric,
-    one scale per `block_size` inputs), via onnxruntime's MatMulNBitsQuantizer. The lm_head is
-    quantized too (the exporter gives it its own copy of a tied embedding). With `tied`, the
-    embedding gather then reads the lm_head's quantized weights (GatherBlockQuantized) and the
-    float copy is dropped: one matrix in the file, as in the tied checkpoint. Otherwise the
-    embedding stays float32. The attention stays float32. `model` (an onnx ModelProto) is used
-    instead of loading `src`; MatMul nodes named in `exclude` stay float."""
+    """Weight-only 4-bit: quantize_nbits with bits 4."""
+    return quantize_nbits(src, dst, bits=4, block_size=block_size, tied=tied, model=model,
+                          exclude=exclude)
+
+
+def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
+                   tied: bool = False, model=None, exclude: tuple[str, ...] = ()) -> dict:
+    """Weight-only `bits`-bit: every MatMul with a constant weight becomes MatMulNBits
+    (symmetric, one scale per `block_size` inputs), via onnxruntime's MatMulNBitsQuantizer. The
+    lm_head is quantized too (the exporter gives it its own copy of a tied embedding). With
+    `tied`, the embedding gather then reads the lm_head's quantized weights
+    (GatherBlockQuantized) and the float copy is dropped: one matrix in the file, as in the
+    tied checkpoint. Otherwise the embedding stays float32. The attention stays float32.
+    `model` (an onnx ModelProto) is used instead of loading `src`; MatMul nodes named in
+    `exclude` stay float."""
     import logging
 
     import onnx
@@ -65,8 +70,8 @@ def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool 
 
     model = model if model is not None else onnx.load(str(src))
     before = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
-    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=True,
-                                     accuracy_level=INT4_ACCURACY_LEVEL,
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size,
+                                     is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
                                      nodes_to_exclude=list(exclude))
     # the quantizer logs two INFO lines per MatMul through its own handler; keep its warnings
     logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -79,18 +84,18 @@ def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool 
     graph = quantizer.model.model.graph
     embedding = "float32"
     if tied:
-        bits = _gather_from_lm_head(graph)
-        if bits:
-            embedding = f"int{bits}, the lm_head's weights (GatherBlockQuantized)"
+        gathered = _gather_from_lm_head(graph)
+        if gathered:
+            embedding = f"int{gathered}, the lm_head's weights (GatherBlockQuantized)"
     from .onnx_export import save_graph
 
     quantizer.model.topological_sort()  # what its own save_model_to_file does first
     save_graph(quantizer.model.model, dst)
     n_q = sum(n.op_type == "MatMulNBits" for n in graph.node) - before
-    return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": 4, "block_size": block_size,
-            "symmetric": True, "accuracy_level": INT4_ACCURACY_LEVEL, "quantized_matmuls": n_q,
-            "lm_head": "int4" + (" (untied copy of the embedding)" if tied else ""),
-            "embedding": embedding}
+    return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": bits, "block_size": block_size,
+            "symmetric": True, "accuracy_level": ACCURACY_LEVEL, "quantized_matmuls": n_q,
+            "lm_head": f"int{bits}" + (" (untied copy of the embedding)" if tied else ""),
+            "embedding": embedding, "activations": "int8, per row and block"}
 
 
 def _gather_from_lm_head(graph) -> int | None:

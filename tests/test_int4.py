@@ -93,20 +93,24 @@ def test_float_embedding_keeps_a_float32_copy(tmp_path):
     assert len(r.tokens) >= 1
 
 
-def test_int4_needs_the_fused_graph(tmp_path):
-    from tiny_models import gpt2, llama, save
+def test_int4_on_the_portable_graph(tmp_path):
+    """A family without a fused graph (GPT-2) gets int4 on the portable one: MatMulNBits for
+    every weight, standard attention, the CPU its only device (tests/test_rows_graphs.py holds
+    it to exactness)."""
+    from tiny_models import gpt2, save
 
-    from spec_export.build import BuildError, build_bundle
+    from spec_export.build import build_bundle
 
-    t = save(llama(0, layers=1), tmp_path / "llama")
-    with pytest.raises(BuildError, match="int4 needs the fused graph.*--kernels portable"):
-        build_bundle(str(t), "ngram", tmp_path / "b1", max_len=32, precision="int4",
-                     kernels="portable", progress=False)
     g = save(gpt2(0, layers=1), tmp_path / "gpt2")
-    with pytest.raises(BuildError, match="int4 needs the fused graph.*llama family"):
-        build_bundle(str(g), "ngram", tmp_path / "b2", max_len=32, precision="int4",
-                     progress=False)
-    assert not (tmp_path / "b1").exists() and not (tmp_path / "b2").exists()
+    bundle = build_bundle(str(g), "ngram", tmp_path / "b", max_len=64, precision="int4",
+                          progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())["target"]
+    graph = m["graphs"]["decoder"]
+    assert (graph["kernels"], graph["devices"], m["precision"]) == ("portable", ["cpu"], "int4")
+    ops = [n.op_type for n in onnx.load(str(bundle / "target.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == m["quantization"]["quantized_matmuls"] > 0
+    assert "GroupQueryAttention" not in ops
+    assert len(spec_runtime.load(bundle).generate("hello", max_new_tokens=4, chat=False).tokens) == 4
 
 
 @pytest.fixture(scope="module")
