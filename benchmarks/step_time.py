@@ -8,6 +8,11 @@ Runtime's worker threads spin for a while after a run, and a second session star
 competes with them (on 2 cores, interleaving doubled every time measured here).
 
     python benchmarks/step_time.py BUNDLE [BUNDLE ...] [--threads 2] [--runs 30] [--json FILE]
+                                   [--one-row as-is,padded]
+
+`--one-row` times each bundle's 1-token calls in each of the given forms (spec_runtime/rows.py):
+"padded" is what a machine whose 1-row kernels differ runs, so its step time against "as-is" is
+what the check's fix costs there. Without it, the form the load chose on this machine.
 
 Typical: the four builds of the default target,
     specexport build --out /tmp/b-fp32 --kernels portable
@@ -35,24 +40,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="ORT intra_op_num_threads")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--json", type=Path, help="also write the medians here")
+    ap.add_argument("--one-row", help="comma-separated 1-token call forms to time (as-is, "
+                                      "padded); default: the one the load chose")
     args = ap.parse_args()
 
     import spec_runtime
 
-    engines = {}
+    engines = {}  # label -> (engine, its 1-token call form)
     for b in args.bundles:
         gen = spec_runtime.load(b, threads=args.threads)
         graph = gen.manifest.target.graphs["decoder"]
-        label = f"{b.name} ({gen.manifest.precision}, {graph.kernels})"
-        engines[label] = gen.target
+        print(f"{b.name}: {gen.row_check.describe()}")
+        for form in (args.one_row.split(",") if args.one_row else [gen.target.one_row]):
+            label = f"{b.name} ({gen.manifest.precision}, {graph.kernels}, {form})"
+            engines[label] = (gen.target, form)
     rng = np.random.default_rng(0)
     times: dict[str, dict[tuple, list[float]]] = {k: {c: [] for c in CALLS} for k in engines}
-    for label, eng in engines.items():  # warm-up: allocation, kernel choice
+    for label, (eng, form) in engines.items():  # warm-up: allocation, kernel choice
+        eng.set_one_row(form)
         eng.forward(rng.integers(0, eng.vocab_size, 1000), 0, 1)
         for n, pos in CALLS:
             eng.forward(rng.integers(0, eng.vocab_size, n), pos, n)
     for rep in range(2):
-        for label, eng in engines.items():
+        for label, (eng, form) in engines.items():
+            eng.set_one_row(form)
             for _ in range((args.runs + 1 - rep) // 2):
                 for n, pos in CALLS:
                     tokens = rng.integers(0, eng.vocab_size, n)
@@ -62,13 +73,13 @@ def main() -> None:
 
     print(f"ORT CPU, {args.threads} threads, median of {args.runs} calls (ms); "
           f"ratio = 5-token verify / 1-token step at the same position")
-    print(f"{'bundle':40s} " + " ".join(f"{f'{n} tok @{p}':>11s}" for n, p in CALLS)
+    print(f"{'bundle':52s} " + " ".join(f"{f'{n} tok @{p}':>11s}" for n, p in CALLS)
           + f" {'ratio@100':>9s} {'ratio@1000':>10s}")
     report = {}
     for label in engines:
         med = {c: statistics.median(v) * 1e3 for c, v in times[label].items()}
         r100, r1000 = med[(5, 100)] / med[(1, 100)], med[(5, 1000)] / med[(1, 1000)]
-        print(f"{label:40s} " + " ".join(f"{med[c]:11.2f}" for c in CALLS)
+        print(f"{label:52s} " + " ".join(f"{med[c]:11.2f}" for c in CALLS)
               + f" {r100:9.2f} {r1000:10.2f}")
         report[label] = {f"{n}@{p}": med[(n, p)] for n, p in CALLS}
         report[label].update(ratio_100=r100, ratio_1000=r1000)

@@ -22,10 +22,12 @@ the last one, at position + n, dropped from the output). ONNX Runtime's CPU atte
 and by a verify call would differ in the last bits; with 4-bit weights and 8-bit activations
 (MatMulNBits accuracy level 4) such a difference flips an activation's rounding and grows to
 ~0.5 in the logits within a few layers, and greedy speculative decoding would leave the greedy
-path of the very model it runs. With the padding every call takes the multi-row path, every row
-is computed the same whatever the call's length, and a verified token is the token a step would
-have produced, bit for bit. The padding row's K/V land in slot position + n, stale by definition;
-slot max_len exists only for it.
+path of the very model it runs. With the padding, attention takes the multi-row path in every
+call. The padding row's K/V land in slot position + n, stale by definition; slot max_len exists
+only for it. The MatMuls before and after attention see the call's own rows; whether their
+1-row kernels agree with their multi-row ones depends on the CPU (MatMulNBits' do on AVX-512,
+not on AVX2), so the runtime measures it at load and pads 1-token calls where they do not
+(spec_runtime/rows.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from the registry, and hand all of it to a Generator.
     chat template ─ compiled and test-rendered (chat.py)
     target graphs ─ OrtEngine.open ─► the session's I/O and metadata match the manifest
     draft ─ drafts.open_draft (registry by draft.kind) ─► its own engine, or none
+    target rows ─ rows.choose_one_row ─► the 1-token call form that scores like a verify call
     ────────────────────────────────────────────────────────────────► Generator
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import rows
 from .chat import compile_chat_template
 from .contract import graph_metadata
 from .drafts import open_draft
@@ -156,9 +158,12 @@ def check_tokenizer(tokenizer, tok: TokenizerEntry) -> None:
 
 
 def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None,
-                check_files: bool = True, draft_device: str | None = None) -> Generator:
+                check_files: bool = True, draft_device: str | None = None,
+                one_row: str = "auto") -> Generator:
     """`device` runs the target; `draft_device` (default: the same) a model draft, so that,
-    say, an int4 draft drafts on the CPU while an fp16 target verifies on the GPU."""
+    say, an int4 draft drafts on the CPU while an fp16 target verifies on the GPU. `one_row`
+    "auto" measures which form of a 1-token target call scores a position like a verify call
+    on this machine (rows.py); "as-is" or "padded" takes that form unmeasured."""
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
     manifest = read_manifest(bundle_dir, check_files=check_files)
     tok = manifest.tokenizer
@@ -166,6 +171,8 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     check_tokenizer(tokenizer, tok)
     if tok.chat_template:
         compile_chat_template(tok.chat_template)  # syntax and a test render, before sessions
+    if one_row != "auto":
+        rows.given(one_row)  # a bad value is refused before the sessions open
     target = open_engine(bundle_dir, manifest, "target", manifest.target, device=device,
                          threads=threads)
     if tokenizer.get_vocab_size() > target.vocab_size:
@@ -176,9 +183,11 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     draft = open_draft(manifest.draft, target.vocab_size,
                        lambda model: open_engine(bundle_dir, manifest, "draft", model,
                                                  device=draft_device or device, threads=threads))
+    row_check = rows.choose_one_row(target, one_row)
     return Generator(
         target,
         draft,
+        row_check=row_check,
         tokenizer=tokenizer,
         eos_token_ids=tok.eos_token_ids,
         default_gamma=manifest.default_gamma,

@@ -11,10 +11,12 @@ draft-and-verify machinery: the draft's q, the acceptance test, the residual, th
    distribution of the k tokens is compared by a two-sample chi-square, stratified by prompt,
    sparse cells pooled into shorter prefixes (see twosample.py). Reported: p-value, total
    variation on the pooled cells with its noise floor, and the smallest TV the test detects.
-2. Greedy parity: speculative greedy must equal target-only greedy token for token. A
-   (γ+1)-token verify call and a 1-token step are different computations, so a numerically
-   near-tied argmax may legitimately flip; a first divergence whose target logit gap is below
-   NEAR_TIE (relative) is a warning, any other divergence a failure.
+2. Greedy parity: speculative greedy must equal target-only greedy token for token. Where the
+   load found that the target scores a position bit for bit alike in a step and in a verify
+   call (rows.py: the usual case), any divergence is a failure. Where it found them different
+   (kernels of this machine that no call form reconciles), a numerically near-tied argmax may
+   legitimately flip: a first divergence whose target logit gap is below NEAR_TIE (relative)
+   is then a warning, any other divergence a failure.
 
 What it cannot see: a bug that also affects target-only decoding (both modes share the
 engines: a wrong graph is `specexport verify`'s business), differences smaller than the
@@ -29,6 +31,7 @@ import time
 import numpy as np
 
 from .errors import InputError
+from .rows import RowCheck
 from .sampling import SamplingParams
 from .twosample import compare
 
@@ -85,10 +88,11 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
               repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
               frequency_penalty: float = 0.0, seed: int = 0, gamma=None, prompts=PROMPTS,
-              progress=None) -> dict:
+              progress=None, clock=time.monotonic) -> dict:
     """Run both tests and return the report (a dict; `exit_code` 0 consistent, 1 not).
-    `seconds`, when given, bounds the whole run: sampling stops when it is spent. The sampling
-    test runs at exactly the setting given (the bundle's generation defaults do not apply)."""
+    `seconds`, when given, bounds the whole run on `clock`: sampling stops when it is spent.
+    The sampling test runs at exactly the setting given (the bundle's generation defaults do
+    not apply). The report carries what the load found of the target's rows (rows.py)."""
     _positive("--tokens", tokens)
     _positive("--samples", samples)
     if seconds is not None:
@@ -102,7 +106,7 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
         raise InputError("--temperature 0 is greedy, which the greedy parity test covers: "
                          "check sampling at a temperature > 0")
     gen.gamma_policy(gamma)
-    start = time.monotonic()
+    start = clock()
     deadline = start + seconds if seconds is not None else float("inf")
     ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
     for p in ids:
@@ -110,11 +114,15 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     warnings: list[str] = []
 
     # 1. greedy parity
+    row_check = getattr(gen, "row_check", None)
+    ties_flip = not (row_check and row_check.identical)  # rows may round differently
     greedy = []
     for text, p in zip(prompts, ids):
         spec = gen.generate(p, max_new_tokens=greedy_tokens, gamma=gamma, **GREEDY).tokens
         base = gen.generate(p, max_new_tokens=greedy_tokens, use_draft=False, **GREEDY).tokens
         div = first_divergence(gen, p, spec, base)
+        if div is not None:
+            div["near_tie"] = div["near_tie"] and ties_flip
         greedy.append({"prompt": text, "identical": div is None, "divergence": div})
         if div is not None and div["near_tie"]:
             warnings.append(f"greedy outputs differ at token {div['index']} of {text[:24]!r}... "
@@ -128,9 +136,9 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     drawn_spec = [[] for _ in prompts]
     drawn_base = [[] for _ in prompts]
     proposed = accepted = drawn = 0
-    t0 = time.monotonic()
+    t0 = clock()
     for i in range(samples):
-        if time.monotonic() > deadline:
+        if clock() > deadline:
             break
         j = i % len(prompts)
         s = gen.generate(ids[j], max_new_tokens=tokens, gamma=gamma,
@@ -169,13 +177,14 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
         "gamma": gamma if gamma is not None else gen.default_gamma,
         "sampling": {
             "setting": setting, "tokens": tokens, "prompts": len(prompts), "requested": samples,
-            "drawn": drawn, "seconds": time.monotonic() - t0, "level": LEVEL, "power": POWER,
+            "drawn": drawn, "seconds": clock() - t0, "level": LEVEL, "power": POWER,
             "draft_proposed": proposed, "draft_accepted": accepted, "passed": sampling_ok,
             **result,
         },
         "greedy": {"tokens": greedy_tokens, "prompts": greedy, "passed": greedy_ok},
+        "rows": row_check.to_dict() if row_check else None,
         "warnings": warnings,
-        "seconds": time.monotonic() - start,
+        "seconds": clock() - start,
         "consistent": consistent,
         "exit_code": 0 if consistent else 1,
     }
@@ -212,6 +221,8 @@ def format_report(r: dict) -> str:
             lines.append(f"  differs  at token {d['index']} of {p['prompt'][:32]!r}: target "
                          f"{d['target_token']} vs speculative {d['speculative_token']}, relative "
                          f"logit gap {gap} ({'near-tie' if d['near_tie'] else 'FAILURE'})")
+    if r.get("rows"):
+        lines.append(f"rows       {RowCheck(**r['rows']).describe()}")
     lines += [f"warning    {w}" for w in r["warnings"]]
     lines.append(f"time       {r['seconds']:.1f} s")
     lines.append("verdict    " + ("consistent: no evidence that speculative decoding departs from "

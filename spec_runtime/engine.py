@@ -12,6 +12,11 @@ Encoder-decoder engines additionally implement `encode_source(source_ids)`, call
 request before the first `forward` (which then runs the decoder). An engine that can serve a
 second request beside the first offers `fork()`: another engine over the same weights with a
 cache of its own.
+
+A 1-token call runs in one of two forms (`one_row`): "as-is", or "padded" into a 2-row call
+whose first row is the previous token again. Which of them scores a position bit for bit like a
+verify call depends on the kernels of the machine the engine runs on: rows.py measures it at load
+and sets the form.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from .errors import CacheCapacityError
+
+ONE_ROW_FORMS = ("as-is", "padded")
 
 
 @runtime_checkable
@@ -42,13 +49,26 @@ class Engine(Protocol):
 class ChunkedEngine:
     """`forward` over a backend's `_run(tokens, pos, num_logits)` (one graph call of at most
     `prefill_chunk` tokens, or the γ+1 of a verify call): long feeds are cut into chunks,
-    each computing only the logit row it must. Backends set max_len and prefill_chunk."""
+    each computing only the logit row it must, and a 1-token call takes the engine's
+    `one_row` form. Backends set max_len and prefill_chunk."""
 
     max_len: int
     prefill_chunk: int
+    one_row: str = "as-is"  # the form of a 1-token call: ONE_ROW_FORMS, set by rows.py
+    _fed: np.ndarray | None = None  # the token last written at each slot (for "padded")
 
     def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
         raise NotImplementedError
+
+    def set_one_row(self, form: str) -> None:
+        if form not in ONE_ROW_FORMS:
+            raise ValueError(f"one_row {form!r}: use one of {ONE_ROW_FORMS}")
+        self.one_row = form
+
+    def _same_form(self, fork):
+        """`fork` (another engine over the same graphs) with this engine's 1-row form."""
+        fork.set_one_row(self.one_row)
+        return fork
 
     def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
@@ -62,5 +82,20 @@ class ChunkedEngine:
         last = max(0, n - max(num_logits, self.prefill_chunk))
         for start in range(0, last, self.prefill_chunk):
             end = min(last, start + self.prefill_chunk)
-            self._run(tokens[start:end], pos + start, 1)
-        return self._run(tokens[last:], pos + last, num_logits)
+            self._call(tokens[start:end], pos + start, 1)
+        return self._call(tokens[last:], pos + last, num_logits)
+
+    def _call(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
+        """One graph call; a 1-token one in the engine's form. "padded" runs it as the 2-row
+        call [token at pos - 1, token] at pos - 1 (slot pos - 1 is valid and gets the values it
+        holds again; at pos 0, [token, token], the second row's slot stale) and returns the
+        token's row. Both rows' logits are computed: a 1-row lm_head is a 1-row product too."""
+        if self._fed is None:
+            self._fed = np.zeros(self.max_len, np.int64)
+        n = len(tokens)
+        self._fed[pos : pos + n] = tokens
+        if n > 1 or self.one_row == "as-is":
+            return self._run(tokens, pos, num_logits)
+        if pos == 0:
+            return self._run(np.repeat(tokens, 2), 0, 2)[:1]
+        return self._run(self._fed[pos - 1 : pos + 1], pos - 1, 2)[1:]

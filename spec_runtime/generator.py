@@ -54,6 +54,7 @@ class Generator:
         manifest=None,
         bundle_dir=None,
         generation_defaults: dict | None = None,
+        row_check=None,
         clock=time.perf_counter,
     ):
         self.target = target
@@ -72,6 +73,8 @@ class Generator:
         # leaves a sampling argument unset (None) gets, before SamplingParams' own defaults
         self.generation_defaults = dict(generation_defaults or {})
         self.clock = clock
+        # rows.RowCheck: how the target's 1-token calls are made, and what the load measured
+        self.row_check = row_check
         # ids past the target's vocabulary are padding, never input (a draft with a smaller
         # vocabulary reads such ids as 0: drafts.ModelDraft)
         self.vocab_size = target.vocab_size
@@ -140,7 +143,8 @@ class Generator:
                          special_tokens=self.special_tokens, encoder_decoder=self.encoder_decoder,
                          decoder_start_token_id=self.decoder_start_token_id,
                          manifest=self.manifest, bundle_dir=self.bundle_dir,
-                         generation_defaults=self.generation_defaults, clock=self.clock)
+                         generation_defaults=self.generation_defaults,
+                         row_check=self.row_check, clock=self.clock)
 
     def _engines(self, use_draft: bool = True) -> list:
         draft = self.draft if use_draft else None
@@ -239,7 +243,7 @@ class Generator:
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                stats = DecodeStats()
+                stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
                 recorder = Recorder(stats, self.clock)
                 prefix = self._begin(ids, draft)
                 check_capacity(self._engines(use_draft), len(prefix), int(max_new_tokens))

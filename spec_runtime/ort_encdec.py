@@ -61,10 +61,11 @@ class OrtEncDecEngine(OrtEngine):
                    device=device)
 
     def fork(self) -> "OrtEncDecEngine":
-        return type(self)(self.session, self.graph, self.encoder, self.encoder_graph,
-                          vocab_size=self.vocab_size, max_len=self.max_len,
-                          max_source_len=self.max_source_len, prefill_chunk=self.prefill_chunk,
-                          device=self.device, store=self._store)
+        return self._same_form(type(self)(
+            self.session, self.graph, self.encoder, self.encoder_graph,
+            vocab_size=self.vocab_size, max_len=self.max_len,
+            max_source_len=self.max_source_len, prefill_chunk=self.prefill_chunk,
+            device=self.device, store=self._store))
 
     def encode_source(self, source_ids) -> None:
         """Run the encoder on one request's source ids; its cross K/V serve every forward until

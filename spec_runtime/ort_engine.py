@@ -256,9 +256,9 @@ class OrtEngine(ChunkedEngine):
     def fork(self) -> "OrtEngine":
         """Another engine over the same session (no second copy of the weights), with its own
         cache: a second request can run beside this one's."""
-        return type(self)(self.session, self.graph, vocab_size=self.vocab_size,
-                          max_len=self.max_len, prefill_chunk=self.prefill_chunk,
-                          device=self.device, store=self._store)
+        return self._same_form(type(self)(
+            self.session, self.graph, vocab_size=self.vocab_size, max_len=self.max_len,
+            prefill_chunk=self.prefill_chunk, device=self.device, store=self._store))
 
     def reset(self) -> None:
         pass  # positions make the stale slots invisible; nothing to clear

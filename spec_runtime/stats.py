@@ -66,6 +66,9 @@ class DecodeStats:
     target_time_s: float = 0.0  # target calls after the prefill
     wall_time_s: float = 0.0
     finish_reason: str = ""
+    # the form of the target's 1-token calls (rows.py: "as-is" or "padded"), None for an
+    # engine without forms
+    target_one_row: str | None = None
     # the draft's own counters (drafts.DraftCounters), read where they are, never copied
     draft_counters: object = None
 

@@ -2,6 +2,7 @@
 (exit 0), on deliberately broken ones (exit 1), on near-tied greedy divergences (a warning), and
 on bad input (exit 2)."""
 
+import itertools
 import json
 import time
 
@@ -130,6 +131,25 @@ def test_greedy_divergence_is_a_warning_at_a_near_tie_and_a_failure_otherwise(mo
     assert ("near-tie" in text) == (exit_code == 0) and ("FAILURE" in text) == (exit_code == 1)
 
 
+def test_a_near_tie_is_a_failure_where_the_rows_are_bit_identical(monkeypatch):
+    """Where the load found steps and verify calls bit for bit alike, nothing may flip."""
+    from spec_runtime.rows import RowCheck
+
+    gen = toy_generator(cls=FlipsGreedyToken)
+    gen.row_check = RowCheck("as-is", "probe", True, 0.0, None, 0.0)
+
+    def logits(g, prompt_ids, prefix):
+        base = g.generate(prompt_ids, max_new_tokens=3, use_draft=False).tokens
+        row = np.zeros(6)
+        row[base[2]], row[(base[2] + 1) % 6] = 12.0, 12.0 - 5e-4
+        return row
+
+    monkeypatch.setattr(FlipsGreedyToken, "target_logits", logits)
+    r = check.run_check(gen, samples=200, prompts=TOY_PROMPTS, greedy_tokens=6)
+    assert r["exit_code"] == 1 and not r["greedy"]["prompts"][0]["divergence"]["near_tie"]
+    assert "FAILURE" in check.format_report(r) and r["rows"]["identical"] is True
+
+
 # -- the command on tiny exported bundles -------------------------------------------------------
 
 
@@ -168,19 +188,33 @@ def test_check_fails_when_the_draft_misreports_q(llama_pair, monkeypatch):
     assert "INCONSISTENT" in r.stdout
 
 
-def test_check_text_report_and_time_limit(llama_pair):
-    r = run_cli(llama_pair[2], "--samples", 10**6, "--seconds", 3)
+def test_check_text_report(llama_pair):
+    r = run_cli(llama_pair[2], "--samples", 300)
     assert r.exit_code == 0, r.output
-    for words in ("chi2", "TV", "power", "greedy", "--seconds 3 ran out after", "verdict"):
+    for words in ("chi2", "TV", "power", "greedy", "rows", "bit for bit", "verdict"):
         assert words in r.stdout, r.stdout
-    # what the fewer samples mean: the detectable TV reported, and what all would detect
-    # (about 1/sqrt(N): README)
-    report = json.loads(run_cli(llama_pair[2], "--samples", 10**6, "--seconds", 2,
-                                "--json").stdout)
+    report = json.loads(run_cli(llama_pair[2], "--samples", 30, "--json").stdout)
+    assert report["rows"]["chosen_by"] == "probe" and report["rows"]["identical"] is True
+
+
+def test_check_time_limit(llama_pair):
+    """--seconds bounds the run on the check's clock. This one advances a second each time it
+    is read (at the start, when sampling starts, and before each sample), so what is drawn
+    does not depend on the machine's speed: 11 samples fit in 12 seconds."""
+    gen = spec_runtime.load(llama_pair[2])
+    ticks = itertools.count()
+    report = check.run_check(gen, samples=10**6, seconds=12, clock=lambda: float(next(ticks)))
     s = report["sampling"]
-    want = f"where all {10**6} would detect about " \
-           f"{s['min_detectable_tv'] * (s['drawn'] / 10**6) ** 0.5:.2f}"
-    assert s["drawn"] < 10**6 and any(want in w for w in report["warnings"]), report["warnings"]
+    assert s["drawn"] == 11
+    assert any(w.startswith(f"--seconds 12 ran out after 11 of {10**6} samples")
+               for w in report["warnings"]), report["warnings"]
+    if s["min_detectable_tv"] is not None:
+        # what the fewer samples mean: the detectable TV reported, and what all would detect
+        # (about 1/sqrt(N): README)
+        want = f"where all {10**6} would detect about " \
+               f"{s['min_detectable_tv'] * (s['drawn'] / 10**6) ** 0.5:.2f}"
+        assert any(want in w for w in report["warnings"]), report["warnings"]
+    assert "--seconds 12 ran out" in check.format_report(report)
 
 
 @pytest.mark.parametrize(
