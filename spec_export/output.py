@@ -6,10 +6,11 @@
         old/                            the bundle it replaces, moved aside for the swap
 
 - `--out` may be missing, an empty directory, or a specedge bundle that holds nothing but the
-  files its manifest lists. Anything else is refused before any work, naming what is in the way.
-- The swap renames the old bundle to `old/`, the new one into place, then unlinks the old
-  bundle's listed files one by one and removes the directory with rmdir, which fails (and keeps
-  the directory) if anything else appeared in it meanwhile.
+  files its manifest lists, each still of the size and sha256 it lists. Anything else is
+  refused before any work, naming what is in the way.
+- The swap renames the old bundle to `old/`, the new one into place, then unlinks those of the
+  old bundle's listed files that still match their size and sha256, one by one, and removes
+  the directory with rmdir, which fails (and keeps the directory) if anything else is in it.
 - A build killed with SIGKILL leaves its temporary directory behind. Its lock dies with the
   process, so the next build into the same parent can prove it stale (marker ours, written on
   this host, lock free) and remove it; one that a running build holds is left alone. A
@@ -24,13 +25,14 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 import tempfile
 import time
 from pathlib import Path
 
-from spec_runtime.manifest import FORMAT, MANIFEST
+from spec_runtime.manifest import MANIFEST
 
 from .sources import BuildError
 
@@ -74,17 +76,30 @@ def file_system_errors(out: Path):
 
 
 def resolve_out(out: Path) -> Path:
-    """`out`, through a symbolic link if it is one (the link stays; its target is replaced)."""
-    return out.resolve() if out.is_symlink() else out
+    """`out` as an absolute path, through a symbolic link if it is one (the link stays; its
+    target is replaced)."""
+    return out.resolve() if out.is_symlink() else Path(os.path.abspath(out))
 
 
-def check_out(out: Path) -> None:
-    """Refuse an `out` whose replacement would delete something a build did not write."""
+def check_out(out: Path, hashes: bool = True) -> None:
+    """Refuse an `out` whose replacement would delete something a build did not write: a file
+    its manifest does not list, or one that is no longer what it lists (its size and sha256;
+    `hashes=False` compares sizes only, for the re-check at the swap, where remove_bundle
+    hashes each file again before it unlinks it)."""
     if not out.exists():
         return
     if not out.is_dir():
         raise BuildError(f"--out {str(out)!r} is a file, not a directory: choose a new or empty "
                          f"directory")
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise BuildError(f"--out {str(out)!r} is the current directory or holds it: a build "
+                         f"replaces that directory, which would leave this shell in a removed "
+                         f"one; give a new directory, such as --out ./bundle")
+    if os.stat(out).st_dev != os.stat(out.parent).st_dev:
+        raise BuildError(f"--out {str(out)!r} is a mount point: a build replaces the directory "
+                         f"by a rename, which a mount point refuses; give a directory inside "
+                         f"it, such as --out {shlex.quote(str(out / 'bundle'))}")
     entries = sorted(os.listdir(out))
     if not entries:
         return
@@ -97,22 +112,40 @@ def check_out(out: Path) -> None:
         raise BuildError(f"--out {str(out)!r} is a specedge bundle but also holds "
                          f"{_names(foreign)}, which its manifest does not list and a rebuild would "
                          f"delete: move them away, or choose another --out")
+    changed = [e for e in entries if not _as_listed(out / e, listed[e], hashes)]
+    if changed:
+        raise BuildError(f"--out {str(out)!r} is a specedge bundle, but {_names(changed)} "
+                         f"{'is' if len(changed) == 1 else 'are'} not what its manifest lists "
+                         f"(edited or replaced since it was built), and a rebuild would delete "
+                         f"{'it' if len(changed) == 1 else 'them'}: move "
+                         f"{'it' if len(changed) == 1 else 'them'} away, or choose another --out")
 
 
-def bundle_files(directory: Path) -> set[str] | None:
-    """The names a bundle's manifest says the directory holds (manifest.json included), or None
-    when `directory/manifest.json` is not a specedge manifest."""
+def bundle_files(directory: Path) -> dict | None:
+    """{name: FileEntry (bytes, sha256), or None for manifest.json itself} of the files a
+    bundle's manifest lists, or None when `directory/manifest.json` is not a manifest the
+    runtime reads (a hand-made file that only says "specedge-bundle" is not one)."""
+    from spec_runtime.manifest import BundleError, read_manifest
+
     try:
-        with open(directory / MANIFEST, "rb") as f:
-            manifest = json.loads(f.read(1 << 24))
-    except (OSError, ValueError):
+        manifest = read_manifest(directory, check_files=False)
+    except (BundleError, OSError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or not isinstance(manifest.get("files"), dict):
-        return None
-    names = {n for n in manifest["files"] if isinstance(n, str) and n == Path(n).name
-             and n not in ("", ".", "..")}
-    return names | {MANIFEST}
+    return {**manifest.files, MANIFEST: None}
+
+
+def _as_listed(path: Path, entry, hashes: bool = True) -> bool:
+    """Whether `path` still holds what the manifest lists for it (manifest.json: itself)."""
+    if entry is None:
+        return True
+    from spec_runtime.manifest import sha256_file
+
+    try:
+        if path.stat().st_size != entry.bytes:
+            return False
+        return not hashes or sha256_file(path) == entry.sha256
+    except OSError:
+        return False
 
 
 def _plain_file(path: Path) -> bool:
@@ -148,7 +181,7 @@ class BuildDir:
 
     def commit(self) -> None:
         """Move the bundle to `out`: at every instant `out` is the old bundle or the new one."""
-        check_out(self.out)  # again: someone may have added a file while the build ran
+        check_out(self.out, hashes=False)  # again: a file may have appeared meanwhile
         old = self.root / "old"
         if self.out.exists():
             os.replace(self.out, old)
@@ -182,16 +215,22 @@ def _remove_root(root: Path) -> None:
 
 
 def remove_bundle(directory: Path) -> None:
-    """Unlink the files a bundle's manifest lists, then rmdir: anything else stays."""
-    for name in bundle_files(directory) or ():
+    """Unlink the files a bundle's manifest lists that still hold what it lists (size and
+    sha256), then the manifest, then rmdir: anything else stays, and is named."""
+    listed = bundle_files(directory) or {}
+    for name, entry in listed.items():
+        path = directory / name
+        if entry is not None and _plain_file(path) and _as_listed(path, entry):
+            path.unlink()
+    if all(not (directory / n).exists() for n, e in listed.items() if e is not None):
         with contextlib.suppress(FileNotFoundError):
-            (directory / name).unlink()
+            (directory / MANIFEST).unlink()
     try:
         directory.rmdir()
     except OSError:
         extra = sorted(os.listdir(directory)) if directory.is_dir() else []
-        log.warning("kept %s: it holds %s, which the build did not write", directory,
-                    _names(extra))
+        log.warning("kept %s: it holds %s, which the build did not write or which changed "
+                    "since", directory, _names(extra))
 
 
 def _take_marker(root: Path, out: Path):
@@ -286,6 +325,4 @@ def clean_stale_temporaries(parent: Path) -> list[Path]:
 
 
 def _quote(s: str) -> str:
-    import shlex
-
     return shlex.quote(s)

@@ -91,6 +91,82 @@ def test_rebuilding_replaces_the_bundle_and_nothing_else(tmp_path, target):
     assert sorted(os.listdir(tmp_path)) == ["bundle", "notes.txt", "project"]  # no leftovers
 
 
+def test_a_file_a_manifest_merely_claims_is_kept(tmp_path, target):
+    """A manifest that says "specedge-bundle" and lists the user's file does not make the file
+    the build's: a hand-written manifest is not one the runtime reads, and is refused."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "thesis.docx").write_text("years of work")
+    (d / "manifest.json").write_text(json.dumps({"format": "specedge-bundle", "files": {
+        "thesis.docx": {"bytes": 1, "sha256": "0" * 64}}}))
+    before = snapshot(d)
+    assert_input_error(build(target, d), "not a specedge bundle", "'thesis.docx'")
+    assert snapshot(d) == before
+
+
+@pytest.mark.parametrize("edit", ["same-size", "other-size"])
+def test_a_listed_file_the_user_edited_is_kept(tmp_path, target, edit):
+    """A rebuild removes only files whose size and sha256 are what the manifest lists."""
+    out = tmp_path / "bundle"
+    assert build(target, out).exit_code == 0
+    tok = out / "tokenizer.json"
+    text = tok.read_text()
+    tok.write_text(text.replace('"', "'", 1) if edit == "same-size" else text + "\n")
+    before = snapshot(out)
+    assert_input_error(build(target, out), "'tokenizer.json'", "not what its manifest lists",
+                       "move it away")
+    assert snapshot(out) == before
+
+
+def test_a_file_edited_during_the_build_survives_the_swap(tmp_path, target, monkeypatch):
+    """Past the check before the work: what the swap finds changed stays where it was moved
+    (the build's temporary directory is then kept, and reported), never deleted."""
+    out = tmp_path / "bundle"
+    assert build(target, out).exit_code == 0
+    from spec_export import build as build_module
+
+    write = build_module.write_manifest
+
+    def edit_then_write(*args, **kwargs):
+        tok = out / "tokenizer.json"
+        text = tok.read_text()
+        tok.write_text(text.replace('"', "'", 1))  # same size: only its hash tells
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "write_manifest", edit_then_write)
+    edited = (out / "tokenizer.json").read_text().replace('"', "'", 1)
+    assert build(target, out).exit_code == 0
+    kept = [p for p in tmp_path.glob(".bundle.tmp-*/old/tokenizer.json")]
+    assert len(kept) == 1 and kept[0].read_text() == edited
+
+
+def test_the_current_directory_is_refused_before_the_work(tmp_path, target, monkeypatch):
+    """--out . (or the directory a shell stands in) would be replaced under the shell."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for out in (".", str(tmp_path / "here"), str(tmp_path)):
+        assert_input_error(build(target, out), "current directory", "--out")
+    assert os.listdir(tmp_path / "here") == [] and sorted(os.listdir(tmp_path)) == ["here"]
+
+
+def test_a_mount_point_is_refused_before_the_work(tmp_path, target, monkeypatch):
+    """A build replaces --out by a rename, which a mount point refuses (EBUSY); said before
+    the work. (A real mount needs privileges a test does not have: the device is faked.)"""
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        st = real_stat(path, *args, **kwargs)
+        if Path(path) == out:
+            return os.stat_result((*st[:2], st.st_dev + 1, *st[3:]))
+        return st
+
+    monkeypatch.setattr(output.os, "stat", stat)
+    assert_input_error(build(target, out), "mount point", "a directory inside it")
+    assert os.listdir(out) == [] and sorted(os.listdir(tmp_path)) == ["mnt"]
+
+
 def test_an_empty_directory_is_used(tmp_path, target):
     (tmp_path / "empty").mkdir()
     assert build(target, tmp_path / "empty").exit_code == 0
