@@ -383,6 +383,7 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
                   max_source_len: int, gamma: int, max_gamma: int, prefill_chunk: int,
                   block_size: int, float_embedding: bool) -> None:
     """Load, export, check and describe both models into the directory `tmp`."""
+    from spec_runtime.bundle import load_tokenizer, vocabulary_sha256
     from spec_runtime.contract import graph_metadata
 
     from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
@@ -459,6 +460,7 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
     if auto_reason:
         d_entry = replace(d_entry, options={**d_entry.options, "auto_reason": auto_reason})
     stage("write bundle")
+    t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
     manifest = Manifest(
         architecture="encoder-decoder" if encdec else "decoder-only",
         max_len=max_len, max_gamma=max_gamma, default_gamma=gamma, prefill_chunk=prefill_chunk,
@@ -466,14 +468,14 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
         tokenizer=TokenizerEntry(
             file="tokenizer.json", eos_token_ids=tuple(eos), bos_token_id=t_tok.bos_token_id,
             special_tokens={"bos_token": t_tok.bos_token or "", "eos_token": t_tok.eos_token or ""},
-            chat_template=t_tok.chat_template if isinstance(t_tok.chat_template, str) else None),
+            chat_template=t_tok.chat_template if isinstance(t_tok.chat_template, str) else None,
+            vocab_sha256=vocabulary_sha256(load_tokenizer(tmp / "tokenizer.json"))),
         max_source_len=max_source_len if encdec else None,
         decoder_start_token_id=decoder_start_token_id(t_model) if encdec else None,
         generation=generation_defaults(t_model), created_by=library_versions())
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
-    t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
     write_manifest(tmp, manifest)
 
 

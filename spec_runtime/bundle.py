@@ -2,10 +2,12 @@
 from the registry, and hand all of it to a Generator.
 
     manifest.json ─ read_manifest ─► Manifest (every field checked; files inside the bundle,
-                                      sizes and sha256)
+                                      regular files, sizes and sha256; a snapshot of the
+                                      directory before, compared once everything is read)
     tokenizer.json ─ Tokenizer ─► its special tokens match the manifest's ids
     chat template ─ compiled and test-rendered (chat.py)
-    target graphs ─ OrtEngine.open ─► the session's I/O and metadata match the manifest
+    target graphs ─ OrtEngine.open ─► external data only from listed files; the session's I/O
+                                      and metadata match the manifest
     draft ─ drafts.open_draft (registry by draft.kind) ─► its own engine, or none
     target rows ─ rows.choose_one_row ─► the 1-token call form that scores like a verify call
     ────────────────────────────────────────────────────────────────► Generator
@@ -13,6 +15,8 @@ from the registry, and hand all of it to a Generator.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -22,7 +26,9 @@ from .contract import graph_metadata
 from .drafts import open_draft
 from .errors import BundleError, InputError
 from .generator import Generator
-from .manifest import REBUILD, Manifest, ModelEntry, TokenizerEntry, read_manifest, unreadable
+from .manifest import (MANIFEST, REBUILD, Manifest, ModelEntry, TokenizerEntry, read_manifest,
+                       unreadable)
+from .manifest_checks import check_file_hashes, check_unchanged, regular_file, snapshot
 
 DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
@@ -64,6 +70,7 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
         return open_tensorrt_engine(bundle_dir, manifest, role, model, native)
     dev = require_provider(device)
     for name, graph in model.graphs.items():
+        check_external_data(bundle_dir, manifest, graph.file)
         if dev.name not in graph.devices:
             raise BundleError(
                 f"the bundle's {role} {name} graph ({model.precision}, {graph.kernels} kernels) "
@@ -124,9 +131,30 @@ def open_tensorrt_engine(bundle_dir: Path, manifest: Manifest, role: str, model:
                      trt=trt)
 
 
+def check_external_data(bundle_dir: Path, manifest: Manifest, file: str) -> None:
+    """A graph may keep its weights in other files (external data, for graphs past 2 GB):
+    each must be one the manifest lists, so that it was hashed with the rest; a graph that
+    names any other file would load bytes no check has seen."""
+    from .onnx_refs import NotProtobuf, external_files
+
+    path = bundle_dir / file
+    regular_file(path, file)
+    try:
+        refs = external_files(path)
+    except NotProtobuf as e:
+        raise BundleError(f"{file} is not an ONNX graph ({e}); {REBUILD}") from None
+    except OSError as e:
+        raise unreadable(path, e) from None
+    unlisted = sorted(r for r in refs if r not in manifest.files)
+    if unlisted:
+        raise BundleError(f"{file} reads its weights from {unlisted[0]!r}, a file the manifest "
+                          f"does not list, so no sha256 vouches for it; {REBUILD}")
+
+
 def load_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
+    regular_file(path)
     try:
         with open(path, "rb"):  # a file system refusal is named as such
             pass
@@ -138,10 +166,22 @@ def load_tokenizer(path: Path):
         raise BundleError(f"{path} is not a tokenizers tokenizer.json ({e}); {REBUILD}") from None
 
 
+def vocabulary_sha256(tokenizer) -> str:
+    """sha256 of every (token, id) the tokenizer maps, added tokens included, by id."""
+    items = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 def check_tokenizer(tokenizer, tok: TokenizerEntry) -> None:
-    """The tokenizer must map the manifest's special tokens to the manifest's ids: a
-    tokenizer.json of another model (even with its sha256 updated) fails here, before it turns
-    prompts into ids that mean other words to the graphs."""
+    """The tokenizer must map the manifest's special tokens to the manifest's ids, and every
+    token to the id it had at the build: a tokenizer.json of another model, or one cut or
+    rotated (even with its sha256 updated), fails here, before it turns prompts into ids that
+    mean other words to the graphs."""
+    if tok.vocab_sha256 is not None and vocabulary_sha256(tokenizer) != tok.vocab_sha256:
+        raise BundleError(f"tokenizer.json maps tokens to other ids than the tokenizer the "
+                          f"bundle was built with ({tokenizer.get_vocab_size()} tokens; its "
+                          f"vocabulary's sha256 differs from the manifest's): it was edited or "
+                          f"belongs to another model; {REBUILD}")
     special = tok.special_tokens
     expected = [("eos_token", list(tok.eos_token_ids)), ("bos_token", [tok.bos_token_id])]
     for key, ids in expected:
@@ -165,7 +205,10 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     "auto" measures which form of a 1-token target call scores a position like a verify call
     on this machine (rows.py); "as-is" or "padded" takes that form unmeasured."""
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
-    manifest = read_manifest(bundle_dir, check_files=check_files)
+    manifest = read_manifest(bundle_dir, check_files=False)
+    if check_files:  # hashed, then read; the snapshots prove nothing changed in between
+        before = snapshot(bundle_dir, [MANIFEST, *manifest.files])
+        check_file_hashes(bundle_dir, manifest.to_json())
     tok = manifest.tokenizer
     tokenizer = load_tokenizer(bundle_dir / tok.file)
     check_tokenizer(tokenizer, tok)
@@ -183,6 +226,8 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     draft = open_draft(manifest.draft, target.vocab_size,
                        lambda model: open_engine(bundle_dir, manifest, "draft", model,
                                                  device=draft_device or device, threads=threads))
+    if check_files:
+        check_unchanged(before, snapshot(bundle_dir, [MANIFEST, *manifest.files]), bundle_dir)
     row_check = rows.choose_one_row(target, one_row)
     return Generator(
         target,

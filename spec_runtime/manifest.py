@@ -27,8 +27,8 @@ from pathlib import Path
 
 from .contract import graph_devices
 from .errors import BundleError
-from .manifest_checks import (REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes, check_inside,
-                              sha256_file, unreadable, validate)
+from .manifest_checks import (REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes, check_inside, depth,
+                              regular_file, sha256_file, unreadable, validate)
 
 __all__ = ["BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest", "ModelEntry",
            "REBUILD", "TokenizerEntry", "read_manifest", "sha256_file", "unreadable",
@@ -39,6 +39,7 @@ READABLE_SCHEMAS = (1, 2)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few kB; the chat template is the largest part
+MAX_DEPTH = 32  # a manifest nests a handful of levels (files -> name -> bytes)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class TokenizerEntry:
     bos_token_id: int | None = None
     special_tokens: dict = field(default_factory=dict)
     chat_template: str | None = None
+    # sha256 of the vocabulary as the tokenizer maps it (bundle.vocabulary_sha256): a
+    # tokenizer.json edited and re-hashed still has to map every token to the same id
+    vocab_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,9 @@ class Manifest:
                            "eos_token_ids": list(self.tokenizer.eos_token_ids),
                            "bos_token_id": self.tokenizer.bos_token_id,
                            "special_tokens": dict(self.tokenizer.special_tokens),
-                           "chat_template": self.tokenizer.chat_template},
+                           "chat_template": self.tokenizer.chat_template,
+                           **({"vocab_sha256": self.tokenizer.vocab_sha256}
+                              if self.tokenizer.vocab_sha256 else {})},
              "created_by": self.created_by,
              "files": {n: {"bytes": f.bytes, "sha256": f.sha256} for n, f in self.files.items()}}
         if self.engines:
@@ -179,7 +185,7 @@ class Manifest:
             draft=DraftEntry(draft["kind"], draft_model, options),
             tokenizer=TokenizerEntry(tok["file"], tuple(tok["eos_token_ids"]),
                                      tok.get("bos_token_id"), tok.get("special_tokens") or {},
-                                     tok.get("chat_template")),
+                                     tok.get("chat_template"), tok.get("vocab_sha256")),
             precision=d.get("precision", "fp32"), max_source_len=d.get("max_source_len"),
             decoder_start_token_id=d.get("decoder_start_token_id"),
             files={n: FileEntry(f["bytes"], f["sha256"]) for n, f in d["files"].items()},
@@ -222,10 +228,11 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
     if not bundle_dir.is_dir():
         raise BundleError(f"no bundle at {str(bundle_dir)!r}: build one there with "
                           f"`specexport build --out {shlex.quote(str(bundle_dir))}`")
-    if not path.is_file():
+    if not path.exists():
         raise BundleError(f"{str(bundle_dir)!r} has no {MANIFEST}: it is not a complete bundle; "
                           f"{REBUILD}")
     check_inside(bundle_dir, [MANIFEST])
+    regular_file(path)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
@@ -241,6 +248,9 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
         raise BundleError(f"{path} is not valid JSON ({reason}); {REBUILD}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise BundleError(f"{path} is not a specedge manifest; {REBUILD}")
+    if depth(d, MAX_DEPTH) > MAX_DEPTH:
+        raise BundleError(f"{path} nests its values more than {MAX_DEPTH} deep, where a "
+                          f"manifest needs a few levels; {REBUILD}")
     version = d.get("schema_version")
     if version not in READABLE_SCHEMAS or isinstance(version, bool):
         if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ ARCHITECTURES = ("decoder-only", "encoder-decoder")
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MAX_NAME_BYTES = 255  # a file name, on every common file system
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
 
 
@@ -35,6 +37,62 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def regular_file(path: Path, name: str | None = None) -> os.stat_result:
+    """`path`'s stat, if it is a regular file (through links); BundleError if it is missing or
+    is something else (a FIFO would block the first read forever, a device read forever)."""
+    name = name or path.name
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise BundleError(f"bundle file {name!r} is missing from {str(path.parent)!r}; "
+                          f"{REBUILD}") from None
+    except OSError as e:
+        raise unreadable(path, e) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a device",
+                stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}.get(
+                    stat.S_IFMT(st.st_mode), "not a regular file")
+        raise BundleError(f"bundle file {name!r} is {kind}, not a regular file: copy the "
+                          f"bundle's files in as files, or {REBUILD}")
+    return st
+
+
+def snapshot(bundle_dir: Path, names) -> tuple:
+    """What changes when anything in the directory is written, replaced or renamed: the
+    directory's and each file's identity and change times. Two equal snapshots around a load
+    mean the bytes read are the bytes checked (writing a file or renaming within the directory
+    sets a change time, which no unprivileged program can set back)."""
+    def ident(path: Path) -> tuple:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return (str(path), None)
+        return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    return (ident(bundle_dir), *(ident(bundle_dir / n) for n in sorted(names)))
+
+
+def check_unchanged(before: tuple, after: tuple, bundle_dir: Path) -> None:
+    if before != after:
+        changed = [b[0] for b, a in zip(before, after) if b != a]
+        raise BundleError(f"the bundle changed while it loaded ({', '.join(changed[:3])}): what "
+                          f"was checked is not what was read; load it again, and if it keeps "
+                          f"changing, copy it where no other program writes")
+
+
+def depth(value, limit: int) -> int:
+    """How deeply `value` (parsed JSON) nests lists and objects, counted up to `limit` + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def unreadable(path: Path, e: OSError) -> BundleError:
@@ -154,6 +212,9 @@ def _check_file_entry(name: str, info) -> None:
             or "\0" in name:
         raise BundleError(f"manifest lists the file {name!r}, which is not a plain file name "
                           f"inside the bundle; {REBUILD}")
+    if len(name.encode("utf-8", errors="surrogatepass")) > MAX_NAME_BYTES:
+        raise BundleError(f"manifest lists a file whose name has more than {MAX_NAME_BYTES} "
+                          f"bytes ({name[:40]!r}...), longer than file systems allow; {REBUILD}")
     if not isinstance(info, dict):
         raise _bad(f"files[{name!r}]", info, "it must hold bytes and sha256")
     _integer(info, "bytes", f"files[{name!r}]", 0)
@@ -246,6 +307,9 @@ def _check_tokenizer(tok: dict, files: dict, vocab: int) -> None:
     template = tok.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise _bad("tokenizer.chat_template", template, "it must be a string or null")
+    digest = tok.get("vocab_sha256")
+    if digest is not None and not (isinstance(digest, str) and _SHA256.match(digest)):
+        raise _bad("tokenizer.vocab_sha256", digest, "it must be 64 lowercase hex digits")
 
 
 def _check_distinct_graphs(m: dict) -> None:
@@ -283,9 +347,7 @@ def check_file_hashes(bundle_dir: Path, manifest: dict) -> None:
     hashes: dict[str, str] = {}
     for name, info in manifest["files"].items():
         path = bundle_dir / name
-        if not path.is_file():
-            raise BundleError(f"bundle file {name!r} is missing from {str(bundle_dir)!r}; {REBUILD}")
-        size = path.stat().st_size
+        size = regular_file(path, name).st_size
         if size != info["bytes"]:
             raise BundleError(f"bundle file {name!r} has {size} bytes, the manifest says "
                               f"{info['bytes']} (truncated or replaced); {REBUILD}")

@@ -36,6 +36,7 @@ from .errors import BundleError, InputError
 from .kv_cache import Device, cache_store
 from .kv_cache import device as kv_device
 from .manifest import REBUILD, GraphEntry, unreadable
+from .manifest_checks import regular_file
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ def make_session(path, device: Device | str = "cpu", threads: int | None = None,
     for fallback in FALLBACKS[dev.provider]:
         providers.append((fallback, {"device_id": dev.device_id})
                          if fallback == "CUDAExecutionProvider" else (fallback, {}))
+    regular_file(Path(path))  # a FIFO would block ONNX Runtime's read forever
     try:
         with open(path, "rb"):  # a file system refusal is named as such, not as a bad graph
             pass

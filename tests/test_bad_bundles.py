@@ -10,6 +10,8 @@ import builtins
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,45 @@ def same_graph_copied(b):
                                                          outputs=graph(m)["outputs"]))
 
 
+def weights_beside(b):
+    """target.onnx's weights moved to an external-data file the manifest does not list; the
+    graph file itself re-hashed."""
+    import onnx
+
+    model = onnx.load(str(b / "target.onnx"))
+    onnx.save(model, str(b / "target.onnx"), save_as_external_data=True, location="weights.bin",
+              size_threshold=0)
+    rehash(b, "target.onnx")
+
+
+def vocabulary(b, edit):
+    """tokenizer.json's vocabulary edited by `edit` (a dict of token -> id), re-hashed: the
+    special tokens keep their ids, so only the vocabulary's own check can tell."""
+    path = b / "tokenizer.json"
+    t = json.loads(path.read_text())
+    t["model"]["vocab"] = edit(t["model"]["vocab"])
+    path.write_text(json.dumps(t))
+    rehash(b, "tokenizer.json")
+
+
+def rotate(vocab):
+    """the ids of the byte tokens shifted by one (the specials stay)."""
+    tokens = [k for k, v in sorted(vocab.items(), key=lambda kv: kv[1]) if v >= 3]
+    ids = [vocab[k] for k in tokens]
+    return {**{k: v for k, v in vocab.items() if v < 3}, **dict(zip(tokens, ids[1:] + ids[:1]))}
+
+
+def cut(vocab):
+    return {k: v for k, v in vocab.items() if v < len(vocab) - 20}
+
+
+def nested(depth):
+    value = {}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
 def link_outside(b, name):
     outside = b.parent / f"outside-{name}"
     shutil.move(b / name, outside)
@@ -139,9 +180,19 @@ CASES = {
         bytes="12")), ["files['target.onnx'].bytes"]),
     "sha256-not-hex": (lambda b: edit_manifest(b, lambda m: m["files"]["target.onnx"].update(
         sha256="z" * 64)), ["files['target.onnx'].sha256"]),
+    # files a graph reads, a tokenizer's vocabulary
+    "graph-weights-in-an-unlisted-file": (weights_beside, ["target.onnx", "'weights.bin'",
+                                                           "does not list"]),
+    "tokenizer-vocabulary-rotated": (lambda b: vocabulary(b, rotate), ["tokenizer.json",
+                                                                       "other ids"]),
+    "tokenizer-vocabulary-cut": (lambda b: vocabulary(b, cut), ["tokenizer.json"]),
     # manifest.json itself
     "manifest-deeply-nested": (lambda b: (b / "manifest.json").write_text("[" * 100000),
                                ["not valid JSON"]),
+    "manifest-valid-but-nested-700-deep": (lambda b: edit_manifest(b, lambda m: m.update(
+        created_by=nested(700))), ["nests its values more than 32 deep"]),
+    "file-name-of-300-characters": (lambda b: edit_manifest(b, lambda m: m["files"].update(
+        {"a" * 300: {"bytes": 1, "sha256": "0" * 64}})), ["more than 255 bytes"]),
     "manifest-huge": (lambda b: (b / "manifest.json").write_bytes(b" " * (17 << 20)),
                       ["larger than 16 MB"]),
     "manifest-not-utf8": (lambda b: (b / "manifest.json").write_bytes(b"\xff\xfe{}"),
@@ -173,6 +224,26 @@ CASES = {
     "template-doubling": (set_template(
         "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
         "{% endfor %}{{ ns.s }}"), ["chat template failed", "characters"]),
+    # single calls at C speed, bounded before they run (each would take a GB or more)
+    "template-join-of-repeats": (set_template("{{ (['a' * 1000000] * 1000)|join }}"),
+                                 ["chat template failed", "characters"]),
+    "template-join-of-a-literal": (set_template("{% set x = 'a' * 600000 %}{{ [x, x]|join }}"),
+                                   ["chat template failed", "the filter 'join'"]),
+    "template-tojson-indent": (set_template("{{ (range(1000)|list)|tojson(indent=1000000) }}"),
+                               ["chat template failed", "the filter 'tojson'"]),
+    "template-indent-string": (set_template("{{ ('a\n' * 1000)|indent('b' * 1000000) }}"),
+                               ["chat template failed", "the filter 'indent'"]),
+    "template-format-fields": (set_template("{{ ('{0}' * 300000).format('a' * 1000000) }}"),
+                               ["chat template failed", "format()"]),
+    "template-percent-fields": (set_template("{{ ('%s' * 500000) % (('a' * 1000000,) * 500000) }}"),
+                                ["chat template failed", "characters"]),
+    "template-expandtabs": (set_template("{{ ('\t' * 1000000).expandtabs(1000000) }}"),
+                            ["chat template failed", "expandtabs()"]),
+    "template-translate": (set_template(
+        "{{ ('a' * 1000000).translate(''.maketrans({'a': 'b' * 1000})) }}"),
+        ["chat template failed", "translate()"]),
+    "template-wordwrap": (set_template("{{ ('x' * 1000)|wordwrap(1, wrapstring='y' * 1000000) }}"),
+                          ["chat template failed", "the filter 'wordwrap'"]),
     "template-refuses-everything": (set_template("{{ raise_exception('no') }}"),
                                     ["refuses a one-message conversation", "no"]),
 }
@@ -255,3 +326,43 @@ def test_loop_controls_and_tojson_render_as_in_hugging_face(bundle_copy):
     gen = spec_runtime.load(bundle_copy)
     messages = [{"role": "user", "content": "é"}, {"role": "user", "content": "b"}]
     assert gen.apply_chat_template(messages) == json.dumps(messages[0], ensure_ascii=False)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "target.onnx", "manifest.json"])
+@pytest.mark.parametrize("check_files", [True, False])
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(bundle_copy, name, check_files):
+    """Opening a FIFO blocks until someone writes to it: the load names it, in a process of
+    its own here so that a regression ends as a failure after 60 s instead of a hung suite."""
+    (bundle_copy / name).unlink()
+    os.mkfifo(bundle_copy / name)
+    code = (f"import spec_runtime\ntry:\n    spec_runtime.load({str(bundle_copy)!r}, "
+            f"check_files={check_files})\nexcept spec_runtime.BundleError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert name in r.stdout and "FIFO" in r.stdout and "missing" not in r.stdout, r.stdout
+
+
+def test_a_file_swapped_between_the_check_and_the_load_is_refused(bundle_copy, monkeypatch):
+    """Hashes vouch only for the bytes that were hashed: target.onnx replaced (same graph,
+    other weights, a consistent size) after the check and before ONNX Runtime reads it."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(bundle_copy / "target.onnx"))
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), init.name))
+    altered = bundle_copy.parent / "altered.onnx"
+    onnx.save(model, str(altered))
+
+    from spec_runtime import bundle
+
+    load_tokenizer = bundle.load_tokenizer
+
+    def swap_then_load(path):  # after the hashes, before the sessions
+        os.replace(altered, bundle_copy / "target.onnx")
+        return load_tokenizer(path)
+
+    monkeypatch.setattr(bundle, "load_tokenizer", swap_then_load)
+    with pytest.raises(BundleError, match="changed while it loaded.*target.onnx"):
+        spec_runtime.load(bundle_copy)
