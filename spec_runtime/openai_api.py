@@ -63,6 +63,16 @@ def _field(body: dict, name: str, kinds, what: str, default=None):
 NUMBER = (int, float)
 
 
+def _unicode(text: str, name: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no text can contain."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{name} holds a lone surrogate ({text[e.start]!r} at character "
+                            f"{e.start}), which is not text: send valid UTF-16 pairs",
+                       param=name, code="invalid_value") from None
+
+
 @dataclass
 class Job:
     """One request as the decode loop needs it, parsed from an OpenAI request body."""
@@ -102,6 +112,11 @@ def parse_common(body: Any, model_name: str) -> dict:
     for name in SAMPLING_FIELDS:
         if name == "logit_bias":
             value = _field(body, name, (dict,), "an object {token id: bias}")
+            bad = next((k for k in value or () if not (k.isascii() and k.isdigit())), None)
+            if bad is not None:
+                raise APIError(400, f"logit_bias key {json.dumps(bad)[:40]} is invalid: use "
+                                    f"token ids written in decimal digits, as \"42\"",
+                               param="logit_bias", code="invalid_value")
         elif name in ("top_k", "seed"):
             value = _field(body, name, (int,), "an integer")
         else:
@@ -115,8 +130,12 @@ def parse_common(body: Any, model_name: str) -> dict:
                                 f"\"auto\"", param="gamma", code="invalid_type")
         kwargs["gamma"] = gamma
     kwargs["use_draft"] = _field(body, "use_draft", (bool,), "true or false", True)
-    max_tokens = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
-    max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", max_tokens)
+    newer = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
+    max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", newer)
+    if newer is not None and max_tokens != newer:
+        raise APIError(400, f"max_tokens {max_tokens} and max_completion_tokens {newer} "
+                            f"disagree: give one of them", param="max_tokens",
+                       code="invalid_value")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens {max_tokens} is invalid: use an integer >= 1",
                        param="max_tokens", code="invalid_value")
@@ -129,6 +148,8 @@ def parse_common(body: Any, model_name: str) -> dict:
             not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "stop is invalid: use a string or a list of at most 4 non-empty "
                             "strings", param="stop", code="invalid_value")
+    for s in stop:
+        _unicode(s, "stop")
     stream = _field(body, "stream", (bool,), "true or false", False)
     options = _field(body, "stream_options", (dict,), "an object", {})
     return dict(kwargs=kwargs, max_tokens=max_tokens, stop=stop, stream=stream,
@@ -165,6 +186,11 @@ def parse_chat(body: Any, model_name: str) -> Job:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] is invalid: use {{\"role\": ..., \"content\": "
                                 f"...}}", param=f"messages[{i}]", code="invalid_value")
+        if not m["role"].strip():
+            raise APIError(400, f"messages[{i}].role is empty: use \"system\", \"user\" or "
+                                f"\"assistant\"", param=f"messages[{i}].role",
+                           code="invalid_value")
+        _unicode(m["role"], f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text"

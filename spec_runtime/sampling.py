@@ -148,8 +148,9 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
             raise InputError(f"logit_bias={bias!r} is invalid: use a dict {{token id: bias}}")
     out = {}
     for tok, b in items:
-        if isinstance(tok, str) and tok.strip().lstrip("-").isdigit():
-            tok = int(tok)  # JSON object keys are strings (OpenAI's API sends them so)
+        if isinstance(tok, str) and tok.isascii() and tok.isdigit():
+            tok = int(tok)  # JSON object keys are strings (OpenAI's API sends them so); only
+            # the plain decimal spelling: int() would also read " 5" and "٥" as 5
         if not _integer(tok) or tok < 0:
             raise InputError(f"logit_bias token id {_show(tok)} is invalid: use a token id "
                              f"(an integer >= 0)")

@@ -57,6 +57,7 @@ MAX_BODY_BYTES = 1 << 20  # a request body; a prompt of the largest cache is a f
 DEFAULT_QUEUE = 16
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
+DECODE_THREAD = "specedge-decode"
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
 
 
@@ -65,6 +66,41 @@ def check_count(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise InputError(f"{name} {value!r} is invalid: use an integer >= {low}")
     return value
+
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CLIENT_GONE = 499  # nginx's "client closed request": counted, never sent to anyone
+POLL_S = 0.1  # how often a waiting or decoding request looks for its client's disconnect
+
+
+def client_gone():
+    from .openai_api import APIError
+
+    return APIError(CLIENT_GONE, "the client closed the connection", code="client_closed")
+
+
+async def disconnected(request) -> None:
+    """Return when the client of `request` has gone (its body already read)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(POLL_S)
+
+
+class Gate:
+    """Checks every HTTP request before its route (`check(scope)` answers it, or lets it
+    through with None), as plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide
+    the client's disconnect from the route (request.is_disconnected() never turns true behind
+    it), and a request whose client left would hold its slot to the end."""
+
+    def __init__(self, app, check):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            response = self.check(scope)
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # -- slots ----------------------------------------------------------------------------------------
@@ -186,7 +222,9 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.datastructures import Headers
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     check_count("slots", slots, 1)
     check_count("queue", queue, 0)
@@ -207,6 +245,8 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     app.state.generator = gen
 
     def error_response(err: APIError, endpoint: str) -> JSONResponse:
+        # a label per route, not per path a client invents (each would be a series forever)
+        endpoint = endpoint if endpoint in ROUTES else "other"
         metrics.requests.labels(endpoint, str(err.status)).inc()
         metrics.errors.labels(err.code or err.type).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -236,17 +276,18 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                                        type="server_error", code="internal_error"),
                               request.url.path)
 
-    @app.middleware("http")
-    async def _gate(request: Request, call_next):
-        path = request.url.path
+    def gate(scope) -> JSONResponse | None:
+        """The answer to a request refused before its route (API key, body size, draining),
+        or None to let it through."""
+        path, method = scope["path"], scope["method"]
+        headers = Headers(scope=scope)
         if api_key is not None and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {api_key}":
+            if headers.get("authorization", "") != f"Bearer {api_key}":
                 return error_response(APIError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
                     code="invalid_api_key"), path)
-        if request.method == "POST":
-            length = request.headers.get("content-length")
+        if method == "POST":
+            length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
                 return error_response(APIError(
                     413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
@@ -256,20 +297,28 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                     503, "the server is shutting down: retry on another server or later",
                     type="server_error", code="shutting_down",
                     headers={"Retry-After": str(RETRY_AFTER_S)}), path)
-        return await call_next(request)
+        return None
+
+    app.add_middleware(Gate, check=gate)
 
     async def read_json(request: Request) -> Any:
         body, size = bytearray(), 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
-                               code="request_too_large")
-            body += chunk
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
+                                   code="request_too_large")
+                body += chunk
+        except ClientDisconnect:
+            raise client_gone() from None
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}",
+                           code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests its values too deeply to be a request",
                            code="invalid_json") from None
 
     def health() -> tuple[int, dict]:
@@ -307,14 +356,9 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     async def run(request: Request, job: Job, endpoint: str):
         chat = endpoint == "/v1/chat/completions"
         started = time.monotonic()
-        check(job)
-        try:
-            g = await pool.acquire()
-        except Overloaded:
-            raise APIError(429, f"all {len(pool.generators)} slots are busy and {pool.queue} "
-                                f"requests are waiting: retry after {RETRY_AFTER_S} s",
-                           type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        # the chat template and the tokenizer take a while on a large prompt: not on the loop
+        await asyncio.to_thread(check, job)
+        g = await acquire(request)
         task = Decode(g, job, asyncio.get_running_loop())
         state["active"].add(task)
         task.start()
@@ -340,6 +384,28 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         metrics.finished(result.stats, started, task.first_token_at)
         metrics.requests.labels(endpoint, "200").inc()
         return completion_body(result, rid, chat, model_name)
+
+    async def acquire(request: Request):
+        """A slot for the request, waiting in the queue if need be; a client that leaves while
+        it waits gives up its place (a 499 in the metrics, nothing decoded)."""
+        waiting = asyncio.ensure_future(pool.acquire())
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Overloaded, APIError):
+                await waiting
+            raise client_gone()
+        try:
+            return waiting.result()
+        except Overloaded:
+            raise APIError(429, f"all {len(pool.generators)} slots are busy and {pool.queue} "
+                                f"requests are waiting: retry after {RETRY_AFTER_S} s",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     def check(job: Job) -> None:
         """What can be checked before a slot is taken (any generator will do: they share one
@@ -391,6 +457,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         g = task.gen
+        ended = False  # the stream's last event was sent (the client saw it end)
         try:
             if chat:  # OpenAI's first chunk names the role
                 yield chunk(None, delta={"role": "assistant", "content": ""})
@@ -402,6 +469,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                 if kind == "error":
                     metrics.requests.labels(endpoint, str(value.status)).inc()
                     metrics.errors.labels(value.code or value.type).inc()
+                    ended = True
                     yield f"data: {json.dumps(value.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
@@ -416,15 +484,15 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                         "choices": [], "usage": usage(result)}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
+            ended = True
         finally:  # also when the client went away: Starlette cancels this generator
+            if not ended:
+                metrics.requests.labels(endpoint, str(CLIENT_GONE)).inc()
             finish(task, g)
 
     async def watch_disconnect(request: Request, task: "Decode"):
-        while not task.finished.done():
-            if await request.is_disconnected():
-                task.cancel()
-                return
-            await asyncio.sleep(0.1)
+        await disconnected(request)
+        task.cancel()
 
     def begin_drain(seconds: float = drain_seconds) -> None:
         """SIGTERM: refuse new requests, let the held ones finish for `seconds`, then cancel
@@ -445,9 +513,18 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                         type="server_error", code="shutting_down",
                         headers={"Retry-After": str(RETRY_AFTER_S)}))
 
+        state["cancel_rest"] = cancel_rest
         loop.call_later(seconds, cancel_rest)
 
+    def end_drain() -> None:
+        """A second SIGTERM: cancel what is left now (each gets its error), as the drain's
+        deadline would."""
+        if not state["draining"]:
+            begin_drain()
+        state["cancel_rest"]()
+
     app.state.begin_drain = begin_drain
+    app.state.end_drain = end_drain
     app.state.health = health
     app.state.active = state["active"]
     return app
@@ -470,7 +547,7 @@ class Decode:
         self._result = None
 
     def start(self) -> None:
-        threading.Thread(target=self._work, name="specedge-decode", daemon=True).start()
+        threading.Thread(target=self._work, name=DECODE_THREAD, daemon=True).start()
 
     def cancel(self, error: APIError | None = None) -> None:
         if error is not None and self._error is None and not self.finished.done():
@@ -558,19 +635,32 @@ def run_uvicorn(app, host: str = "127.0.0.1", port: int = 8000, *,
     async def main():
         loop = asyncio.get_running_loop()
 
+        signals = 0
+
         def stop():
-            if server.should_exit:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                log.warning("shutting down: finishing the requests in flight (at most %.0f s)",
+                            drain_seconds)
+                begin = getattr(app.state, "begin_drain", None)
+                if begin is not None:
+                    begin()
+                server.should_exit = True
+            elif signals == 2:  # cut the drain short: every request ends now, with its error
+                log.warning("shutting down now: cancelling the requests in flight")
+                end = getattr(app.state, "end_drain", None)
+                if end is not None:
+                    end()
+            else:
                 server.force_exit = True
-                return
-            log.warning("shutting down: finishing the requests in flight (at most %.0f s)",
-                        drain_seconds)
-            begin = getattr(app.state, "begin_drain", None)
-            if begin is not None:
-                begin()
-            server.should_exit = True
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
         await server.serve()
 
     asyncio.run(main())
+    # a decode thread still inside ONNX Runtime when the interpreter exits would abort it
+    for thread in threading.enumerate():
+        if thread.name == DECODE_THREAD:
+            thread.join(timeout=drain_seconds)

@@ -59,6 +59,7 @@ def stop_strings(stop) -> tuple[str, ...]:
         if not isinstance(s, str) or not s:
             raise InputError(f"stop string {s!r} is invalid: each stop string must be non-empty "
                              f"text")
+        check_text(s, "stop string")  # a lone surrogate would silently never match
     return tuple(stop)
 
 

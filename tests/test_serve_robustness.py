@@ -1,0 +1,198 @@
+"""`specrun serve` against clients that leave, bodies that lie, and signals: a client that
+leaves frees what it held (its slot, its place in the queue) and is counted as such, a body cut
+or nested past reason is a client error without a traceback, big prompts do not stall the
+event loop, and a second SIGTERM ends every request with its error instead of aborting."""
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from test_serve import HELLO, assert_error, chat_body, server, tiny  # noqa: F401 (a fixture)
+
+import spec_runtime
+
+pytest.importorskip("fastapi", reason="the serve extra installs FastAPI")
+
+
+def metrics(url) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def requests(values, endpoint, status) -> float:
+    return values.get(f'specedge_requests_total{{endpoint="{endpoint}",status="{status}"}}', 0)
+
+
+def wait_for(condition, seconds=90.0):
+    """Poll until `condition()` (a generous bound: the assertion is about what happens, not
+    how fast)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def leave_after(url, body, seconds):
+    """A non-streaming client that gives up after `seconds` (closing its connection)."""
+    try:
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=seconds)
+    except httpx.TimeoutException:
+        return "left"
+    return "answered"
+
+
+CHAT = "/v1/chat/completions"
+
+
+def test_a_client_that_leaves_a_plain_request_frees_its_slot(default_bundle):
+    """Nothing is decoded for nobody: the request stops after the round it is in."""
+    with server(default_bundle, "--slots", "1", "--queue", "0") as (url, _):
+        t = threading.Thread(target=leave_after, args=(url, chat_body(1500), 1.0))
+        t.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 1)
+        t.join()
+        wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 0)
+        m = metrics(url)
+        assert requests(m, CHAT, 499) == 1 and requests(m, CHAT, 200) == 0, m
+        assert m["specedge_generated_tokens_total"] < 1500, m
+
+
+def test_clients_that_leave_the_queue_give_up_their_place(default_bundle):
+    with server(default_bundle, "--slots", "1", "--queue", "4") as (url, _):
+        holder = threading.Thread(target=leave_after, args=(url, chat_body(1500), 20.0))
+        holder.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 1)
+        waiters = [threading.Thread(target=leave_after, args=(url, chat_body(16), 1.0))
+                   for _ in range(3)]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join()
+        wait_for(lambda: httpx.get(url + "/health").json()["waiting"] == 0)
+        health = httpx.get(url + "/health").json()
+        assert health["busy"] == 1, health  # the holder still decodes; no ghost took the slot
+        holder.join()
+        wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 0)
+        m = metrics(url)
+        assert requests(m, CHAT, 499) == 4 and requests(m, CHAT, 200) == 0, m
+
+
+def test_a_stream_the_client_cuts_is_counted(tiny):
+    url, _, _ = tiny
+    before = requests(metrics(url), CHAT, 499)
+    with httpx.stream("POST", url + CHAT, json={"messages": HELLO, "max_tokens": 60,
+                                                "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    wait_for(lambda: requests(metrics(url), CHAT, 499) == before + 1)
+
+
+def test_a_body_cut_mid_way_and_a_body_nested_past_reason(tiny):
+    url, _, proc = tiny
+    host, port = urlparse(url).hostname, urlparse(url).port
+    before = requests(metrics(url), CHAT, 499)
+    with socket.create_connection((host, port)) as s:  # promises 1000 bytes, sends 10, leaves
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 1000\r\n\r\n{\"messages")
+    wait_for(lambda: requests(metrics(url), CHAT, 499) == before + 1)
+    r = httpx.post(url + CHAT, content=b"[" * 100000, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400, "nests", code="invalid_json")
+    time.sleep(0.5)  # the log lines of both, if any, are written by now
+    assert "Traceback" not in "".join(proc.lines), "".join(proc.lines)
+
+
+def test_request_fields_a_client_gets_wrong(tiny):
+    url, _, _ = tiny
+    post = lambda path, **kw: httpx.post(url + path, timeout=30, **kw)  # noqa: E731
+    body = json.dumps({"messages": HELLO, "stop": "\ud800"}).replace("\\\\", "\\")
+    assert_error(post(CHAT, content=body.encode(), headers={"content-type": "application/json"}),
+                 400, "lone surrogate", param="stop")
+    for key in (" 5", "\u0665", "5.0", "-1"):
+        assert_error(post("/v1/completions", json={"prompt": "hi", "logit_bias": {key: 1}}), 400,
+                     "logit_bias", param="logit_bias")
+    assert_error(post(CHAT, json={"messages": [{"role": "", "content": "hi"}]}), 400, "role",
+                 param="messages[0].role")
+    assert_error(post(CHAT, json={"messages": HELLO, "max_tokens": 5,
+                                  "max_completion_tokens": 9}), 400, "disagree")
+    r = post(CHAT, json={"messages": HELLO, "max_tokens": 3, "max_completion_tokens": 3,
+                         "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_paths_a_client_invents_share_one_metrics_label(tiny):
+    url, _, _ = tiny
+    for i in range(3):
+        httpx.get(url + f"/made-up-{i}")
+    text = httpx.get(url + "/metrics").text
+    assert "made-up" not in text and 'endpoint="other"' in text
+
+
+def test_the_prompt_is_checked_off_the_event_loop(llama_pair):
+    """While one request's chat template and tokenizer run (held here until released), the
+    server still answers: they run on a worker thread."""
+    from spec_runtime.server import create_app
+
+    gen = spec_runtime.load(llama_pair[2])
+    release, entered = threading.Event(), threading.Event()
+    prompt_ids = gen.prompt_ids
+    waited_out = []  # the check gave up waiting: nothing answered while it held the loop
+
+    def slow_prompt_ids(*args, **kwargs):
+        entered.set()
+        waited_out.append(not release.wait(10))
+        return prompt_ids(*args, **kwargs)
+
+    gen.prompt_ids = slow_prompt_ids
+    app = create_app(generator=gen)
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            pending = asyncio.ensure_future(c.post(CHAT, json={"messages": HELLO,
+                                                                "max_tokens": 2}))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+            health = await asyncio.wait_for(c.get("/health"), 10)  # on main: never answered
+            release.set()
+            return health, await pending
+
+    try:
+        health, answer = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert waited_out and not any(waited_out), "the check ran on the event loop and blocked it"
+    assert health.status_code == 200 and answer.status_code == 200, answer.text
+
+
+def test_a_second_sigterm_ends_every_request_with_its_error(default_bundle):
+    """The first SIGTERM drains (30 s by default); a second one cuts it short: the stream
+    gets its error event and [DONE], and the process exits 0 (no abort from threads still
+    inside ONNX Runtime)."""
+    with server(default_bundle, "--slots", "1") as (url, proc):
+        events = []
+
+        def streamed():
+            with httpx.stream("POST", url + CHAT, json=chat_body(1500, stream=True),
+                              timeout=120) as r:
+                events.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=streamed)
+        t.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 1)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        t.join(timeout=120)
+        assert proc.wait(timeout=60) == 0, "".join(proc.lines)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "shutting_down"
