@@ -41,9 +41,14 @@ def main(ctx):
               help="what proposes tokens: a model (Hugging Face id, directory, .gguf) with the "
                    "target's vocabulary; 'self' for the target's own weights at "
                    "--draft-precision (int4 unless given); 'ngram' for prompt lookup; 'hybrid' "
-                   "for self plus prompt lookup where the context repeats; or 'auto': hybrid "
-                   "for an fp32 llama-family target from a GGUF, else ngram (the build says "
-                   "which and why)")
+                   "for a model draft (--draft-model, else self) plus prompt lookup where the "
+                   "context repeats; or 'auto': a hybrid over the draft models available (the "
+                   "target's own GGUF blocks, --draft-model; measured at build when both), else "
+                   "ngram (the build says which and why)")
+@click.option("--draft-model", default=None,
+              help="a draft model (Hugging Face id, directory or .gguf file with the target's "
+                   "vocabulary) for --draft hybrid (instead of the target's own weights) or "
+                   "auto (measured against them at build, the faster kept) [default: none]")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="bundle directory to write: new, empty, or a bundle to replace [default: "
                    "$SPECEDGE_BUNDLE, else ~/.local/share/specedge/default, where specrun "
@@ -67,8 +72,9 @@ def main(ctx):
               help="the target's weights: fp32; fp16 (float16 weights and cache, for GPUs); "
                    "int8 (dynamic, per channel); int4 (weight-only MatMulNBits, llama family)")
 @click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
-              help="a model draft's precision, same values as --precision [default: "
-                   "--precision; int4 for a self or hybrid draft]")
+              help="a model draft's precision, same values as --precision [default: int4 for "
+                   "a self draft and for a GGUF draft model with a fused graph, else "
+                   "--precision]")
 @click.option("--block-size", type=int, default=32, show_default=True,
               help="int4 quantization block: weights per scale, one of 16, 32, 64, 128, 256")
 @click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
@@ -95,7 +101,7 @@ def main(ctx):
               help="no progress bar on stderr; the summary is still printed [default: show "
                    "the bar]")
 @input_errors
-def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
+def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
           draft_precision, block_size, kernels, float_embedding, int4_weights, gguf_file,
           draft_gguf_file, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
@@ -104,7 +110,7 @@ def build(target, draft, out, max_len, max_source_len, gamma, max_gamma, prefill
     with sigterm_as_interrupt(request_interrupt), library_messages("spec_export", "specexport"):
         # a build stopped by a signal removes its temporary directory; one killed outright is
         # cleaned up by the next build (spec_export/output.py)
-        path = build_bundle(target, draft, out, max_len=max_len, max_source_len=max_source_len,
+        path = build_bundle(target, draft, out, draft_model=draft_model, max_len=max_len, max_source_len=max_source_len,
                             gamma=gamma, max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,
                             draft_precision=draft_precision, block_size=block_size,

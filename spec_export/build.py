@@ -13,18 +13,17 @@ import contextlib
 import logging
 import os
 import platform
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from spec_runtime.contract import KERNELS, PRECISIONS, graph_devices
-from spec_runtime.manifest import (DraftEntry, GraphEntry, Manifest, ModelEntry, TokenizerEntry,
-                                   write_manifest)
+from spec_runtime.contract import KERNELS, PRECISIONS
+from spec_runtime.manifest import Manifest, TokenizerEntry, write_manifest
 
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
-from .quality import (FP16_TOLERANCE, FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMPTS,
-                      broken_quantization, verify_thresholds)
-from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
+from .quality import PARITY_PROMPT, QUANT_PROMPTS
+from .sources import BuildError, default_target, load_model, model_spec
 
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
 KERNEL_CHOICES = ("auto", *KERNELS)
@@ -37,12 +36,11 @@ MAX_LEN = 2048  # the default cache capacity, where the model allows as many pos
 MIN_MAX_LEN = 16
 
 
-def default_max_len(models, encoder_decoder: bool) -> int:
-    """MAX_LEN, or fewer where a model has fewer positions (a GPT-2 has 512 learned ones). T5's
+def default_max_len(configs, encoder_decoder: bool) -> int:
+    """MAX_LEN, or fewer where a model (its config) has fewer positions (a GPT-2 has 512 learned ones). T5's
     positions are relative: no limit there."""
     limits = [MAX_LEN]
-    for m in models if not encoder_decoder else ():
-        c = m.config
+    for c in configs if not encoder_decoder else ():
         limits.append(getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings",
                                                                   None) or MAX_LEN)
     max_len = int(min(limits))
@@ -109,143 +107,57 @@ def request_interrupt(exc: BaseException) -> None:
 
 def _stages(names: list[str], progress: bool):
     """A progress bar over the build's stages (tqdm, on stderr). Each stage boundary is also the
-    point where a requested interrupt is raised."""
+    point where a requested interrupt is raised, and where the time and the peak memory so far
+    are taken (`advance.record()`, for the manifest and the summary)."""
     from tqdm.auto import tqdm
 
     _interrupt.clear()
     bar = tqdm(total=len(names), disable=not progress, unit="stage", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    done: list[dict] = []  # {"stage", "seconds", "peak_rss_mb"} of each finished stage
+    current = [None, t0]
+
+    def close_stage():
+        now = time.perf_counter()
+        if current[0] is not None:
+            done.append({"stage": current[0], "seconds": round(now - current[1], 1),
+                         "peak_rss_mb": peak_rss_mb()})
+        current[1] = now
 
     def advance(name: str):
         if _interrupt:
             raise _interrupt[0]
+        close_stage()
+        current[0] = name
         bar.set_description_str(name)
         bar.update(bar.total - bar.n if name == names[-1] else 1)  # stages skipped: done
         if bar.n == bar.total:
             bar.close()
 
+    def record() -> dict:
+        close_stage()
+        current[0] = None
+        return {"seconds": round(time.perf_counter() - t0, 1), "peak_rss_mb": peak_rss_mb(),
+                "stages": list(done)}
+
+    advance.record = record
     return advance
+
+
+def peak_rss_mb() -> int | None:
+    """This process's peak resident memory so far, in MB (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1e6 if platform.system() == "Darwin" else 1e3))
 
 
 def _one_of(values) -> str:
     """("a", "b", "c") -> "a, b or c": choices as a message names them."""
     values = [str(v) for v in values]
     return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
-
-
-AUTO_HYBRID_REASON = "fp32 llama-family GGUF target: its own int4 blocks + prompt lookup"
-
-
-def resolve_auto_draft(t_spec, precision: str, draft_precision: str | None, int4_weights: str,
-                       kernels: str) -> tuple[str, str]:
-    """What `--draft auto` means for this build, before the target is loaded: ("hybrid" or
-    "ngram", why). The target's own GGUF blocks at int4 draft for an fp32 target: they agree with
-    it on nearly every token at a fraction of its cost, on chat and grounded prompts alike;
-    prompt lookup costs nothing and drafts further where the context repeats, so the hybrid
-    takes it in those rounds (README, Performance). Without a GGUF the int4 draft would be
-    quantized a second time and agree on about half of the tokens, so prompt lookup stays the
-    default there. A hybrid whose target turns out to have no fused int4 graph falls back to
-    prompt lookup once the target is loaded (_write_bundle)."""
-    if precision != "fp32":
-        why = (f"{precision} target: nothing lower to draft with" if precision == "int4" else
-               f"{precision} target: the int4 self draft is offered for fp32 targets")
-    elif draft_precision not in (None, "int4"):
-        why = f"--draft-precision {draft_precision}: the self draft reuses the GGUF's int4 blocks"
-    elif not t_spec.gguf_file:
-        why = "target not read from a GGUF, so an int4 self draft would be rounded twice"
-    elif int4_weights == "quantize":
-        why = "--int4-weights quantize: an int4 self draft would be rounded twice"
-    elif kernels == "portable":
-        why = "--kernels portable: the int4 self draft needs the fused graph"
-    else:
-        return "hybrid", AUTO_HYBRID_REASON
-    return "ngram", why
-
-
-def choose_kernels(module, kernels: str, role: str) -> str:
-    """"fused" or "portable" for `module`: what `kernels` asks for, "auto" taking the fused
-    graph where the model has one. An explicit "fused" the model cannot have is refused."""
-    from .onnx_fused import fused_unsupported
-
-    why = fused_unsupported(module)
-    if kernels == "fused" and why:
-        raise BuildError(f"--kernels fused is not available for the {role}: {why}; use --kernels "
-                         f"portable (or auto)")
-    return ("portable" if why else "fused") if kernels == "auto" else kernels
-
-
-def _export_model(hf_model, path: Path, max_len: int, precision: str, parity_ids, stage,
-                  quant_prompts=(), block_size: int = 32, kernels: str = "auto",
-                  float_embedding: bool = False, gguf_path: Path | None = None):
-    """Export one model's decoder graph; returns its manifest entry (minus source)."""
-    from specedge.models import for_hf_model
-
-    from .onnx_export import export_decoder
-    from .onnx_fused import export_fused_llama
-    from .parity import check_parity
-
-    module = for_hf_model(hf_model, max_len)
-    kernels = choose_kernels(module, kernels, path.stem)
-    tied = module.lm_head is module.embed
-    if precision == "int4":
-        module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
-    fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
-    export = export_fused_llama if kernels == "fused" else export_decoder
-    desc = export(module, fp32_path, max_len)
-    stage(f"parity {path.stem}")
-    diff = check_parity(hf_model, fp32_path, parity_ids)
-    if not diff <= FP32_TOLERANCE:
-        raise BuildError(
-            f"{path.stem}: exported graph's logits differ from PyTorch by {diff:.3g} > "
-            f"{FP32_TOLERANCE}: the export is wrong for this model; please report it"
-        )
-    parity = {"max_abs_diff_fp32": diff, "tolerance_fp32": FP32_TOLERANCE}
-    quantization = None
-    if precision != "fp32":
-        from . import quantize
-        from .parity import quantized_parity
-
-        if precision == "int4" and gguf_path is not None:
-            from .gguf_blocks import repack_int4
-
-            quantization = repack_int4(fp32_path, path, gguf_path, tied, block_size,
-                                       float_embedding)
-        elif precision == "int4":
-            quantization = quantize.quantize_int4(fp32_path, path, block_size,
-                                                  tied=tied and not float_embedding)
-        elif precision == "fp16":
-            quantization = quantize.convert_fp16(fp32_path, path)
-        else:
-            quantization = quantize.quantize_int8(fp32_path, path, block_size)
-        fp32_path.unlink()
-        fp32_path.with_name(fp32_path.name + ".data").unlink(missing_ok=True)  # large models
-        agree = quantized_parity(hf_model, path, quant_prompts)
-        parity[precision] = dict(agree, verify_thresholds=verify_thresholds(agree))
-        if precision == "fp16":
-            parity["fp16"]["tolerance"] = FP16_TOLERANCE
-            if agree["top1_agreement"] < FP16_TOLERANCE["min_top1_agreement"] \
-                    or agree["mean_kl"] > FP16_TOLERANCE["max_mean_kl"]:
-                raise BuildError(f"{path.stem}: the float16 graph agrees with the float model on "
-                                 f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
-                                 f"{agree['mean_kl']:.3g}), outside top-1 >= "
-                                 f"{FP16_TOLERANCE['min_top1_agreement']:.0%} and KL <= "
-                                 f"{FP16_TOLERANCE['max_mean_kl']}: this "
-                                 f"model's activations do not fit float16; use --precision fp32")
-        if broken_quantization(agree):
-            raise BuildError(f"{path.stem}: {precision} graph agrees with the float model on only "
-                             f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
-                             f"{agree['mean_kl']:.2f}): use a higher precision or a smaller "
-                             f"--block-size")
-    dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
-    if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
-        from .onnx_export import describe
-
-        desc = dict(describe(path), opset=desc["opset"])
-    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
-                       opset=desc["opset"], devices=graph_devices(kernels, precision))
-    return ModelEntry(vocab_size=module.vocab_size, graphs={"decoder": graph},
-                      precision=precision, family=module.model_type, dims=dims, parity=parity,
-                      quantization=quantization)
 
 
 @contextlib.contextmanager
@@ -270,6 +182,7 @@ def build_bundle(
     draft: str = "auto",
     out: str | os.PathLike | None = None,
     *,
+    draft_model: str | None = None,
     max_len: int | None = None,
     max_source_len: int = 512,
     gamma: int = 4,
@@ -286,12 +199,16 @@ def build_bundle(
     progress: bool = True,
 ) -> Path:
     """Build a bundle and return its directory (default: spec_runtime's default location).
-    `draft`: a model source, "ngram" (prompt lookup), "self" (the target's own weights at
-    `draft_precision`, int4 by default), "hybrid" (self, and prompt lookup in the rounds where
-    the context repeats: drafts.HybridDraft) or "auto" (hybrid for an fp32 llama-family target
-    from a GGUF, whose blocks the int4 draft reuses; ngram otherwise).
+    `draft`: a model source (a draft model of the target's family), "ngram" (prompt lookup),
+    "self" (the target's own weights at `draft_precision`, int4 by default), "hybrid" (a model
+    draft, and prompt lookup in the rounds where the context repeats: drafts.HybridDraft; the
+    model is `draft_model` if given, else self) or "auto" (draft_plan.py: a hybrid over the
+    draft models available, measured against each other at build when there are several;
+    prompt lookup when there are none). `draft_model` names the draft model that "hybrid" and
+    "auto" use besides (auto) or instead of (hybrid) the target's own weights.
     `max_source_len` (static source length of the encoder graph) applies to encoder-decoder
-    targets only. `draft_precision` defaults to `precision`; `block_size` is int4's
+    targets only. `draft_precision` defaults to int4 for a self draft and for a GGUF draft
+    model with a fused graph (the fastest draft), else to `precision`; `block_size` is int4's
     quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
     with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
     (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
@@ -301,23 +218,11 @@ def build_bundle(
     gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources."""
     from spec_runtime.bundle import default_bundle_dir
 
+    from .draft_plan import plan_drafts
+
     t_spec = model_spec(target, gguf_file, "--target") if target else default_target()
-    auto_reason = None  # --draft auto: why it chose what it chose, recorded in the manifest
-    if draft == "auto":
-        draft, auto_reason = resolve_auto_draft(t_spec, precision, draft_precision,
-                                                int4_weights, kernels)
-    lookup = draft == "hybrid"
-    if lookup:
-        draft = "self"
-    if draft == "self":  # the target's own weights, quantized: int4 unless said otherwise
-        draft_precision = draft_precision or ("int4" if precision != "int4" else None)
-        if draft_precision in (None, precision):
-            raise BuildError(f"--draft self drafts with the target's own weights at a lower "
-                             f"precision, and --draft-precision is {draft_precision or precision}"
-                             f" like --precision: use --precision fp32 --draft-precision int4")
-    draft_precision = draft_precision or precision
     for name, value in (("--precision", precision), ("--draft-precision", draft_precision)):
-        if value not in PRECISIONS:
+        if value is not None and value not in PRECISIONS:
             raise BuildError(f"{name} {value!r} is not supported: use {_one_of(PRECISIONS)}")
     if int4_weights not in INT4_WEIGHTS:
         raise BuildError(f"--int4-weights {int4_weights!r} is not supported: use "
@@ -336,31 +241,22 @@ def build_bundle(
                              f": use an integer >= {low}")
     if gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
-    d_spec = (None if draft == "ngram" else t_spec if draft == "self"
-              else model_spec(draft, draft_gguf_file, "--draft"))
-    if int4_weights == "gguf":
-        for role, spec, prec in (("--target", t_spec, precision),
-                                 ("--draft", d_spec, draft_precision)):
-            if spec is not None and prec == "int4" and not spec.gguf_file:
-                raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and {role} "
-                                 f"{spec.source!r} is not a GGUF: use --int4-weights quantize")
+    if int4_weights == "gguf" and precision == "int4" and not t_spec.gguf_file:
+        raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and --target "
+                         f"{t_spec.source!r} is not a GGUF: use --int4-weights quantize")
+    plan = plan_drafts(draft, draft_model, t_spec, precision=precision,
+                       draft_precision=draft_precision, draft_gguf_file=draft_gguf_file,
+                       int4_weights=int4_weights, kernels=kernels)
     out = resolve_out(Path(out) if out is not None else default_bundle_dir())
     with file_system_errors(out):
         check_out(out)  # before minutes of work: what is in the way, and why
         out.parent.mkdir(parents=True, exist_ok=True)
         clean_stale_temporaries(out.parent)
-        loads_draft = d_spec is not None and d_spec is not t_spec
-        names = ["load target"] + (["load draft"] if loads_draft else []) + ["export target",
-                                                                        "parity target"]
-        if d_spec:
-            names += ["export draft", "parity draft"]
-        names += ["write bundle"]
-        stage = _stages(names, progress)
+        stage = _stages(["load target", "export target", "parity target", *plan.stages(),
+                         "write bundle"], progress)
         with BuildDir(out) as work:
             try:
-                _write_bundle(work.bundle, stage, t_spec, d_spec, auto_reason=auto_reason,
-                              lookup=lookup,
-                              precision=precision, draft_precision=draft_precision,
+                _write_bundle(work.bundle, stage, t_spec, plan, precision=precision,
                               int4_weights=int4_weights, kernels=kernels, max_len=max_len,
                               max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
                               prefill_chunk=prefill_chunk, block_size=block_size,
@@ -377,18 +273,17 @@ def build_bundle(
     return out
 
 
-def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, lookup: bool,
-                  precision: str,
-                  draft_precision: str, int4_weights: str, kernels: str, max_len: int | None,
-                  max_source_len: int, gamma: int, max_gamma: int, prefill_chunk: int,
-                  block_size: int, float_embedding: bool) -> None:
-    """Load, export, check and describe both models into the directory `tmp`."""
+def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weights: str,
+                  kernels: str, max_len: int | None, max_source_len: int, gamma: int,
+                  max_gamma: int, prefill_chunk: int, block_size: int,
+                  float_embedding: bool) -> None:
+    """Load, export, check and describe the models into the directory `tmp`: the target first,
+    then each draft (decoder_build.py says how no stage holds a model twice)."""
     from spec_runtime.bundle import load_tokenizer, vocabulary_sha256
     from spec_runtime.contract import graph_metadata
 
-    from .build_seq2seq import check_pair, decoder_start_token_id, is_encoder_decoder
+    from .build_seq2seq import decoder_start_token_id, is_encoder_decoder
     from .onnx_export import stamp_metadata
-    from .onnx_fused import fused_unsupported
 
     stage("load target")
     t_model, t_tok = load_model(t_spec)
@@ -398,67 +293,45 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
                          "or generation_config.json, or the tokenizer's eos_token): set one, so "
                          "that generation can stop")
     encdec = is_encoder_decoder(t_model.config)
-    if auto_reason and d_spec is t_spec:
-        why = fused_unsupported(t_model.config)
-        if why:  # no fused int4 self draft for this family: lookup
-            d_spec, draft_precision = None, precision
-            auto_reason = f"no fused int4 self draft for this target: {why}"
-    if d_spec is t_spec:
-        d_model = t_model
-    elif d_spec:  # refuse a mismatched draft before spending minutes on exports
-        stage("load draft")
-        d_model, d_tok = load_model(d_spec)
-        check_vocabularies(t_tok, d_tok)
-        check_pair(t_model, d_model)
+    plan.settle(t_model.config, precision)  # what the loaded target allows (a fused graph?)
+    d_config = plan.check_draft_model(t_model, t_tok)  # a mismatched draft: refused before work
     if max_len is None:
-        max_len = default_max_len([t_model] + ([d_model] if d_spec else []), encdec)
+        max_len = default_max_len([t_model.config] + ([d_config] if d_config else []), encdec)
     if max_gamma >= max_len:
         raise BuildError(f"--max-gamma {max_gamma} leaves no room in a cache of --max-len "
                          f"{max_len}: lower --max-gamma or raise --max-len")
     parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
-    if encdec and "int4" in (precision, draft_precision):
-        raise BuildError("--precision int4 is supported for decoder-only models so far: use "
-                         "fp32 or int8 for encoder-decoder bundles")
-    if encdec and "fp16" in (precision, draft_precision):
-        raise BuildError("--precision fp16 is not offered for T5: its activations overflow "
-                         "float16 (the reason T5 checkpoints are trained in bfloat16); use fp32 "
-                         "or int8 for encoder-decoder bundles")
-    if encdec and kernels == "fused":
-        raise BuildError("--kernels fused covers decoder-only llama-family models; "
-                         "encoder-decoder bundles are portable: use --kernels portable or auto")
+    if encdec:
+        _check_seq2seq_options(precision, plan, kernels)
     quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
-    export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
-                  stage=stage, encdec=encdec, quant_prompts=quant_prompts,
-                  block_size=block_size, kernels=kernels,
+    export = dict(max_len=max_len, parity_ids=parity_ids, stage=stage,
+                  quant_prompts=quant_prompts, block_size=block_size, kernels=kernels,
                   float_embedding=float_embedding)
     use_gguf = int4_weights != "quantize"
+    # what the manifest records of the target, read before its weights are spent on the export
+    generation = generation_defaults(t_model)
+    start = decoder_start_token_id(t_model) if encdec else None
     stage("export target")
-    t_entry = replace(_export_any(t_model, tmp, "target", precision=precision,
-                                  gguf_path=t_spec.gguf_path() if use_gguf else None, **export),
-                      **t_spec.describe())
-    _check_blocks(t_entry, "--target", int4_weights)
-    if d_spec:
-        stage("export draft")
-        d_model_entry = replace(_export_any(d_model, tmp, "draft", precision=draft_precision,
-                                            gguf_path=d_spec.gguf_path() if use_gguf else None,
-                                            **export), **d_spec.describe())
-        _check_blocks(d_model_entry, "--draft", int4_weights)
-        # a hybrid weighs a model round by the draft's step cost relative to the target's,
-        # measured here once and recorded, so that a request's choices never depend on its own
-        # timings (a seed then reproduces a sample)
-        cost = _step_cost(tmp, d_model_entry, t_entry) if lookup else None
-        d_entry = DraftEntry("hybrid", d_model_entry, {"max_ngram": 3, "min_ngram": 1,
-                                                       "draft_cost": cost}) \
-            if lookup else DraftEntry("model", d_model_entry)
+    if encdec:
+        from .build_seq2seq import export_model
+
+        t_entry = export_model(t_model, tmp, "target", max_len=max_len,
+                               max_source_len=max_source_len, precision=precision,
+                               parity_ids=parity_ids, stage=stage)
+        t_exported = None
     else:
-        # A 1-token match proposes poorly on chat prompts, and each proposed token costs a
-        # verify row: little at fp32, several times more at int4 (benchmarks/results/
-        # step-time.json), so at int4 proposing only after 2-token matches pays and at fp32 it
-        # does not (README, Performance).
-        d_entry = DraftEntry("ngram", options={"max_ngram": 3,
-                                               "min_ngram": 2 if precision == "int4" else 1})
-    if auto_reason:
-        d_entry = replace(d_entry, options={**d_entry.options, "auto_reason": auto_reason})
+        from .decoder_build import check_blocks, export_decoder_model
+
+        t_exported = export_decoder_model(
+            t_model, tmp / "target.onnx", precision=precision, keep_fp32=plan.needs_self,
+            gguf_path=t_spec.gguf_path() if use_gguf else None, **export)
+        t_entry = t_exported.entry
+        check_blocks(t_entry, "--target", int4_weights)
+    del t_model  # spent by the export (its weights were freed as they were copied)
+    t_entry = replace(t_entry, **t_spec.describe())
+    d_entry = plan.build(tmp, t_exported, t_entry, t_spec, export=export, use_gguf=use_gguf,
+                         int4_weights=int4_weights, max_source_len=max_source_len, encdec=encdec,
+                         tokenizer=t_tok, eos=eos)
     stage("write bundle")
     t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
     manifest = Manifest(
@@ -471,57 +344,24 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
             chat_template=t_tok.chat_template if isinstance(t_tok.chat_template, str) else None,
             vocab_sha256=vocabulary_sha256(load_tokenizer(tmp / "tokenizer.json"))),
         max_source_len=max_source_len if encdec else None,
-        decoder_start_token_id=decoder_start_token_id(t_model) if encdec else None,
-        generation=generation_defaults(t_model), created_by=library_versions())
+        decoder_start_token_id=start, generation=generation,
+        created_by={**library_versions(), "build": stage.record()})
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
     write_manifest(tmp, manifest)
 
 
-def _step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int = 15) -> float:
-    """The draft's 1-token step time over the target's (medians, after a 32-token prefill),
-    through the runtime's engine on this machine."""
-    import statistics
-    import time
-
-    import numpy as np
-
-    from .parity import open_decoder
-
-    def step_s(entry: ModelEntry) -> float:
-        engine = open_decoder(directory / entry.graphs["decoder"].file)
-        tokens = np.arange(3, 35 + steps, dtype=np.int64) % entry.vocab_size
-        engine.forward(tokens[:32], 0, 1)
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            engine.forward(tokens[32 + i : 33 + i], 32 + i, 1)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return round(min(10.0, step_s(draft) / step_s(target)), 3)
-
-
-def _check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
-    """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
-    if int4_weights == "gguf" and entry.precision == "int4" \
-            and not (entry.quantization or {}).get("gguf_blocks"):
-        raise BuildError(f"{role} {entry.gguf_file!r} has no Q4_0, Q4_1 or Q8_0 tensor "
-                         f"matching the model's weights (other block types are re-quantized): "
-                         f"use --int4-weights quantize")
-
-
-def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
-                max_source_len: int, precision: str, parity_ids, stage, quant_prompts,
-                block_size: int, kernels: str, float_embedding: bool,
-                gguf_path: Path | None = None) -> ModelEntry:
-    if encdec:
-        from .build_seq2seq import export_model
-
-        return export_model(hf_model, bundle_dir, role, max_len=max_len,
-                            max_source_len=max_source_len, precision=precision,
-                            parity_ids=parity_ids, stage=stage)
-    return _export_model(hf_model, bundle_dir / f"{role}.onnx", max_len, precision, parity_ids,
-                         stage, quant_prompts, block_size, kernels, float_embedding, gguf_path)
-
+def _check_seq2seq_options(precision: str, plan, kernels: str) -> None:
+    """What encoder-decoder (T5) bundles do not offer, said before the export."""
+    precisions = {precision, *plan.precisions()}
+    if "int4" in precisions:
+        raise BuildError("--precision int4 is supported for decoder-only models so far: use "
+                         "fp32 or int8 for encoder-decoder bundles")
+    if "fp16" in precisions:
+        raise BuildError("--precision fp16 is not offered for T5: its activations overflow "
+                         "float16 (the reason T5 checkpoints are trained in bfloat16); use fp32 "
+                         "or int8 for encoder-decoder bundles")
+    if kernels == "fused":
+        raise BuildError("--kernels fused covers decoder-only llama-family models; "
+                         "encoder-decoder bundles are portable: use --kernels portable or auto")

@@ -134,20 +134,21 @@ def _offset_blocks(m: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.uint8), np.concatenate([s1, s2], axis=1).astype(np.float32)
 
 
-def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_size: int = 32,
-                float_embedding: bool = False) -> dict:
+def repack_int4(src: Path | None, dst: Path, gguf_path: str | Path, tied: bool,
+                block_size: int = 32, float_embedding: bool = False, model=None) -> dict:
     """Write `src` (a float graph exported from the model loaded from `gguf_path`) to `dst` with
     every MatMul weight found in the GGUF's blocks as MatMulNBits over those blocks; weights
     not found are quantized by quantize.quantize_int4's MatMulNBitsQuantizer (`block_size`).
     With `tied` (and not `float_embedding`) the embedding reads the lm_head's blocks when they
-    are Q4_0 or Q8_0. Returns the manifest's quantization record."""
+    are Q4_0 or Q8_0. `model` (an onnx ModelProto) is used instead of loading `src`. Returns
+    the manifest's quantization record."""
     import onnx
     from onnx import helper, numpy_helper
 
     from . import quantize
 
     index = RowIndex(gguf_path)
-    model = onnx.load(str(src))
+    model = model if model is not None else onnx.load(str(src))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     uses: dict[str, int] = {}

@@ -128,6 +128,49 @@ def _dynamo_export(module, path: Path, args, in_names, out_names, dynamic_shapes
     return external
 
 
+def weights_external(nbytes: int) -> bool:
+    """Whether a graph with `nbytes` of weights keeps them in `<graph>.data` beside it: protobuf
+    cannot serialize one message past 2 GB."""
+    return nbytes >= ONNX_SIZE_LIMIT - GRAPH_ROOM
+
+
+class WeightFile:
+    """A graph's weights written to `<graph>.data` one tensor at a time, as they are made, so
+    that a writer never holds a model's weights as one protobuf message beside the model (a
+    1.5B model is 6.2 GB in float32). Each returned TensorProto points into the file (ONNX's
+    external data: location, offset, length); tensors under 1 kB stay inside the graph, as
+    onnx.save_model's size_threshold would leave them. Offsets are 4 kB aligned (mappable)."""
+
+    ALIGN = 4096
+
+    def __init__(self, graph_path: str | os.PathLike):
+        self.path = Path(str(graph_path) + ".data")
+        self._file = open(self.path, "wb")
+        self.bytes = 0
+
+    def tensor(self, name: str, array) -> onnx.TensorProto:
+        import numpy as np
+
+        array = np.ascontiguousarray(array)
+        if array.nbytes < 1024:
+            return onnx.numpy_helper.from_array(array, name)
+        t = onnx.TensorProto(name=name, dims=array.shape,
+                             data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype))
+        pad = -self.bytes % self.ALIGN
+        self._file.write(b"\0" * pad)
+        offset = self.bytes + pad
+        self._file.write(memoryview(array).cast("B"))
+        self.bytes = offset + array.nbytes
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.path.name), ("offset", str(offset)),
+                           ("length", str(array.nbytes))):
+            t.external_data.add(key=key, value=value)
+        return t
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def save_graph(proto: onnx.ModelProto, path: str | os.PathLike) -> bool:
     """Write `proto` to `path`; returns whether its weights went to `<path>.data`. Every graph
     specexport writes goes through here: weights whose size approaches protobuf's 2 GB limit

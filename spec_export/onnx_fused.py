@@ -45,8 +45,8 @@ from specedge.models.llama import rope_table
 
 from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
 
-from .onnx_export import (check_contract, check_max_len, describe, io_names, module_dims,
-                          save_graph)
+from .onnx_export import (WeightFile, check_contract, check_max_len, describe, io_names,
+                          module_dims, save_graph, weights_external)
 
 MS_DOMAIN = "com.microsoft"
 # ONNX Runtime's CPU GroupQueryAttention rotates in blocks of 16 floats
@@ -74,7 +74,12 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
         raise ValueError(why)
     check_max_len(module, max_len)
     t0 = time.perf_counter()
-    g = _GraphWriter()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # a model past protobuf's 2 GB limit streams its weights to <path>.data as they are written
+    nbytes = 4 * sum(p.numel() for p in module.parameters())
+    weights = WeightFile(path) if weights_external(nbytes) else None
+    g = _GraphWriter(weights)
     d = module.d
     in_names, out_names = io_names(d.n_layers)
     cache = [1, d.n_kv_heads, max_len + 1, d.head_dim]  # + the padding row's slot
@@ -154,20 +159,52 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
         else:
             g.node("MatMul", [rows, g.init("lm_head", _np(module.lm_head).T)], outputs=["logits"])
 
-    graph = helper.make_graph(g.nodes, f"{module.model_type}_fused", inputs, outputs, g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(MS_DOMAIN, 1)],
-                              producer_name="specedge")
+    model = helper.make_model(
+        helper.make_graph(g.nodes, f"{module.model_type}_fused", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
+        producer_name="specedge")
     model.ir_version = 8
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    external = save_graph(model, path)
+    # each initializer moves into the model (protobuf copies on append): one copy at a time
+    g.initializers.reverse()
+    while g.initializers:
+        model.graph.initializer.append(g.initializers.pop())
+    if weights is not None:
+        weights.close()
+        onnx.save_model(model, str(path))  # the graph itself; its weights are written already
+        external = True
+    else:
+        external = save_graph(model, path)
+    del model
     desc = describe(path)
     desc.update(exporter="specedge fused writer", external_data=external,
                 export_s=time.perf_counter() - t0, max_len=max_len)
     ins, outs = fused_io(module, max_len)
     check_contract(desc, ins, outs)
     return desc
+
+
+def untie_head(model: onnx.ModelProto) -> None:
+    """Give the lm_head of a tied fused graph (the Gemm that reads "embed" transposed, between
+    two Reshapes) its own MatMul over a transposed copy, as export_fused_llama writes an untied
+    head: a quantizer then reaches the head, and the embedding can read its blocks. Used to make
+    a lower-precision draft from a tied target's float32 graph without exporting it again."""
+    graph = model.graph
+    gemm = next(n for n in graph.node if n.op_type == "Gemm" and n.input[1] == "embed")
+    producers = {o: n for n in graph.node for o in n.output}
+    flatten = producers[gemm.input[0]]  # Reshape(rows -> [-1, C])
+    unflatten = next(n for n in graph.node if gemm.output[0] in n.input)  # -> logits
+    embed = next(t for t in graph.initializer if t.name == "embed")
+    head = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(embed).T), "lm_head")
+    matmul = helper.make_node("MatMul", [flatten.input[0], "lm_head"], list(unflatten.output),
+                              name=gemm.name.replace("Gemm", "MatMul"))
+    at = list(graph.node).index(flatten)
+    for node in (flatten, gemm, unflatten):
+        graph.node.remove(node)
+    graph.node.insert(at, matmul)
+    used = {name for n in graph.node for name in n.input}
+    kept = [t for t in graph.initializer if t.name in used]  # the two Reshapes' shapes go
+    del graph.initializer[:]
+    graph.initializer.extend(kept + [head])
 
 
 def fused_io(module, max_len: int) -> tuple[list[dict], list[dict]]:
@@ -185,7 +222,8 @@ class _GraphWriter:
     onnxruntime-genai's builder names them (`/model/layers.0/attn/qkv_proj/MatMul`), and a
     node's output by its node (`.../MatMul/output_0`), so that a graph reads in Netron."""
 
-    def __init__(self):
+    def __init__(self, weights: WeightFile | None = None):
+        self.weights = weights  # where initializers go as they are made; None: in the graph
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._consts: dict[str, str] = {}
@@ -208,7 +246,9 @@ class _GraphWriter:
         return name if n == 0 else f"{name}_{n}"
 
     def init(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.ascontiguousarray(array)
+        self.initializers.append(self.weights.tensor(name, array) if self.weights is not None
+                                 else numpy_helper.from_array(array, name))
         return name
 
     def const(self, name: str, values) -> str:

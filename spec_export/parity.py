@@ -10,6 +10,7 @@ slots.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,7 +51,18 @@ def open_decoder(path, threads: int | None = None, seed: int = 0) -> OrtEngine:
     return engine
 
 
-@torch.no_grad()
+def hf_reference(hf_model) -> Callable[[list[int], int], np.ndarray]:
+    """reference(tokens, num_logits): the last num_logits rows of a fresh HF forward."""
+    hf_model.eval()
+
+    def reference(tokens: list[int], num_logits: int) -> np.ndarray:
+        with torch.no_grad():
+            out = hf_model(torch.tensor([tokens]), use_cache=False)
+        return out.logits[0, -num_logits:].float().numpy()
+
+    return reference
+
+
 def check_parity(
     hf_model,
     onnx_path,
@@ -64,64 +76,68 @@ def check_parity(
     log: Callable[[str], None] | None = None,
 ) -> float:
     """Max |logits_onnx - logits_hf| over a speculative-decoding-shaped call sequence (see
-    drive_calls), each call checked against a fresh HF forward over the same token sequence."""
-    hf_model.eval()
+    plan_calls), each call checked against a fresh HF forward over the same token sequence."""
     engine = open_decoder(onnx_path, threads, seed)
-
-    def reference(tokens: list[int], num_logits: int) -> np.ndarray:
-        return hf_model(torch.tensor([tokens]), use_cache=False).logits[0, -num_logits:].float().numpy()
-
-    return drive_calls(engine, reference, prompt_ids, hf_model.config.vocab_size,
+    return drive_calls(engine, hf_reference(hf_model), prompt_ids, hf_model.config.vocab_size,
                        prefill_chunk=prefill_chunk, steps=steps, verify_len=verify_len,
                        rng=np.random.default_rng(seed + 1), log=log)
 
 
-def drive_calls(
-    engine,
+@dataclass(frozen=True)
+class Call:
+    """One engine call of a parity run and the rows the reference model gives for it."""
+    position: int
+    ids: list[int]
+    num_logits: int
+    want: np.ndarray  # [num_logits, V]
+    what: str
+
+
+def plan_calls(
     reference: Callable[[list[int], int], np.ndarray],
     prompt_ids: list[int],
     vocab: int,
+    max_len: int,
     *,
     prefill_chunk: int,
     steps: int,
     verify_len: int,
     rng: np.random.Generator,
-    log: Callable[[str], None] | None = None,
-) -> float:
-    """Run the call sequence a runtime would and return the worst |logits - reference|:
+) -> list[Call]:
+    """The call sequence a runtime would make, with the reference's rows for each:
 
     1. prefill `prompt_ids` in chunks of `prefill_chunk` (first chunk at position 0 returns all
        its rows, later chunks only the last row, as a runtime prefill would);
-    2. `steps` single-token greedy steps;
+    2. `steps` single-token greedy steps (greedy on the reference's rows, so that every graph
+       checked against one plan is driven through the same tokens);
     3. a verify call of `verify_len` draft tokens (all rows), then a rollback that keeps only
        half of them and a second verify call over the now-stale slots.
     `reference(tokens, num_logits)` gives the expected last num_logits rows for the whole
-    sequence `tokens` whose K/V the cache holds after the call.
+    sequence `tokens` whose K/V the cache holds after the call. The plan holds only numbers:
+    the model that computed it can be released before any graph runs (a big model and its
+    graph need not be in memory together).
     """
     tokens: list[int] = []  # the sequence whose K/V sits in cache slots [0, position)
-    worst = 0.0
+    calls: list[Call] = []
     position = 0
 
     def call(new_ids: list[int], num_logits: int, what: str) -> np.ndarray:
-        nonlocal worst, position
+        nonlocal position
         pos = position
-        got = engine.forward(np.asarray(new_ids, np.int64), pos, num_logits).copy()
         position += len(new_ids)
         del tokens[pos:]  # rollback: slots >= pos are stale
         tokens.extend(new_ids)
-        diff = float(np.abs(got - reference(tokens, num_logits)).max())
-        worst = max(worst, diff)
-        if log:
-            log(f"{what:>8} position={pos:<4} n={len(new_ids):<3} num_logits={num_logits:<3} max|diff|={diff:.3g}")
-        return got
+        want = reference(tokens, num_logits)
+        calls.append(Call(pos, list(new_ids), num_logits, want, what))
+        return want
 
     if not prompt_ids:
         raise ValueError("prompt_ids is empty")
     # the whole sequence must fit the cache: prompt, steps, a verify, half of one more
-    fit = engine.max_len - steps - verify_len - verify_len // 2
+    fit = max_len - steps - verify_len - verify_len // 2
     if fit < 1:  # a tiny cache (--max-len 8..10): the shortest sequence of each kind
         steps, verify_len = 1, 2
-        fit = engine.max_len - steps - verify_len - verify_len // 2
+        fit = max_len - steps - verify_len - verify_len // 2
     prompt_ids = list(prompt_ids)[:fit]
     for start in range(0, len(prompt_ids), prefill_chunk):
         chunk = list(prompt_ids[start : start + prefill_chunk])
@@ -132,19 +148,51 @@ def drive_calls(
     call(draft, verify_len, "verify")
     position -= verify_len - verify_len // 2  # keep half the drafts; the rest go stale
     call(rng.integers(0, vocab, verify_len).tolist(), verify_len, "verify")
+    return calls
+
+
+def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = None) -> float:
+    """Make `calls` on `engine` in order; the worst |logits - reference| over all of them."""
+    worst = 0.0
+    for c in calls:
+        got = engine.forward(np.asarray(c.ids, np.int64), c.position, c.num_logits)
+        diff = float(np.abs(got - c.want).max())
+        worst = max(worst, diff)
+        if log:
+            log(f"{c.what:>8} position={c.position:<4} n={len(c.ids):<3} "
+                f"num_logits={c.num_logits:<3} max|diff|={diff:.3g}")
     return worst
 
 
+def drive_calls(engine, reference, prompt_ids: list[int], vocab: int, *, prefill_chunk: int,
+                steps: int, verify_len: int, rng: np.random.Generator,
+                log: Callable[[str], None] | None = None) -> float:
+    """plan_calls against `reference`, then run_calls on `engine`."""
+    calls = plan_calls(reference, prompt_ids, vocab, engine.max_len, prefill_chunk=prefill_chunk,
+                       steps=steps, verify_len=verify_len, rng=rng)
+    return run_calls(engine, calls, log)
+
+
 @torch.no_grad()
-def quantized_parity(hf_model, onnx_path, prompts: list[list[int]], threads: int | None = None) -> dict:
-    """Top-1 agreement and mean KL of a quantized decoder graph against the float PyTorch model,
-    over every position of each prompt (one prefill call returning all rows)."""
+def reference_rows(hf_model, prompts: list[list[int]], max_len: int) -> list[np.ndarray]:
+    """Every row of the float model's logits for each prompt (cut to the cache)."""
+    hf_model.eval()
+    return [hf_model(torch.tensor([list(ids)[:max_len]]), use_cache=False).logits[0].float().numpy()
+            for ids in prompts]
+
+
+def quantized_parity(reference, onnx_path, prompts: list[list[int]],
+                     threads: int | None = None) -> dict:
+    """Top-1 agreement and mean KL of a quantized decoder graph against the float model, over
+    every position of each prompt (one prefill call returning all rows). `reference` is the
+    float PyTorch model or its reference_rows for these prompts at the graph's max_len."""
     from .quantize import distribution_agreement
 
     engine = open_decoder(onnx_path, threads)
-    ref_rows, got_rows = [], []
+    if not isinstance(reference, list):
+        reference = reference_rows(reference, prompts, engine.max_len)
+    got_rows = []
     for ids in prompts:
         ids = list(ids)[: engine.max_len]  # a small --max-len holds a prefix of each
         got_rows.append(engine.forward(np.asarray(ids, np.int64), 0, len(ids)).copy())
-        ref_rows.append(hf_model(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy())
-    return distribution_agreement(np.concatenate(ref_rows), np.concatenate(got_rows))
+    return distribution_agreement(np.concatenate(reference), np.concatenate(got_rows))

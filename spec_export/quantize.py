@@ -12,7 +12,7 @@ import numpy as np
 ACCURACY_LEVEL = 4
 
 
-def quantize_int8(src: Path, dst: Path, block_size: int = 32) -> dict:
+def quantize_int8(src: Path | None, dst: Path, block_size: int = 32, model=None) -> dict:
     """Weight-only 8-bit: every MatMul with a constant weight becomes MatMulNBits with 8-bit
     weights (symmetric, one scale per `block_size` inputs) computed with int8 activations, the
     lm_head included; the embedding and the attention stay float32, and so do the cache inputs
@@ -21,7 +21,7 @@ def quantize_int8(src: Path, dst: Path, block_size: int = 32) -> dict:
     position's logits would depend on the other rows of its call, and a verify call could never
     score a position as a step does (spec_runtime/rows.py); MatMulNBits quantizes each row's
     blocks on their own."""
-    return quantize_nbits(src, dst, bits=8, block_size=block_size)
+    return quantize_nbits(src, dst, bits=8, block_size=block_size, model=model)
 
 
 # computed in float32 inside a float16 graph (the converter casts around them): x² in the portable
@@ -30,15 +30,17 @@ def quantize_int8(src: Path, dst: Path, block_size: int = 32) -> dict:
 FP16_FLOAT32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
 
 
-def convert_fp16(src: Path, dst: Path) -> dict:
+def convert_fp16(src: Path | None, dst: Path, model=None) -> dict:
     """Float16 weights, activations and KV cache; the logits stay float32 (a Cast at the end),
-    so that sampling reads full-precision values. Through onnxruntime's own converter."""
+    so that sampling reads full-precision values. Through onnxruntime's own converter. `model`
+    (an onnx ModelProto) is used instead of loading `src`."""
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     from .onnx_export import save_graph
 
-    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=["logits"],
+    model = convert_float_to_float16(model if model is not None else onnx.load(str(src)),
+                                     keep_io_types=["logits"],
                                      op_block_list=DEFAULT_OP_BLOCK_LIST + list(FP16_FLOAT32_OPS),
                                      disable_shape_infer=True)
     save_graph(model, dst)

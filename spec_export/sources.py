@@ -3,6 +3,7 @@ loading it for export with build errors that name the value and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import re
@@ -93,7 +94,7 @@ def model_spec(source: str, gguf_file: str | None, option: str = "--target") -> 
 
 
 def _gguf_option(option: str) -> str:
-    return "--draft-gguf-file" if option == "--draft" else "--gguf-file"
+    return "--draft-gguf-file" if option in ("--draft", "--draft-model") else "--gguf-file"
 
 
 def check_vocabularies(target_tok, draft_tok) -> None:
@@ -112,12 +113,19 @@ def check_vocabularies(target_tok, draft_tok) -> None:
 
 
 def load_model(spec: ModelSpec):
-    from transformers.utils import logging as hf_logging
-
     from .load import load_hf_model
 
-    # our own bar shows the stages; transformers' bars (one a plain tqdm in its GGUF reader)
-    # would print long single lines into users' logs
+    with loading_errors(spec):
+        return load_hf_model(spec.source, gguf_file=spec.gguf_file)
+
+
+@contextlib.contextmanager
+def loading_errors(spec: ModelSpec):
+    """Loading `spec` with transformers' progress bars off (our own bar shows the stages; theirs,
+    one a plain tqdm in its GGUF reader, would print long single lines into users' logs), and
+    its errors as BuildErrors that name the option, the value and the fix."""
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     try:
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
@@ -127,8 +135,10 @@ def load_model(spec: ModelSpec):
     except (ImportError, AttributeError):
         pass
     try:
-        return load_hf_model(spec.source, gguf_file=spec.gguf_file)
+        yield
     except (OSError, ValueError) as e:
+        if isinstance(e, BuildError):
+            raise
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
         gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""

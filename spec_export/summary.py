@@ -63,6 +63,18 @@ def _draft(manifest: Manifest) -> str:
     return f"{d.kind}{auto}" + (f": {what}" if what else "")
 
 
+def _gb(mb) -> str:
+    return "?" if mb is None else f"{mb / 1e3:.1f} GB"
+
+
+def _build(record: dict) -> str:
+    """Time and peak memory of the build and of each stage (peak: the process's, so far)."""
+    stages = ", ".join(f"{s['stage']} {s['seconds']:.0f} s ({_gb(s.get('peak_rss_mb'))})"
+                       for s in record["stages"])
+    return (f"{record.get('seconds', 0):.0f} s, peak memory {_gb(record.get('peak_rss_mb'))}: "
+            f"{stages}")
+
+
 def build_summary(bundle_dir) -> str:
     """A few lines on the bundle at `bundle_dir`: target, draft (and why, when `--draft auto`
     chose it), parity, cache and γ, total size and path."""
@@ -79,6 +91,9 @@ def build_summary(bundle_dir) -> str:
     if m.encoder_decoder:
         cache += f", max_source_len {m.max_source_len}"
     rows += [("cache", cache), ("size", f"{_mb(total)} in {len(m.files) + 1} files")]
+    build = m.created_by.get("build") if isinstance(m.created_by, dict) else None
+    if isinstance(build, dict) and build.get("stages"):
+        rows.append(("build", _build(build)))
     width = max(len(k) for k, _ in rows)
     return "\n".join([*(f"{k.ljust(width)}  {v}" for k, v in rows),
                       f"bundle written to {bundle_dir}"])

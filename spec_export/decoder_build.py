@@ -1,0 +1,228 @@
+"""One decoder-only model of a bundle: its graph, checked against the model it came from, at the
+precision asked for; and the target's own weights at a lower precision as a draft.
+
+Memory: a 1.5B model is 6.2 GB in float32, so no stage holds it twice. Everything the checks
+need of the PyTorch model (the parity plan's reference rows, the float model's logits for the
+quantized agreement) is computed first; the model's weights are then moved into the export's
+own forward one tensor at a time (models.common.consuming: each HF tensor is freed once
+copied), the graph streams them to disk (onnx_export.WeightFile, for graphs past 2 GB), the
+forward is dropped, and only then does ONNX Runtime open the graph. The self draft is made from
+the target's float32 graph file, not from a second export.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spec_runtime.contract import graph_devices
+from spec_runtime.manifest import GraphEntry, ModelEntry
+
+from .quality import FP16_TOLERANCE, FP32_TOLERANCE, broken_quantization, verify_thresholds
+from .sources import BuildError
+
+PARITY = dict(prefill_chunk=16, steps=3, verify_len=5)  # the call sequence parity.plan_calls runs
+
+
+def choose_kernels(module, kernels: str, role: str) -> str:
+    """"fused" or "portable" for `module`: what `kernels` asks for, "auto" taking the fused
+    graph where the model has one. An explicit "fused" the model cannot have is refused."""
+    from .onnx_fused import fused_unsupported
+
+    why = fused_unsupported(module)
+    if kernels == "fused" and why:
+        raise BuildError(f"--kernels fused is not available for the {role}: {why}; use --kernels "
+                         f"portable (or auto)")
+    return ("portable" if why else "fused") if kernels == "auto" else kernels
+
+
+@dataclass
+class Exported:
+    """What export_decoder_model leaves for a draft made of the same weights."""
+    entry: ModelEntry
+    fp32_path: Path | None  # the float32 graph, kept when asked to (keep_fp32)
+    quant_reference: list | None  # the float model's rows on QUANT_PROMPTS
+    tied: bool
+
+
+def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, parity_ids,
+                         stage, quant_prompts, block_size: int, kernels: str,
+                         float_embedding: bool, gguf_path: Path | None = None,
+                         keep_fp32: bool = False) -> Exported:
+    """Export `hf_model` to `path` at `precision`, check it, and return its manifest entry
+    (minus source). The HF model is spent: its weights are freed as they are copied. With
+    `keep_fp32`, the float32 graph stays (as `path` itself at fp32, else `<stem>.fp32.onnx`)
+    for derive_draft, which removes it."""
+    from specedge.models import for_hf_model
+    from specedge.models.common import consuming
+
+    from .onnx_export import export_decoder
+    from .onnx_fused import export_fused_llama
+    from .parity import hf_reference, plan_calls, reference_rows
+
+    vocab = hf_model.config.vocab_size
+    # everything the checks need of the PyTorch model, before its weights move into the export
+    plan = plan_calls(hf_reference(hf_model), parity_ids, vocab, max_len,
+                      rng=np.random.default_rng(1), **PARITY)
+    quant_ref = reference_rows(hf_model, quant_prompts, max_len) \
+        if precision != "fp32" or keep_fp32 else None
+    with consuming(hf_model):
+        module = for_hf_model(hf_model, max_len)
+    kernels = choose_kernels(module, kernels, path.stem)
+    tied = module.lm_head is module.embed
+    if precision == "int4":
+        module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
+    dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
+    family = module.model_type
+    fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
+    export = export_fused_llama if kernels == "fused" else export_decoder
+    desc = export(module, fp32_path, max_len)
+    del module  # the graph holds the weights now
+    stage(f"parity {path.stem}")
+    diff = _run_plan(fp32_path, plan)
+    if not diff <= FP32_TOLERANCE:
+        raise BuildError(
+            f"{path.stem}: exported graph's logits differ from PyTorch by {diff:.3g} > "
+            f"{FP32_TOLERANCE}: the export is wrong for this model; please report it"
+        )
+    parity = {"max_abs_diff_fp32": diff, "tolerance_fp32": FP32_TOLERANCE}
+    quantization = None
+    if precision != "fp32":
+        quantization, parity[precision] = _lower(fp32_path, path, precision, quant_prompts,
+                                                 quant_ref, block_size=block_size, tied=tied,
+                                                 float_embedding=float_embedding,
+                                                 gguf_path=gguf_path)
+        if not keep_fp32:
+            _remove_graph(fp32_path)
+    if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
+        from .onnx_export import describe
+
+        desc = dict(describe(path), opset=desc["opset"])
+    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
+                       kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
+                       opset=desc["opset"], devices=graph_devices(kernels, precision))
+    entry = ModelEntry(vocab_size=vocab, graphs={"decoder": graph}, precision=precision,
+                       family=family, dims=dims, parity=parity, quantization=quantization)
+    return Exported(entry, fp32_path if keep_fp32 else None, quant_ref, tied)
+
+
+def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
+                 block_size: int, float_embedding: bool,
+                 gguf_path: Path | None = None) -> ModelEntry:
+    """The target's own weights at `precision` (an int4 self draft), made from the target's
+    float32 graph, which is then removed unless it is the target itself."""
+    import onnx
+
+    from .onnx_fused import untie_head
+
+    src = target.fp32_path
+    model = onnx.load(str(src))
+    if target.tied:
+        untie_head(model)  # the quantizer reaches the lm_head's MatMul; the embedding reads it
+    parity = {"max_abs_diff_fp32": target.entry.parity["max_abs_diff_fp32"],
+              "tolerance_fp32": FP32_TOLERANCE}
+    quantization, parity[precision] = _lower(src, path, precision, quant_prompts,
+                                             target.quant_reference, block_size=block_size,
+                                             tied=target.tied, float_embedding=float_embedding,
+                                             gguf_path=gguf_path, model=model)
+    del model
+    if src.name != target.entry.graphs["decoder"].file:
+        _remove_graph(src)
+    t = target.entry
+    kernels = t.graphs["decoder"].kernels
+    graph = GraphEntry(file=path.name, inputs=t.graphs["decoder"].inputs,
+                       outputs=t.graphs["decoder"].outputs, kernels=kernels,
+                       kv_cache=t.graphs["decoder"].kv_cache, opset=t.graphs["decoder"].opset,
+                       devices=graph_devices(kernels, precision))
+    if precision == "fp16":
+        from .onnx_export import describe
+
+        desc = describe(path)
+        graph = GraphEntry(**{**graph.__dict__, "inputs": desc["inputs"],
+                              "outputs": desc["outputs"]})
+    return ModelEntry(vocab_size=t.vocab_size, graphs={"decoder": graph}, precision=precision,
+                      family=t.family, dims=t.dims, parity=parity, quantization=quantization)
+
+
+def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, block_size: int,
+           tied: bool, float_embedding: bool, gguf_path: Path | None, model=None):
+    """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
+    `precision` to `dst` and measure it against the float model: (quantization record, parity
+    record). Refuses a graph that no longer computes the model."""
+    from . import quantize
+    from .parity import quantized_parity
+
+    if precision == "int4" and gguf_path is not None:
+        from .gguf_blocks import repack_int4
+
+        quantization = repack_int4(src, dst, gguf_path, tied, block_size, float_embedding,
+                                   model=model)
+    elif precision == "int4":
+        quantization = quantize.quantize_int4(src, dst, block_size,
+                                              tied=tied and not float_embedding, model=model)
+    elif precision == "fp16":
+        quantization = quantize.convert_fp16(src, dst, model=model)
+    else:
+        quantization = quantize.quantize_int8(src, dst, block_size, model=model)
+    agree = quantized_parity(quant_ref, dst, quant_prompts)
+    parity = dict(agree, verify_thresholds=verify_thresholds(agree))
+    if precision == "fp16":
+        parity["tolerance"] = FP16_TOLERANCE
+        if agree["top1_agreement"] < FP16_TOLERANCE["min_top1_agreement"] \
+                or agree["mean_kl"] > FP16_TOLERANCE["max_mean_kl"]:
+            raise BuildError(f"{dst.stem}: the float16 graph agrees with the float model on "
+                             f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
+                             f"{agree['mean_kl']:.3g}), outside top-1 >= "
+                             f"{FP16_TOLERANCE['min_top1_agreement']:.0%} and KL <= "
+                             f"{FP16_TOLERANCE['max_mean_kl']}: this "
+                             f"model's activations do not fit float16; use --precision fp32")
+    if broken_quantization(agree):
+        raise BuildError(f"{dst.stem}: {precision} graph agrees with the float model on only "
+                         f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
+                         f"{agree['mean_kl']:.2f}): use a higher precision or a smaller "
+                         f"--block-size")
+    return quantization, parity
+
+
+def _run_plan(path: Path, plan) -> float:
+    from .parity import open_decoder, run_calls
+
+    return run_calls(open_decoder(path), plan)
+
+
+def _remove_graph(path: Path) -> None:
+    """A float32 intermediate this build wrote into its own temporary directory."""
+    path.unlink()
+    path.with_name(path.name + ".data").unlink(missing_ok=True)  # large models
+
+
+def step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int = 15) -> float:
+    """The draft's 1-token step time over the target's (medians, after a 32-token prefill),
+    through the runtime's engine on this machine."""
+    from .parity import open_decoder
+
+    def step_s(entry: ModelEntry) -> float:
+        engine = open_decoder(directory / entry.graphs["decoder"].file)
+        tokens = np.arange(3, 35 + steps, dtype=np.int64) % entry.vocab_size
+        engine.forward(tokens[:32], 0, 1)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            engine.forward(tokens[32 + i : 33 + i], 32 + i, 1)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return round(min(10.0, step_s(draft) / step_s(target)), 3)
+
+
+def check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
+    """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
+    if int4_weights == "gguf" and entry.precision == "int4" \
+            and not (entry.quantization or {}).get("gguf_blocks"):
+        raise BuildError(f"{role} {entry.gguf_file!r} has no Q4_0, Q4_1 or Q8_0 tensor "
+                         f"matching the model's weights (other block types are re-quantized): "
+                         f"use --int4-weights quantize")

@@ -1,0 +1,338 @@
+"""What drafts a build makes, from `--draft`, `--draft-model` and what the target turns out to be.
+
+    --draft ngram            prompt lookup: no graph
+    --draft self             the target's own weights at --draft-precision (int4 by default)
+    --draft SOURCE           a draft model (Hugging Face id, directory or .gguf file) of the
+                             target's vocabulary
+    --draft hybrid           a model draft, and prompt lookup in the rounds where the context
+                             repeats (drafts.HybridDraft): the --draft-model if given, else self
+    --draft auto             a hybrid over each draft model available: the target's own GGUF
+                             blocks at int4 (an fp32/fp16/int8 target read from a GGUF file, with
+                             a fused graph) and the --draft-model; when there are two, both are
+                             built and measured against each other on this machine (tokens/s on
+                             AUTO_PROMPTS, alternating), and the faster is kept; with none,
+                             prompt lookup. The manifest records what was measured and why.
+
+A draft model's precision (--draft-precision) defaults to int4 where its weights can be the GGUF
+file's own blocks in a fused graph (a self draft, or a GGUF draft model of a fused family): the
+fastest draft that still agrees with its model; else to the target's precision.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from spec_runtime.manifest import DraftEntry, ModelEntry
+
+from .sources import BuildError, ModelSpec, check_vocabularies, load_model, model_spec
+
+DRAFT_KINDS = ("auto", "ngram", "self", "hybrid")
+NGRAM = {"max_ngram": 3, "min_ngram": 1}
+# A 1-token match proposes poorly on chat prompts, and each proposed token costs a verify row:
+# little at fp32, several times more at int4 (benchmarks/results/step-time.json), so at int4
+# proposing only after 2-token matches pays and at fp32 it does not (README, Performance).
+NGRAM_INT4 = {"max_ngram": 3, "min_ngram": 2}
+# what auto measures its candidates on: one prompt of each kind users bring
+AUTO_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Add type hints and a docstring to this function:\n\ndef area(w, h):\n    return w * h\n",
+    "Give three tips for a good night's sleep.",
+]
+AUTO_TOKENS = 48
+
+
+@dataclass
+class Candidate:
+    """One draft model the build makes: the target's own weights ("self") or --draft-model."""
+    name: str  # "self" or "model"
+    spec: ModelSpec
+    precision: str | None  # None: decided once the model's family is known
+    entry: ModelEntry | None = None
+    file: str = "draft.onnx"
+
+
+@dataclass
+class DraftPlan:
+    kind: str  # what the bundle's draft will be: "ngram", "model", "hybrid", or "auto"
+    candidates: list[Candidate] = field(default_factory=list)
+    why: str | None = None  # auto: why it chose what it chose (recorded in the manifest)
+
+    @property
+    def needs_self(self) -> bool:
+        return any(c.name == "self" for c in self.candidates)
+
+    def precisions(self) -> list[str]:
+        return [c.precision for c in self.candidates if c.precision]
+
+    def stages(self) -> list[str]:
+        names = []
+        for c in self.candidates:
+            if c.name == "model":
+                names += ["load draft", "export draft", "parity draft"]
+            else:
+                names += ["draft from the target"]
+        return names + (["measure drafts"] if len(self.candidates) > 1 else [])
+
+    def settle(self, t_config, precision: str) -> None:
+        """Drop the self draft where the loaded target has no fused graph to make it from."""
+        from .onnx_fused import fused_unsupported
+
+        why = fused_unsupported(t_config)
+        if why and self.needs_self:
+            if self.kind in ("auto",) or (self.kind == "hybrid" and len(self.candidates) == 1
+                                          and self.candidates[0].name == "self"):
+                self.candidates = [c for c in self.candidates if c.name != "self"]
+                self.why = f"no fused int4 self draft for this target: {why}"
+                if not self.candidates:
+                    self.kind = "ngram"
+            # an explicit --draft self on such a target is refused by the export itself
+
+    def check_draft_model(self, t_model, t_tok):
+        """Load the draft model's tokenizer and config (not its weights: those come after the
+        target's export) and refuse a draft whose vocabulary is not the target's. Returns the
+        draft's config, or None without a draft model."""
+        model = next((c for c in self.candidates if c.name == "model"), None)
+        if model is None:
+            return None
+        from .load import load_config_and_tokenizer
+
+        config, tok = load_config_and_tokenizer(model.spec)
+        check_vocabularies(t_tok, tok)
+        from .build_seq2seq import is_encoder_decoder
+
+        if is_encoder_decoder(config) != is_encoder_decoder(t_model.config):
+            kinds = {True: "encoder-decoder", False: "decoder-only"}
+            raise BuildError(
+                f"the target is {kinds[is_encoder_decoder(t_model.config)]} "
+                f"({t_model.config.model_type}) but the draft is "
+                f"{kinds[is_encoder_decoder(config)]} ({config.model_type}): pick a draft of the "
+                f"same architecture, or --draft ngram")
+        if is_encoder_decoder(config):
+            from .build_seq2seq import decoder_start_token_id
+
+            starts = (decoder_start_token_id(t_model), getattr(config, "decoder_start_token_id",
+                                                               None))
+            if starts[0] != starts[1]:
+                raise BuildError(f"target and draft start decoding from different tokens "
+                                 f"({starts[0]} vs {starts[1]}): pick a draft from the same "
+                                 f"model family")
+        if model.precision is None:
+            from .onnx_fused import fused_unsupported
+
+            gguf = bool(model.spec.gguf_file) and self.int4_weights != "quantize"
+            model.precision = "int4" if gguf and not fused_unsupported(config) \
+                else self.target_precision
+        return config
+
+    def build(self, tmp: Path, t_exported, t_entry: ModelEntry, t_spec: ModelSpec, *, export,
+              use_gguf: bool, int4_weights: str, max_source_len: int, encdec: bool, tokenizer,
+              eos) -> DraftEntry:
+        """Make every candidate's graph, choose (auto), and return the manifest's draft entry."""
+        from .decoder_build import check_blocks, derive_draft
+
+        stage = export["stage"]
+        for c in self.candidates:
+            gguf = c.spec.gguf_path() if use_gguf else None
+            if c.name == "self":
+                stage("draft from the target")
+                if encdec or t_exported is None or t_exported.fp32_path is None:
+                    raise BuildError("--draft self needs a decoder-only target with a fused "
+                                     "graph: use --draft ngram or a draft model")
+                c.entry = derive_draft(t_exported, tmp / c.file, precision=c.precision,
+                                       quant_prompts=export["quant_prompts"],
+                                       block_size=export["block_size"],
+                                       float_embedding=export["float_embedding"], gguf_path=gguf)
+            else:
+                stage("load draft")
+                d_model, _ = load_model(c.spec)
+                stage("export draft")
+                if encdec:
+                    from .build_seq2seq import export_model
+
+                    c.entry = export_model(d_model, tmp, "draft", max_len=export["max_len"],
+                                           max_source_len=max_source_len, precision=c.precision,
+                                           parity_ids=export["parity_ids"], stage=stage)
+                else:
+                    from .decoder_build import export_decoder_model
+
+                    c.entry = export_decoder_model(d_model, tmp / c.file, precision=c.precision,
+                                                   gguf_path=gguf, **export).entry
+                del d_model
+            c.entry = replace(c.entry, **c.spec.describe())
+            check_blocks(c.entry, "--draft" if c.name == "model" else "--target", int4_weights)
+        options = dict(NGRAM_INT4 if self.target_precision == "int4" else NGRAM)
+        if self.kind == "ngram":
+            return self._record(DraftEntry("ngram", options=options))
+        if self.kind == "model" or (self.kind == "self" and not self.lookup):
+            return self._record(DraftEntry("model", self.candidates[0].entry))
+        from .decoder_build import step_cost
+
+        costs = {c.name: step_cost(tmp, c.entry, t_entry) for c in self.candidates}
+        chosen = self.candidates[0]
+        measured = None
+        if len(self.candidates) > 1:
+            stage("measure drafts")
+            measured = measure_hybrids(tmp, t_entry, self.candidates, costs, options, tokenizer,
+                                       eos)
+            chosen = max(self.candidates, key=lambda c: measured[c.name]["speedup"])
+            self.why = (f"measured here on {len(AUTO_PROMPTS)} prompts: " + ", ".join(
+                f"{_label(c)} {measured[c.name]['speedup']:.2f}x" for c in self.candidates)
+                + f"; kept {_label(chosen)}")
+            for c in self.candidates:
+                if c is not chosen:  # graphs this build wrote into its own directory
+                    _remove(tmp / c.entry.graphs["decoder"].file)
+        elif self.kind == "auto":
+            self.why = self.why or (f"{_label(chosen)} + prompt lookup: the one draft model "
+                                    f"available")
+        entry = DraftEntry("hybrid", chosen.entry,
+                           {**options, "draft_cost": costs[chosen.name]})
+        if measured:
+            entry = replace(entry, options={**entry.options, "auto_measured": measured})
+        return self._record(entry)
+
+    def _record(self, entry: DraftEntry) -> DraftEntry:
+        if self.kind == "auto" and self.why:
+            return replace(entry, options={**entry.options, "auto_reason": self.why})
+        return entry
+
+    # set by plan_drafts
+    lookup: bool = True
+    target_precision: str = "fp32"
+    int4_weights: str = "auto"
+
+
+def _label(c: Candidate) -> str:
+    return "the target's own int4 blocks" if c.name == "self" else \
+        f"{c.entry.family or 'the'} draft model at {c.entry.precision}"
+
+
+def _remove(path: Path) -> None:
+    path.unlink()
+    path.with_name(path.name + ".data").unlink(missing_ok=True)
+
+
+def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, precision: str,
+                draft_precision: str | None, draft_gguf_file: str | None, int4_weights: str,
+                kernels: str) -> DraftPlan:
+    """The build's drafts from its options, before anything is loaded (refusing what cannot be
+    made); DraftPlan.settle adjusts them once the target is loaded."""
+    if not isinstance(draft, str) or not draft:
+        raise BuildError(f"--draft {draft!r} is invalid: use auto, ngram, self, hybrid or a model")
+    given = model_spec(draft_model, draft_gguf_file, "--draft-model") if draft_model else None
+    if draft not in DRAFT_KINDS:  # a model source
+        if given is not None:
+            raise BuildError(f"--draft {draft!r} names a model and --draft-model "
+                             f"{draft_model!r} another: give one of them")
+        given = model_spec(draft, draft_gguf_file, "--draft")
+        draft = "model"
+    elif given is not None and draft in ("ngram", "self"):
+        raise BuildError(f"--draft-model {draft_model!r} is used by --draft hybrid or auto, not "
+                         f"by --draft {draft}: drop one of them")
+    model = Candidate("model", given, draft_precision) if given else None
+
+    def self_candidate() -> Candidate:
+        own = draft_precision or ("int4" if precision != "int4" else None)
+        if own in (None, precision):
+            raise BuildError(f"--draft self drafts with the target's own weights at a lower "
+                             f"precision, and --draft-precision is {own or precision} like "
+                             f"--precision: use --precision fp32 --draft-precision int4")
+        if int4_weights == "gguf" and own == "int4" and not t_spec.gguf_file:
+            raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and --target "
+                             f"{t_spec.source!r} is not a GGUF: use --int4-weights quantize")
+        return Candidate("self", t_spec, own)
+
+    plan = DraftPlan(draft)
+    plan.target_precision, plan.int4_weights = precision, int4_weights
+    if draft == "ngram":
+        pass
+    elif draft == "self":
+        plan.candidates, plan.lookup, plan.kind = [self_candidate()], False, "self"
+    elif draft == "model":
+        plan.candidates = [model]
+    elif draft == "hybrid":
+        plan.candidates = [model or self_candidate()]
+    else:  # auto
+        why = _no_self_draft(t_spec, precision, draft_precision, int4_weights, kernels)
+        plan.candidates = ([] if why else [self_candidate()]) + ([model] if model else [])
+        plan.why = why
+        if not plan.candidates:
+            plan.kind = "ngram"
+    if model is not None and int4_weights == "gguf" and model.precision == "int4" \
+            and not given.gguf_file:
+        raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and the draft "
+                         f"{given.source!r} is not a GGUF: use --int4-weights quantize")
+    if len(plan.candidates) > 1:
+        plan.candidates[0].file = "draft-self.onnx"
+    return plan
+
+
+def _no_self_draft(t_spec: ModelSpec, precision: str, draft_precision: str | None,
+                   int4_weights: str, kernels: str) -> str | None:
+    """Why auto offers no int4 self draft for this target, or None when it does. The target's
+    own GGUF blocks at int4 agree with it on nearly every token at a fraction of its cost; made
+    from the de-quantized floats instead, an int4 draft is rounded twice and agrees on about
+    half (README, Precision)."""
+    if precision == "int4":
+        return "int4 target: nothing lower to draft with"
+    if draft_precision not in (None, "int4"):
+        return f"--draft-precision {draft_precision}: the self draft reuses the GGUF's int4 blocks"
+    if not t_spec.gguf_file:
+        return "target not read from a GGUF, so an int4 self draft would be rounded twice"
+    if int4_weights == "quantize":
+        return "--int4-weights quantize: an int4 self draft would be rounded twice"
+    if kernels == "portable":
+        return "--kernels portable: the int4 self draft needs the fused graph"
+    return None
+
+
+def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate], costs: dict,
+                    ngram: dict, tokenizer, eos) -> dict:
+    """Greedy tokens/s of the target alone and of a hybrid over each candidate on
+    AUTO_PROMPTS (AUTO_TOKENS each, after a warm-up), alternating prompt by prompt, through the
+    runtime's own engines and decode loop: {candidate: {"tok_s", "speedup", ...}}. Exact
+    either way (the output is the target's); only the speed differs."""
+    from spec_runtime import rows
+    from spec_runtime.drafts import HybridDraft, ModelDraft, NgramDraft
+    from spec_runtime.generator import Generator
+
+    from .parity import open_decoder
+
+    target = open_decoder(tmp / t_entry.graphs["decoder"].file)
+    rows.choose_one_row(target)
+    vocab = target.vocab_size
+    gens = {"target": Generator(target, None, eos_token_ids=eos)}
+    for c in candidates:
+        engine = open_decoder(tmp / c.entry.graphs["decoder"].file)
+        draft = HybridDraft(ModelDraft(engine), NgramDraft(vocab, **ngram), costs[c.name])
+        gens[c.name] = Generator(target, draft, eos_token_ids=eos)
+    # a small --max-len holds fewer tokens, and the end of each prompt (its generation prompt)
+    new = min(AUTO_TOKENS, max(4, target.max_len // 4))
+    room = max(1, target.max_len - new - 16)  # 16: a verify call's rows past the last token
+    prompts = [_prompt_ids(tokenizer, p)[-room:] for p in AUTO_PROMPTS]
+    for g in gens.values():  # warm-up: allocation, kernel choice
+        g.generate(prompts[0], max_new_tokens=4)
+    tokens = {name: 0 for name in gens}
+    seconds = {name: 0.0 for name in gens}
+    for i, ids in enumerate(prompts):
+        order = list(gens) if i % 2 == 0 else list(reversed(gens))
+        for name in order:
+            t0 = time.perf_counter()
+            r = gens[name].generate(ids, max_new_tokens=new, use_draft=name != "target")
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += len(r.tokens)
+    base = tokens["target"] / seconds["target"]
+    return {c.name: {"tok_s": round(tokens[c.name] / seconds[c.name], 2),
+                     "target_tok_s": round(base, 2),
+                     "speedup": round(tokens[c.name] / seconds[c.name] / base, 3)}
+            for c in candidates}
+
+
+def _prompt_ids(tokenizer, text: str) -> list[int]:
+    """`text` as the runtime would send it: through the chat template where there is one."""
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
