@@ -42,7 +42,7 @@ def main(ctx):
                    "target's vocabulary; 'self' for the target's own weights at "
                    "--draft-precision (int4 unless given); 'ngram' for prompt lookup; 'hybrid' "
                    "for self plus prompt lookup where the context repeats; or 'auto': hybrid "
-                   "for an fp32 llama-family target from a GGUF, else ngram (the build says "
+                   "for an fp32 fused-kernel target from a GGUF, else ngram (the build says "
                    "which and why)")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="bundle directory to write: new, empty, or a bundle to replace [default: "
@@ -65,7 +65,7 @@ def main(ctx):
                    "takes several calls), at least 1")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="the target's weights: fp32; fp16 (float16 weights and cache, for GPUs); "
-                   "int8 (dynamic, per channel); int4 (weight-only MatMulNBits, llama family)")
+                   "int8 (dynamic, per channel); int4 (weight-only MatMulNBits)")
 @click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
               help="a model draft's precision, same values as --precision [default: "
                    "--precision; int4 for a self or hybrid draft]")
@@ -74,7 +74,7 @@ def main(ctx):
 @click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
               show_default=True,
               help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
-                   "(llama family; needed for int4); portable: standard ONNX for any runtime, "
+                   "(llama, qwen2, qwen3, mistral, gemma3; needed for an int4 self draft); portable: standard ONNX for any runtime, "
                    "TensorRT included; auto: fused where available")
 @click.option("--float-embedding", is_flag=True,
               help="int4 only: keep a float32 embedding instead of reading it from the 4-bit "

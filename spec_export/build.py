@@ -26,7 +26,8 @@ from .quality import (FP16_TOLERANCE, FP32_TOLERANCE, PARITY_PROMPT, QUANT_PROMP
                       broken_quantization, verify_thresholds)
 from .sources import BuildError, check_vocabularies, default_target, load_model, model_spec
 
-# "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
+# "auto": fused ONNX Runtime kernels where the architecture has them (onnx_fused.FUSED_FAMILIES),
+# else portable
 KERNEL_CHOICES = ("auto", *KERNELS)
 # int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
 # "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
@@ -132,7 +133,7 @@ def _one_of(values) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
 
 
-AUTO_HYBRID_REASON = "fp32 llama-family GGUF target: its own int4 blocks + prompt lookup"
+AUTO_HYBRID_REASON = "fp32 GGUF target with fused kernels: its own int4 blocks + prompt lookup"
 
 
 def resolve_auto_draft(t_spec, precision: str, draft_precision: str | None, int4_weights: str,
@@ -288,13 +289,13 @@ def build_bundle(
     """Build a bundle and return its directory (default: spec_runtime's default location).
     `draft`: a model source, "ngram" (prompt lookup), "self" (the target's own weights at
     `draft_precision`, int4 by default), "hybrid" (self, and prompt lookup in the rounds where
-    the context repeats: drafts.HybridDraft) or "auto" (hybrid for an fp32 llama-family target
+    the context repeats: drafts.HybridDraft) or "auto" (hybrid for an fp32 fused-kernel target
     from a GGUF, whose blocks the int4 draft reuses; ngram otherwise).
     `max_source_len` (static source length of the encoder graph) applies to encoder-decoder
     targets only. `draft_precision` defaults to `precision`; `block_size` is int4's
     quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
-    with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
-    (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
+    with an in-place cache, skip-RMSNorm; llama, qwen2, qwen3, mistral, gemma3), "portable"
+    standard ONNX for any runtime (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
     the lm_head's quantized weights (re-quantized SmolLM2-135M: 88 MB instead of 201 MB);
     `float_embedding` keeps a float32 copy instead.
     `int4_weights`: "gguf" writes a GGUF source's own 4/8-bit blocks (no second rounding: see
@@ -424,8 +425,9 @@ def _write_bundle(tmp: Path, stage, t_spec, d_spec, *, auto_reason: str | None, 
                          "float16 (the reason T5 checkpoints are trained in bfloat16); use fp32 "
                          "or int8 for encoder-decoder bundles")
     if encdec and kernels == "fused":
-        raise BuildError("--kernels fused covers decoder-only llama-family models; "
-                         "encoder-decoder bundles are portable: use --kernels portable or auto")
+        raise BuildError("--kernels fused covers decoder-only models (llama, qwen2, qwen3, "
+                         "mistral, gemma3); encoder-decoder bundles are portable: use --kernels "
+                         "portable or auto")
     quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
     export = dict(max_len=max_len, max_source_len=max_source_len, parity_ids=parity_ids,
                   stage=stage, encdec=encdec, quant_prompts=quant_prompts,
