@@ -1,14 +1,23 @@
-"""Write a Llama-family decoder as an ONNX graph of ONNX Runtime's fused kernels.
+"""Write a Llama-based decoder (llama, qwen2, qwen3, mistral, gemma3_text) as an ONNX graph of
+ONNX Runtime's fused kernels.
 
 The portable graph (onnx_export.py) is standard ONNX that any runtime reads (TensorRT included);
 ONNX Runtime then executes about 65 nodes per layer for it. This graph is written node by node
-from the same checked weights (models.llama.Llama) with ONNX Runtime's contrib operators, 14 nodes
-per layer, the way onnxruntime-genai's model builder writes its graphs:
+from the same checked weights (models.llama.Llama and its family subclasses) with ONNX Runtime's
+contrib operators, 14 nodes per Llama layer, the way onnxruntime-genai's model builder writes
+its graphs:
 
-    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv → Slice, Concat (the
-    padding row below) → GroupQueryAttention (RoPE, cache write, causal attention over the valid
-    prefix) → Slice → MatMul o → SkipSimplifiedLayerNormalization → MatMul gate, MatMul up →
-    x·σ(x)·up → MatMul down
+    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv (+ bias) → Slice,
+    Concat (the padding row below) → GroupQueryAttention (RoPE, cache write, causal attention
+    over the valid prefix, or over the sliding window) → Slice → MatMul o →
+    SkipSimplifiedLayerNormalization → MatMul gate, MatMul up → x·σ(x)·up → MatMul down
+
+The families' differences are read from the module's LlamaDims: q/k norms split q, k and v
+before GroupQueryAttention (which applies RoPE inside, so the norms must come first); Gemma's
+post-attention and post-MLP norms are SimplifiedLayerNormalization before the residual add, its
+MLP is GELU-tanh, its embedding is scaled, and its sliding and global layers read two cos/sin
+caches; a sliding layer sets `local_window_size` (spec_runtime/gqa_window.py: in the reading of
+the installed ONNX Runtime, recorded in the graph's metadata).
 
 Its I/O is the contract of spec_runtime/contract.py with kv_cache "in-place".
 GroupQueryAttention writes the new K/V at [position, position + n) of `present`; when the runtime

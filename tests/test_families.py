@@ -17,7 +17,8 @@ import onnx
 import pytest
 import torch
 import tiny_models
-from tiny_models import WINDOW, exact_joint_hf, save, truncated, word_tokenizer
+from tiny_models import (WINDOW, exact_joint_hf, save, truncated, window_shifted,
+                         word_tokenizer)
 from toy_models import joint_p_value, sampled_joint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,14 +97,6 @@ def test_greedy_equals_hf_generate(family, kernels, tmp_path):
         assert windowed == sliding and (name == "qwen3" or any(sliding))
 
 
-def _window_shifted(module, shift: int):
-    """`module` with each sliding layer's window moved by `shift` keys (None: no window)."""
-    for layer in module.layers:
-        if layer.window is not None:
-            layer.window = None if shift is None else layer.window + shift
-    return module
-
-
 @pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma3-tied"])
 def test_a_sliding_layer_sees_exactly_hfs_keys(name, tmp_path):
     """The forward matches HF over a 40-token prompt (5 windows), and a window one key wider,
@@ -114,7 +107,7 @@ def test_a_sliding_layer_sees_exactly_hfs_keys(name, tmp_path):
         ref = hf(ids, use_cache=False).logits
 
         def diff(shift):
-            module = _window_shifted(for_hf_model(hf, MAX_LEN), shift)
+            module = window_shifted(for_hf_model(hf, MAX_LEN), shift)
             past = [torch.zeros(module.cache_shape()) for _ in range(2 * module.n_layers)]
             return float((module(ids, torch.tensor(0), torch.tensor(40), *past)[0] - ref).abs().max())
 

@@ -241,6 +241,15 @@ def exact_joint_hf(model_dir, prompt, params, vocab: int):
     return joint
 
 
+def window_shifted(module, shift: int | None):
+    """A models/ decoder with each sliding layer's window moved by `shift` keys (None: no
+    window at all): what an off-by-one in the window would compute."""
+    for layer in module.layers:
+        if layer.window is not None:
+            layer.window = None if shift is None else layer.window + shift
+    return module
+
+
 def truncated(model, layers: int):
     """The first `layers` blocks of `model` with its embeddings and head: a smaller draft that
     agrees with the target often enough for acceptances to be exercised."""
