@@ -136,6 +136,11 @@ def test_quantized_builds_decode_exactly(name, precision, draft, tmp_path):
         assert (m["draft"]["kind"], m["draft"]["precision"]) == ("hybrid", "int4")
     else:
         assert m["target"]["precision"] == precision
+    if name == "mistral":  # the window reading survives quantization (load checks it)
+        from spec_runtime.gqa_window import WINDOW_METADATA
+
+        graph = onnx.load(str(bundle / "target.onnx"), load_external_data=False)
+        assert WINDOW_METADATA in {p.key for p in graph.metadata_props}
     gen = spec_runtime.load(bundle)
     gen.eos_token_ids = frozenset()
     for prompt in PROMPTS:
