@@ -70,7 +70,7 @@ def main(ctx):
                    "takes several calls), at least 1")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="the target's weights: fp32; fp16 (float16 weights and cache, for GPUs); "
-                   "int8 (dynamic, per channel); int4 (weight-only MatMulNBits, llama family)")
+                   "int8 (dynamic, per channel); int4 (weight-only MatMulNBits)")
 @click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
               help="a model draft's precision, same values as --precision [default: int4 for "
                    "a self draft and for a GGUF draft model with a fused graph, else "
@@ -80,7 +80,7 @@ def main(ctx):
 @click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
               show_default=True,
               help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
-                   "(llama family; needed for int4); portable: standard ONNX for any runtime, "
+                   "(llama, qwen2, qwen3, mistral, gemma3; needed for an int4 self draft); portable: standard ONNX for any runtime, "
                    "TensorRT included; auto: fused where available")
 @click.option("--float-embedding", is_flag=True,
               help="int4 only: keep a float32 embedding instead of reading it from the 4-bit "

@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 from .common import CachedDecoder, UnsupportedModel
+from .gemma3 import Gemma3
+from .gemma3 import REFUSED as _GEMMA3_REFUSED
 from .gpt2 import GPT2
 from .llama import Llama
+from .mistral import Mistral
+from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 from .t5 import T5
 
 # HF config.model_type -> decoder class with `from_hf(hf_model, max_len)`
-SUPPORTED: dict[str, type[CachedDecoder]] = {"llama": Llama, "gpt2": GPT2}
+SUPPORTED: dict[str, type[CachedDecoder]] = {
+    "llama": Llama, "gpt2": GPT2, "qwen2": Qwen2, "qwen3": Qwen3, "mistral": Mistral,
+    "gemma3_text": Gemma3}
+# HF config.model_type -> why a near miss of a supported family is refused, and the fix
+REFUSED: dict[str, str] = {**_GEMMA3_REFUSED}
 # HF config.model_type -> encoder-decoder class with `from_hf(hf_model, max_len, max_source_len)`,
 # holding `.encoder` and `.decoder` graphs
 ENCODER_DECODER: dict[str, type] = {"t5": T5}
 
 
 def _unsupported(model_type) -> UnsupportedModel:
+    if model_type in REFUSED:
+        return UnsupportedModel(REFUSED[model_type])
     return UnsupportedModel(f"model_type {model_type!r} is not supported for export; supported: "
                       f"{sorted(SUPPORTED)} (decoder-only), {sorted(ENCODER_DECODER)} (encoder-decoder)")
 
@@ -54,5 +65,6 @@ def is_encoder_decoder(config) -> bool:
         getattr(config, "model_type", None) in ENCODER_DECODER
 
 
-__all__ = ["ENCODER_DECODER", "SUPPORTED", "CachedDecoder", "UnsupportedModel", "GPT2", "Llama", "T5", "for_hf_model",
-           "for_hf_seq2seq", "is_encoder_decoder"]
+__all__ = ["ENCODER_DECODER", "REFUSED", "SUPPORTED", "CachedDecoder", "UnsupportedModel", "GPT2",
+           "Gemma3", "Llama", "Mistral", "Qwen2", "Qwen3", "T5", "for_hf_model", "for_hf_seq2seq",
+           "is_encoder_decoder"]

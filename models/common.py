@@ -6,7 +6,8 @@ spec_runtime/contract.py: for n new tokens at absolute `position` it reads the s
 `past_*` (slots >= position are stale: a rejected draft is never erased, it is masked until
 overwritten) and returns the logits of the last num_logits tokens and the n new slots as
 `present_*`, which the runtime writes at [position, position + n). The fused ("in-place") graph
-of the llama family is written from the same modules by spec_export/onnx_fused.py.
+of the Llama-based families (llama, qwen2, qwen3, mistral, gemma3_text) is written from the same
+modules by spec_export/onnx_fused.py.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def cached_attention(
     past_len,  # int (symbolic in the graph): slots 0..past_len-1 are valid
     causal: torch.Tensor,  # [n, n] bool
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([1, KVH, G*n, P], [1, KVH, G*n, n])
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention over the valid cache prefix plus the new tokens; returns [1, KVH, G, n, D].
 
@@ -91,6 +93,11 @@ def cached_attention(
     is an optional additive score bias per block (T5's relative position bias), given on the
     folded row axis.
 
+    `window` (a sliding-window layer) hides, as Hugging Face's mask does, every key more than
+    window - 1 positions before its query: the query at position i sees keys
+    i - window < j <= i. The static cache still holds every slot; the window is a mask over
+    positions, so rollback stays a position here too.
+
     G query heads share one KV head (GQA). Folding G into the row axis ([1, KVH, G*n, D]) lets
     each KV head be used as is: no repeated K/V is materialised, and every MatMul is a plain
     batched GEMM. Every row keeps its own diagonal, so the softmax never sees a row of only -inf.
@@ -105,6 +112,10 @@ def cached_attention(
     # query t sees the whole prefix and the new keys t' <= t; row r of the folded axis is
     # query t = r % n, so the mask repeats G times
     visible = torch.cat([causal.new_ones(n, past_len), causal], dim=-1)  # [n, P+n]
+    if window is not None:
+        key_pos = torch.arange(past_len + n, device=q.device)  # [P+n]
+        query_pos = past_len + torch.arange(n, device=q.device)  # [n]
+        visible = visible & (key_pos[None, :] > query_pos[:, None] - window)  # [n, P+n]
     visible = visible.expand(g, n, past_len + n).reshape(g * n, past_len + n)  # [G*n, P+n]
     s = torch.where(visible, s, torch.tensor(float("-inf"), dtype=q.dtype))
     probs = torch.softmax(s, dim=-1)  # [1, KVH, G*n, P+n]

@@ -25,7 +25,8 @@ from .output import BuildDir, check_out, clean_stale_temporaries, file_system_er
 from .quality import PARITY_PROMPT, QUANT_PROMPTS
 from .sources import BuildError, default_target, load_model, model_spec
 
-# "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
+# "auto": fused ONNX Runtime kernels where the architecture has them (onnx_fused.FUSED_FAMILIES),
+# else portable
 KERNEL_CHOICES = ("auto", *KERNELS)
 # int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
 # "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
@@ -210,8 +211,8 @@ def build_bundle(
     targets only. `draft_precision` defaults to int4 for a self draft and for a GGUF draft
     model with a fused graph (the fastest draft), else to `precision`; `block_size` is int4's
     quantization block. `kernels`: "fused" writes ONNX Runtime contrib ops (GroupQueryAttention
-    with an in-place cache, skip-RMSNorm; llama family), "portable" standard ONNX for any runtime
-    (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
+    with an in-place cache, skip-RMSNorm; llama, qwen2, qwen3, mistral, gemma3), "portable"
+    standard ONNX for any runtime (TensorRT included), "auto" fused where available. At int4 a tied embedding is read from
     the lm_head's quantized weights (re-quantized SmolLM2-135M: 88 MB instead of 201 MB);
     `float_embedding` keeps a float32 copy instead.
     `int4_weights`: "gguf" writes a GGUF source's own 4/8-bit blocks (no second rounding: see
@@ -363,5 +364,6 @@ def _check_seq2seq_options(precision: str, plan, kernels: str) -> None:
                          "float16 (the reason T5 checkpoints are trained in bfloat16); use fp32 "
                          "or int8 for encoder-decoder bundles")
     if kernels == "fused":
-        raise BuildError("--kernels fused covers decoder-only llama-family models; "
-                         "encoder-decoder bundles are portable: use --kernels portable or auto")
+        raise BuildError("--kernels fused covers decoder-only models (llama, qwen2, qwen3, "
+                         "mistral, gemma3); encoder-decoder bundles are portable: use --kernels "
+                         "portable or auto")

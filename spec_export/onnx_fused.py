@@ -1,14 +1,23 @@
-"""Write a Llama-family decoder as an ONNX graph of ONNX Runtime's fused kernels.
+"""Write a Llama-based decoder (llama, qwen2, qwen3, mistral, gemma3_text) as an ONNX graph of
+ONNX Runtime's fused kernels.
 
 The portable graph (onnx_export.py) is standard ONNX that any runtime reads (TensorRT included);
 ONNX Runtime then executes about 65 nodes per layer for it. This graph is written node by node
-from the same checked weights (models.llama.Llama) with ONNX Runtime's contrib operators, 14 nodes
-per layer, the way onnxruntime-genai's model builder writes its graphs:
+from the same checked weights (models.llama.Llama and its family subclasses) with ONNX Runtime's
+contrib operators, 14 nodes per Llama layer, the way onnxruntime-genai's model builder writes
+its graphs:
 
-    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv → Slice, Concat (the
-    padding row below) → GroupQueryAttention (RoPE, cache write, causal attention over the valid
-    prefix) → Slice → MatMul o → SkipSimplifiedLayerNormalization → MatMul gate, MatMul up →
-    x·σ(x)·up → MatMul down
+    SkipSimplifiedLayerNormalization (residual add + RMSNorm) → MatMul qkv (+ bias) → Slice,
+    Concat (the padding row below) → GroupQueryAttention (RoPE, cache write, causal attention
+    over the valid prefix, or over the sliding window) → Slice → MatMul o →
+    SkipSimplifiedLayerNormalization → MatMul gate, MatMul up → x·σ(x)·up → MatMul down
+
+The families' differences are read from the module's LlamaDims: q/k norms split q, k and v
+before GroupQueryAttention (which applies RoPE inside, so the norms must come first); Gemma's
+post-attention and post-MLP norms are SimplifiedLayerNormalization before the residual add, its
+MLP is GELU-tanh, its embedding is scaled, and its sliding and global layers read two cos/sin
+caches; a sliding layer sets `local_window_size` (spec_runtime/gqa_window.py: in the reading of
+the installed ONNX Runtime, recorded in the graph's metadata).
 
 Its I/O is the contract of spec_runtime/contract.py with kv_cache "in-place".
 GroupQueryAttention writes the new K/V at [position, position + n) of `present`; when the runtime
@@ -43,6 +52,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specedge.models.llama import rope_table
 
+from spec_runtime import gqa_window
 from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
 
 from .onnx_export import (WeightFile, check_contract, check_max_len, describe, io_names,
@@ -53,22 +63,28 @@ MS_DOMAIN = "com.microsoft"
 HEAD_DIM_MULTIPLE = 16
 
 
+# the Llama-based families of models/ (their HF model_types), written by this one layout
+FUSED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+
+
 def fused_unsupported(module) -> str | None:
-    """Why `module` cannot be written as a fused graph, or None if it can. Anything with
-    `model_type` and `head_dim` does: a models.llama module or a Hugging Face config."""
+    """Why `module` cannot be written as a fused graph, or None if it can. `module` is a models/
+    decoder or a Hugging Face config (build.py asks before loading weights)."""
     model_type = getattr(module, "model_type", None)
-    if model_type != "llama":
+    if model_type not in FUSED_FAMILIES:
         what = f"a {model_type!r} model" if model_type else "a model without a model_type"
-        return f"fused kernels cover the llama family; {what} exports as a portable graph"
-    if module.head_dim % HEAD_DIM_MULTIPLE:
-        return f"head_dim {module.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} (ONNX " \
+        return f"fused kernels cover {', '.join(FUSED_FAMILIES)}; {what} exports as a portable graph"
+    head_dim = getattr(module, "head_dim", None) or module.hidden_size // module.num_attention_heads
+    if head_dim % HEAD_DIM_MULTIPLE:
+        return f"head_dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} (ONNX " \
                f"Runtime's GroupQueryAttention needs one)"
     return None
 
 
 def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
-    """Write `module` (models.llama.Llama) to `path`; returns describe() of the file plus
-    {"exporter", "external_data", "export_s", "max_len"}, like onnx_export.export_decoder."""
+    """Write `module` (a models.llama.Llama or a family built on it) to `path`; returns
+    describe() of the file plus {"exporter", "external_data", "export_s", "max_len"}, like
+    onnx_export.export_decoder."""
     why = fused_unsupported(module)
     if why:
         raise ValueError(why)
@@ -101,20 +117,24 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
             g.node("Add", [total, g.const("one", [1])]), g.const("scalar", np.zeros(0, np.int64))])],
             to=TensorProto.INT32)  # []
     half = d.head_dim // 2
-    angles = rope_table(module.inv_freq, max_len + 1)[:, :half]  # [max_len + 1, D/2]
-    cos, sin = g.init("rope_cos", _np(angles.cos())), g.init("rope_sin", _np(angles.sin()))
+    ropes = []  # one (cos, sin) cache per RoPE table (Gemma 3: global and sliding layers)
+    for j, inv_freq in enumerate(module.inv_freqs):
+        angles = rope_table(inv_freq, max_len + 1)[:, :half]  # [max_len + 1, D/2]
+        suffix = f"_{j}" if j else ""
+        ropes.append((g.init("rope_cos" + suffix, _np(angles.cos())),
+                      g.init("rope_sin" + suffix, _np(angles.sin()))))
 
     with g.scope("embed_tokens"):
         x = g.node("Gather", [g.init("embed", _np(module.embed)), "input_ids"])  # [1, n, C]
+        if d.embed_scale is not None:  # Gemma: × sqrt(C) as a float32 scalar, as HF does
+            x = g.node("Mul", [x, g.init("embed_scale", _np(module.embed_scale))])
     delta = None
     for i, layer in enumerate(module.layers):
         p = f"l{i}."
         with g.scope(f"layers.{i}"):
             if delta is None:
                 with g.scope("input_layernorm"):
-                    h = g.node("SimplifiedLayerNormalization",
-                               [x, g.init(p + "attn_norm", _np(layer.attn_norm))], axis=-1,
-                               epsilon=d.norm_eps, stash_type=1)
+                    h = g.norm(x, g.init(p + "attn_norm", _np(layer.attn_norm)), d.norm_eps)
             else:
                 h, x = g.skip_norm(x, delta, g.init(p + "attn_norm", _np(layer.attn_norm)),
                                    d.norm_eps, "input_layernorm")
@@ -124,18 +144,28 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
                 last = g.node("Slice", [qkv, g.const("minus1", [-1]), g.const("end", [2**62]),
                                         g.const("axis1", [1])])
                 padded = g.node("Concat", [qkv, last], axis=1)  # [1, n + 1, ...]
+                q_k_v = [padded, "", ""] if not d.qk_norm else _qk_norms(g, padded, layer, d, p)
+                cos, sin = ropes[layer.rope]
+                # HF's window in the installed ONNX Runtime's reading (spec_runtime/gqa_window.py)
+                window = {} if layer.window is None else {
+                    "local_window_size": gqa_window.window_attribute(layer.window)}
                 attn, _, _ = g.node(
                     "GroupQueryAttention",
-                    [padded, "", "", in_names[3 + 2 * i], in_names[4 + 2 * i], seqlens_k,
-                     total_len, cos, sin],
+                    [*q_k_v, in_names[3 + 2 * i], in_names[4 + 2 * i], seqlens_k, total_len,
+                     cos, sin],
                     outputs=[g.name("GroupQueryAttention/output_0"), out_names[1 + 2 * i],
                              out_names[2 + 2 * i]], domain=MS_DOMAIN,
-                    num_heads=d.n_heads, kv_num_heads=d.n_kv_heads,
-                    scale=float(d.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0)
+                    num_heads=d.n_heads, kv_num_heads=d.n_kv_heads, scale=float(d.scale),
+                    do_rotary=1, rotary_interleaved=0, **window)
                 attn = g.node("Slice", [attn, g.const("zero", [0]), n, g.const("axis1", [1])])
                 o = g.linear(attn, "o_proj", p + "o", layer.wo, layer.bo)  # [1, n, C]
+            if d.sandwich_norms:  # Gemma: the attention output is normalised before the residual
+                with g.scope("post_attention_layernorm"):
+                    o = g.norm(o, g.init(p + "post_attn_norm", _np(layer.post_attn_norm)),
+                               d.norm_eps)
             h, x = g.skip_norm(x, o, g.init(p + "ffn_norm", _np(layer.ffn_norm)), d.norm_eps,
-                               "post_attention_layernorm")
+                               "pre_feedforward_layernorm" if d.sandwich_norms
+                               else "post_attention_layernorm")
             f = d.ffn_dim
             b_gu = layer.b_gate_up
             with g.scope("mlp"):
@@ -143,9 +173,15 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
                                 None if b_gu is None else b_gu[:f])
                 up = g.linear(h, "up_proj", p + "up", layer.w_gate_up[f:],
                               None if b_gu is None else b_gu[f:])
-                with g.scope("act_fn"):  # SiLU(gate) · up
-                    act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate])]), up])
+                with g.scope("act_fn"):  # act(gate) · up
+                    act = (g.node("Mul", [gate, g.node("Sigmoid", [gate])]) if d.act == "silu"
+                           else g.gelu_tanh(gate))
+                    act = g.node("Mul", [act, up])
                 delta = g.linear(act, "down_proj", p + "down", layer.w_down, layer.b_down)
+            if d.sandwich_norms:
+                with g.scope("post_feedforward_layernorm"):
+                    delta = g.norm(delta, g.init(p + "post_ffn_norm", _np(layer.post_ffn_norm)),
+                                   d.norm_eps)
     h, _ = g.skip_norm(x, delta, g.init("norm", _np(module.norm)), d.norm_eps, "norm")
     with g.scope("lm_head"):
         # only the last num_logits rows reach the lm_head
@@ -164,6 +200,8 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
         producer_name="specedge")
     model.ir_version = 8
+    if any(layer.window is not None for layer in module.layers):
+        helper.set_model_props(model, {gqa_window.WINDOW_METADATA: gqa_window.reading()})
     # each initializer moves into the model (protobuf copies on append): one copy at a time
     g.initializers.reverse()
     while g.initializers:
@@ -207,10 +245,64 @@ def untie_head(model: onnx.ModelProto) -> None:
     graph.initializer.extend(kept + [head])
 
 
+def _qk_norms(g, padded: str, layer, d, p: str) -> list[str]:
+    """Query, key and value of the packed `padded` [1, n+1, (H+2KVH)·D], q and k normalised per
+    head (Qwen3, Gemma 3) before GroupQueryAttention applies RoPE:
+
+        padded ─┬─ Slice q ─ Reshape [1, n+1, H, D] ─ RMSNorm · q_norm ─ Reshape ─ query
+                ├─ Slice k ─ Reshape [1, n+1, KVH, D] ─ RMSNorm · k_norm ─ Reshape ─ key
+                └─ Slice v ───────────────────────────────────────────────────── value
+    """
+    qd, kvd = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
+    bounds = {"q": (0, qd), "k": (qd, qd + kvd), "v": (qd + kvd, qd + 2 * kvd)}
+    out = []
+    for part, (lo, hi) in bounds.items():
+        with g.scope(f"{part}_split"):
+            t = g.node("Slice", [padded, g.const(f"at{lo}", [lo]), g.const(f"at{hi}", [hi]),
+                                 g.const("axis2", [2])])
+        if part != "v":
+            weight = getattr(layer, f"{part}_norm")
+            with g.scope(f"{part}_norm"):
+                heads = g.node("Reshape", [t, g.const(f"heads{part}", [1, -1, (hi - lo) // d.head_dim,
+                                                                        d.head_dim])])
+                normed = g.norm(heads, g.init(p + f"{part}_norm", _np(weight)), d.norm_eps)
+                t = g.node("Reshape", [normed, g.const(f"flat{part}", [1, -1, hi - lo])])
+        out.append(t)
+    return out
+
+
 def fused_io(module, max_len: int) -> tuple[list[dict], list[dict]]:
     """The in-place contract as describe() prints it: past and present are the whole cache, one
     spare slot included."""
     return decoder_io(module_dims(module), max_len, "in-place")
+
+
+def window_probe_model() -> onnx.ModelProto:
+    """The one-node graph spec_runtime.gqa_window runs to learn how this ONNX Runtime reads
+    local_window_size (shipped as spec_runtime/data/gqa_window_probe.onnx: the runtime has no
+    onnx package to build it)."""
+    from spec_runtime.gqa_window import PROBE_KEYS, PROBE_WINDOW
+
+    n, d = PROBE_KEYS, 16
+
+    def info(name, dtype, shape):
+        return helper.make_tensor_value_info(name, dtype, shape)
+
+    names = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"]
+    node = helper.make_node("GroupQueryAttention", names, ["output", "present_key", "present_value"],
+                            name="window_probe", domain=MS_DOMAIN, num_heads=1, kv_num_heads=1,
+                            local_window_size=PROBE_WINDOW)
+    inputs = [info(x, TensorProto.FLOAT, [1, n, d]) for x in names[:3]]
+    inputs += [info(x, TensorProto.FLOAT, [1, 1, n, d]) for x in names[3:5]]
+    inputs += [info(names[5], TensorProto.INT32, [1]), info(names[6], TensorProto.INT32, [])]
+    outputs = [info("output", TensorProto.FLOAT, [1, n, d])]
+    outputs += [info(x, TensorProto.FLOAT, [1, 1, n, d]) for x in ("present_key", "present_value")]
+    model = helper.make_model(helper.make_graph([node], "gqa_window_probe", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17),
+                                             helper.make_opsetid(MS_DOMAIN, 1)],
+                              producer_name="specedge")
+    model.ir_version = 8
+    return model
 
 
 def _np(t) -> np.ndarray:
@@ -271,6 +363,25 @@ class _GraphWriter:
             if bias is not None:
                 y = self.node("Add", [y, self.init(weight_name + ".bias", _np(bias))])
         return y
+
+    def norm(self, x: str, weight: str, eps: float) -> str:
+        """RMSNorm(x) · weight over the last axis, computed in float32."""
+        return self.node("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps,
+                         stash_type=1)
+
+    def gelu_tanh(self, x: str) -> str:
+        """GELU, tanh approximation (Gemma's gelu_pytorch_tanh), in standard ops:
+
+            0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))
+        """
+        def c(name, value):
+            return self.init(self.name(name), np.array(value, np.float32))
+
+        cube = self.node("Mul", [self.node("Mul", [x, x]), x])
+        inner = self.node("Add", [x, self.node("Mul", [cube, c("k", 0.044715)])])
+        t = self.node("Tanh", [self.node("Mul", [inner, c("sqrt_2_over_pi", np.sqrt(2 / np.pi))])])
+        return self.node("Mul", [self.node("Mul", [x, c("half", 0.5)]),
+                                 self.node("Add", [t, c("one", 1.0)])])
 
     def skip_norm(self, x: str, delta: str, weight: str, eps: float, at: str) -> tuple[str, str]:
         """(RMSNorm(x + delta) · weight, x + delta) in one kernel:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import gqa_window
 from .contract import METADATA, dims_of, kv_names, mismatch, token_profile
 from .engine import ChunkedEngine
 from .errors import BundleError, InputError
@@ -182,7 +183,8 @@ def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None =
     """make_session, then check that ONNX Runtime sees the graph the manifest describes as
     `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own specedge
     metadata, where it has any (bundles built before it was written have none), names the
-    same role, graph and precision."""
+    same role, graph and precision, and that its sliding windows, if any, were written for this
+    ONNX Runtime's reading of them (gqa_window.py)."""
     session = make_session(path, device, threads, spinning, provider_options)
     name = Path(path).name
     seen = (_io(session.get_inputs()), _io(session.get_outputs()))
@@ -199,6 +201,7 @@ def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None =
             ours = "/".join(metadata.get(k, "?") for k in METADATA)
             raise BundleError(f"{name} is the {theirs} graph, but the manifest names it as "
                               f"{ours}: a graph was copied over another; {REBUILD}")
+    gqa_window.check(meta, name)
     return session
 
 

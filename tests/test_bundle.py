@@ -6,13 +6,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy import stats as sps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import spec_runtime
-from spec_runtime import SamplingParams, warp
+from spec_runtime import SamplingParams
 from spec_runtime.manifest import BundleError
 from helpers import edit_manifest
+from tiny_models import exact_joint_hf
+from toy_models import joint_p_value
 
 PROMPTS = ["hello world", "The cat sat on", "a", "speculative decoding is exact: 1 2 3 1 2"]
 
@@ -126,24 +127,12 @@ def small_vocab_bundle(tmp_path_factory):
     return t, bundle
 
 
-def exact_joint_hf(model_dir, prompt, params):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    joint = np.zeros((SMALL_VOCAB,) * 3)
-    with torch.no_grad():
-        for a in range(SMALL_VOCAB):
-            for b in range(SMALL_VOCAB):
-                logits = hf(torch.tensor([prompt + [a, b]])).logits[0, -3:].double().numpy()
-                rows = warp(logits, params)
-                joint[a, b] = rows[0, a] * rows[1, b] * rows[2]
-    return joint
-
-
 @pytest.mark.parametrize("gamma, setting", [(3, {"temperature": 1.0}),
                                             (1, {"temperature": 0.7, "top_p": 0.8})])
 def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, setting):
     model_dir, bundle = small_vocab_bundle
     prompt = [1, 2, 3, 1, 2]
-    exact = exact_joint_hf(model_dir, prompt, SamplingParams(**setting))
+    exact = exact_joint_hf(model_dir, prompt, SamplingParams(**setting), SMALL_VOCAB)
     gen = spec_runtime.load(bundle)
     gen.eos_token_ids = frozenset()
     counts = np.zeros_like(exact)
@@ -151,13 +140,9 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
     for seed in range(draws):
         r = gen.generate(prompt, max_new_tokens=gamma + 3, gamma=gamma, seed=seed, **setting)
         counts[tuple(r.tokens[:3])] += 1
-    c, e = counts.ravel(), exact.ravel() * draws
     # the exported graph differs from PyTorch by < 1e-3 in logits, so a cell of exact
     # probability 0 (top-p) may differ only where the truncation boundary is a near-tie
-    small = e < 5
-    obs, exp = np.r_[c[~small], c[small].sum()], np.r_[e[~small], e[small].sum()]
-    keep = exp > 0
-    p = sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    p = joint_p_value(counts, exact)
     print(f"γ={gamma} {setting}: p-value={p:.4f} accepted-rate={r.stats['acceptance_rate']:.2f}")
     assert p > 1e-4
 

@@ -109,7 +109,7 @@ def test_fused_graph_matches_hf(case, tmp_path):
     assert diff < TOL
 
 
-@pytest.mark.parametrize("case,why", [("gpt2", "llama family"), ("llama-head-dim-8", "multiple of 16")])
+@pytest.mark.parametrize("case,why", [("gpt2", "fused kernels cover"), ("llama-head-dim-8", "multiple of 16")])
 def test_fused_graph_refused_with_reason(case, why, tmp_path):
     from spec_export.onnx_fused import export_fused_llama, fused_unsupported
 

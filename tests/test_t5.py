@@ -12,13 +12,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy import stats as sps
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import spec_runtime
 from spec_export.build import BuildError, build_bundle
 from spec_runtime import CacheCapacityError, SamplingParams, warp
 from spec_runtime.manifest import BundleError
+from toy_models import joint_p_value
 
 MAX_LEN, MAX_SOURCE_LEN = 64, 32
 THREADS = 1  # tiny graphs: one ONNX Runtime thread is 3x faster than two on a shared machine
@@ -278,12 +278,7 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
         r = gen.generate(SOURCE, max_new_tokens=max(3, gamma + 1), gamma=gamma, seed=seed, **setting)
         counts[tuple(r.tokens[:3])] += 1
         accepted += r.stats["accepted"]
-    c, e = counts.ravel(), exact.ravel() * draws
-    # as in test_bundle: cells of tiny expectation pooled, so top-p near-ties cannot decide
-    small = e < 5
-    obs, exp = np.r_[c[~small], c[small].sum()], np.r_[e[~small], e[small].sum()]
-    keep = exp > 0
-    p = sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    p = joint_p_value(counts, exact)
     print(f"γ={gamma} {setting}: p-value={p:.4f} accepted={accepted}")
     assert p > 1e-4 and accepted > 0
 

@@ -54,6 +54,77 @@ def llama(seed: int, hidden=64, layers=2, heads=4, kv_heads=2, tied=True, vocab=
     return LlamaForCausalLM(cfg)
 
 
+# -- the other Llama-based families: 3 layers, head_dim 16 (the fused kernels' multiple), a
+# sliding window of 8 where the family has one, so that tests cross it within a few tokens
+
+WINDOW = 8
+
+
+def _family(config_cls, model_cls, seed, hidden=64, layers=3, heads=4, kv_heads=2, vocab=VOCAB,
+            **kw):
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                     num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, max_position_embeddings=512, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=0, initializer_range=0.2, **kw)
+    model = model_cls(cfg)
+    _jitter_norms(model)
+    return model
+
+
+def _jitter_norms(model):
+    """RMSNorm weights away from their initial ones (or zeros): a norm applied to the wrong
+    tensor, or a (1 + w) read as w, then changes the logits."""
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if "norm" in name:
+                t.add_(torch.randn_like(t) * 0.3)
+
+
+def qwen2(seed: int, tied=False, window=WINDOW, **kw):
+    """Qwen2: q/k/v biases (jittered: HF initialises them to 0); layers from max_window_layers
+    (1) on slide over `window` keys."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = _family(Qwen2Config, Qwen2ForCausalLM, seed, tie_word_embeddings=tied,
+                    use_sliding_window=window is not None, sliding_window=window,
+                    max_window_layers=1, **kw)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("proj.bias"):
+                t.add_(torch.randn_like(t) * 0.3)
+    return model
+
+
+def qwen3(seed: int, tied=True, **kw):
+    """Qwen3: q/k norms, head_dim 32 where hidden / heads is 16, biases on all projections."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _family(Qwen3Config, Qwen3ForCausalLM, seed, head_dim=32, attention_bias=True,
+                   tie_word_embeddings=tied, **kw)
+
+
+def mistral(seed: int, window=WINDOW, **kw):
+    """Mistral: every layer slides over `window` keys."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _family(MistralConfig, MistralForCausalLM, seed, sliding_window=window, **kw)
+
+
+def gemma3(seed: int, window=WINDOW, layers=3, **kw):
+    """Gemma 3 text: one KV head (as in 270M), layers sliding, global, sliding..., each kind with
+    its own RoPE base, the global one linearly scaled; query_pre_attn_scalar differs from
+    head_dim so that the two scales cannot be confused."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    types = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+    return _family(Gemma3TextConfig, Gemma3ForCausalLM, seed, layers=layers, kv_heads=1,
+                   head_dim=16, query_pre_attn_scalar=24, sliding_window=window,
+                   layer_types=types, rope_parameters=rope, **kw)
+
+
 def gpt2(seed: int, hidden=64, layers=2, heads=4, vocab=VOCAB):
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
@@ -151,10 +222,41 @@ def word_tokenizer(n: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w0")
 
 
+def exact_joint_hf(model_dir, prompt, params, vocab: int):
+    """P(first 3 new tokens) of the Hugging Face model saved in `model_dir` under target-only
+    sampling with `params`, by enumerating every 2-token prefix (vocab² forwards)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from spec_runtime import warp
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    joint = np.zeros((vocab,) * 3)
+    with torch.no_grad():
+        for a in range(vocab):
+            for b in range(vocab):
+                logits = hf(torch.tensor([list(prompt) + [a, b]])).logits[0, -3:].double().numpy()
+                rows = warp(logits, params)
+                joint[a, b] = rows[0, a] * rows[1, b] * rows[2]
+    return joint
+
+
+def window_shifted(module, shift: int | None):
+    """A models/ decoder with each sliding layer's window moved by `shift` keys (None: no
+    window at all): what an off-by-one in the window would compute."""
+    for layer in module.layers:
+        if layer.window is not None:
+            layer.window = None if shift is None else layer.window + shift
+    return module
+
+
 def truncated(model, layers: int):
     """The first `layers` blocks of `model` with its embeddings and head: a smaller draft that
     agrees with the target often enough for acceptances to be exercised."""
-    cfg = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": layers})
+    fields = {**model.config.to_dict(), "num_hidden_layers": layers}
+    if fields.get("layer_types"):
+        fields["layer_types"] = fields["layer_types"][:layers]
+    cfg = model.config.__class__(**fields)
     small = model.__class__(cfg)
     state = {k: v for k, v in model.state_dict().items()
              if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < layers}

@@ -73,3 +73,27 @@ def exact_joint(engine, prompt, params, k=3):
             p *= rows[i, tok]
         joint[prefix] = p * rows[k - 1]
     return joint
+
+
+def sampled_joint(gen, prompt, vocab: int, draws: int, **kwargs) -> np.ndarray:
+    """Counts [V, V, V] of the first three new tokens of `draws` generate calls of `gen`,
+    seeds 0..draws-1, EOS ignored; `kwargs` go to generate."""
+    gen.eos_token_ids = frozenset()
+    counts = np.zeros((vocab,) * 3, dtype=np.int64)
+    for seed in range(draws):
+        counts[tuple(gen.generate(prompt, seed=seed, **kwargs).tokens[:3])] += 1
+    return counts
+
+
+def joint_p_value(counts, exact) -> float:
+    """Chi-square p-value of sampled counts against an exact joint of the same shape. Cells
+    expected below 5 are pooled, so that a near-tie at a top-p boundary cannot decide, and the
+    expectation is scaled to the counts' total (an exported graph's probabilities sum to 1 only
+    to rounding)."""
+    from scipy import stats as sps
+
+    c, e = np.asarray(counts).ravel(), np.asarray(exact).ravel() * np.sum(counts)
+    small = e < 5
+    obs, exp = np.r_[c[~small], c[small].sum()], np.r_[e[~small], e[small].sum()]
+    keep = exp > 0
+    return sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
