@@ -28,7 +28,7 @@ from .sources import BuildError, check_vocabularies, default_target, load_model,
 
 # "auto": fused ONNX Runtime kernels where the architecture has them (llama family), else portable
 KERNEL_CHOICES = ("auto", *KERNELS)
-# int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
+# int4 weights: "gguf" repacks a GGUF source's own blocks (Q4_0 ... Q6_K: gguf_blocks.py),
 # "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
 INT4_WEIGHTS = ("auto", "gguf", "quantize")
 
@@ -507,9 +507,11 @@ def _check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
     """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
     if int4_weights == "gguf" and entry.precision == "int4" \
             and not (entry.quantization or {}).get("gguf_blocks"):
-        raise BuildError(f"{role} {entry.gguf_file!r} has no Q4_0, Q4_1 or Q8_0 tensor "
-                         f"matching the model's weights (other block types are re-quantized): "
-                         f"use --int4-weights quantize")
+        from .gguf_quants import KINDS
+
+        raise BuildError(f"{role} {entry.gguf_file!r} has no tensor in {', '.join(KINDS)} "
+                         f"blocks matching the model's weights (other block types are "
+                         f"re-quantized): use --int4-weights quantize")
 
 
 def _export_any(hf_model, bundle_dir: Path, role: str, *, encdec: bool, max_len: int,
