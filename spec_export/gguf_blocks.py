@@ -167,44 +167,53 @@ class _Writer:
                          f"{at}/rows")
 
 
-def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_size: int = 32,
-                float_embedding: bool = False) -> dict:
-    """Write `src` (a float graph exported from the model loaded from `gguf_path`) to `dst` with
-    every MatMul weight found in the GGUF's blocks as MatMulNBits over those blocks, and the
-    embedding gather over its table's blocks unless `float_embedding`; weights not found are
-    quantized by quantize.quantize_int4's MatMulNBitsQuantizer (`block_size`; with `tied`, its
-    embedding reads the head it quantized). Returns the manifest's quantization record."""
-    import onnx
-    from onnx import numpy_helper
+class _Weights:
+    """The float graph's initializers, read one at a time (from its external data file when it
+    has one) so that a large model's float weights are never all in memory."""
 
-    from . import quantize
+    def __init__(self, graph, base: Path):
+        self.inits = {t.name: t for t in graph.initializer}
+        self.uses = Counter(name for node in graph.node for name in node.input)
+        self.base = base
 
-    index = RowIndex(gguf_path)
-    model = onnx.load(str(src))
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    uses = Counter(name for node in graph.node for name in node.input)
-    out = _Writer()
-    dropped: set[str] = set()
-    kinds: Counter = Counter()
-    written = split = 0
-    head = None  # (float rows, parts, initializer names) of the lm_head written from blocks
+    def matrix(self, name: str) -> np.ndarray | None:
+        """The 2-D initializer `name`, if nothing but one node reads it, else None."""
+        import onnx
+        from onnx import numpy_helper
+        from onnx.external_data_helper import load_external_data_for_tensor
+
+        t = self.inits.get(name)
+        if t is None or self.uses[name] != 1 or len(t.dims) != 2:
+            return None
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            t2 = onnx.TensorProto()
+            t2.CopyFrom(t)
+            load_external_data_for_tensor(t2, str(self.base))
+            t2.data_location = onnx.TensorProto.DEFAULT
+            del t2.external_data[:]
+            t = t2
+        return numpy_helper.to_array(t)
+
+
+def _rewrite_matmuls(graph, weights: _Weights, index: RowIndex, out: _Writer) -> dict:
+    """Every MatMul whose weight the file holds → MatMulNBits over its blocks (split by form).
+    Returns {"kinds": Counter of block types, "written", "split": weights written / split,
+    "head": the lm_head's (rows, parts, names) or None, "dropped": float weights replaced}."""
+    done = {"kinds": Counter(), "written": 0, "split": 0, "head": None, "dropped": set()}
     for node in graph.node:
         weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
-        parts = None
-        if weight in inits and uses[weight] == 1:  # a weight read elsewhere stays as it is
-            w = numpy_helper.to_array(inits[weight])  # [K, N]
-            if w.ndim == 2 and w.shape[0] % 32 == 0:
-                parts = index.find(w.T)
-        if parts is None:
+        w = weights.matrix(weight) if weight else None  # [K, N]
+        rows = index.locate(w.T) if w is not None and w.shape[0] % 32 == 0 else None
+        if rows is None:
             out.nodes.append(node)
             continue
-        parts = [p.centred() for p in parts]
-        dropped.add(weight)
-        written += 1
-        split += len(parts) > 1
-        kinds.update(k for p in parts for k in p.kind.split("+"))
+        parts = [p.centred() for p in index.blocks(rows)]
+        done["dropped"].add(weight)
+        done["written"] += 1
+        done["split"] += len(parts) > 1
+        done["kinds"].update(k for p in parts for k in p.kind.split("+"))
         x, y = node.input[0], node.output[0]
+        names = None
         if len(parts) == 1:
             names = out.blocks(parts[0], weight)
             out.matmul(x, parts[0], names, y, node.name)
@@ -213,35 +222,63 @@ def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_s
                              f"{node.name}/part{i}") for i, p in enumerate(parts)]
             out.node("Concat", ys, y, f"{node.name}/concat", axis=-1)
         if y == "logits":
-            head = (w.T, parts, names if len(parts) == 1 else None)
+            done["head"] = (rows, parts, names)
+    return done
 
-    embedding = None
-    gather = next((n for n in out.nodes if n.op_type == "Gather" and n.input[0] in inits
-                   and uses[n.input[0]] == 1
-                   and all(a.name != "axis" or a.i == 0 for a in n.attribute)), None)
-    if gather is not None and not float_embedding:
-        table = numpy_helper.to_array(inits[gather.input[0]])  # [V, C]
-        if head is not None and head[2] is not None and np.array_equal(table, head[0]):
-            parts, names, shared = head[1], head[2], ", shared with the lm_head"  # tied: one copy
-        else:
-            parts = index.find(table) if table.ndim == 2 and table.shape[1] % 32 == 0 else None
-            names, shared = None, ""
-        if parts is not None and len(parts) == 1:
-            names = names or out.blocks(parts[0], gather.input[0])
-            at = out.nodes.index(gather)
-            out.nodes.remove(gather)
-            tail = out.nodes[at:]
-            del out.nodes[at:]
-            out.gather(gather.input[1], parts[0], names, gather.output[0], gather.name)
-            out.nodes.extend(tail)
-            dropped.add(gather.input[0])
-            embedding = f"{parts[0].kind} blocks of the GGUF (GatherBlockQuantized{shared})"
 
+def _rewrite_gather(weights: _Weights, index: RowIndex, out: _Writer, done: dict) -> str | None:
+    """The embedding Gather over its table's blocks (the lm_head's when they are the same
+    rows); returns the record's line, or None when the table is not one form of blocks."""
+    gather = next((n for n in out.nodes if n.op_type == "Gather"
+                   and all(a.name != "axis" or a.i == 0 for a in n.attribute)
+                   and n.input[0] in weights.inits), None)
+    table = weights.matrix(gather.input[0]) if gather is not None else None  # [V, C]
+    rows = index.locate(table) if table is not None and table.shape[1] % 32 == 0 else None
+    if rows is None:
+        return None
+    head = done["head"]
+    if head is not None and head[2] is not None and rows == head[0]:
+        parts, names, shared = head[1], head[2], ", shared with the lm_head"  # tied: one copy
+    else:
+        parts, names, shared = [p.centred() for p in index.blocks(rows)], None, ""
+    if len(parts) != 1:
+        return None
+    names = names or out.blocks(parts[0], gather.input[0])
+    done["dropped"].add(gather.input[0])
+    at = out.nodes.index(gather)
+    tail = out.nodes[at + 1 :]
+    del out.nodes[at:]
+    out.gather(gather.input[1], parts[0], names, gather.output[0], gather.name)
+    out.nodes.extend(tail)
+    return f"{parts[0].kind} blocks of the GGUF (GatherBlockQuantized{shared})"
+
+
+def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_size: int = 32,
+                float_embedding: bool = False) -> dict:
+    """Write `src` (a float graph exported from the model loaded from `gguf_path`) to `dst` with
+    every MatMul weight found in the GGUF's blocks as MatMulNBits over those blocks, and the
+    embedding gather over its table's blocks unless `float_embedding`; weights not found are
+    quantized by quantize.quantize_int4's MatMulNBitsQuantizer (`block_size`; with `tied`, its
+    embedding reads the head it quantized). Returns the manifest's quantization record."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    from . import quantize
+
+    index = RowIndex(gguf_path)
+    model = onnx.load(str(src), load_external_data=False)
+    graph = model.graph
+    weights = _Weights(graph, Path(src).parent)
+    out = _Writer()
+    done = _rewrite_matmuls(graph, weights, index, out)
+    head = done["head"]
+    embedding = None if float_embedding else _rewrite_gather(weights, index, out, done)
     del graph.node[:]
     graph.node.extend(out.nodes)
-    kept = [t for t in graph.initializer if t.name not in dropped]
+    kept = [t for t in graph.initializer if t.name not in done["dropped"]]
     del graph.initializer[:]
     graph.initializer.extend(kept + out.inits)
+    load_external_data_for_model(model, str(Path(src).parent))  # what is left: norms, biases
 
     # weights the GGUF does not hold as such blocks (none in a llama.cpp file of these types)
     # are quantized as without a GGUF; the offset MatMuls stay float (exact offsets)
@@ -249,18 +286,18 @@ def repack_int4(src: Path, dst: Path, gguf_path: str | Path, tied: bool, block_s
     rest = quantize.quantize_int4(None, dst, block_size, model=model, exclude=offsets,
                                   tied=tied and head is None and not float_embedding)
     record = {"method": "GGUF blocks repacked for MatMulNBits (" + str(Path(gguf_path).name) + ")",
-              "gguf_blocks": dict(sorted(kinds.items())),
+              "gguf_blocks": dict(sorted(done["kinds"].items())),
               "weights": "exact: each is its block's scale·(code − zero point) (+ offset)",
               "accuracy_level": ACCURACY_LEVEL,
-              "quantized_matmuls": written + rest["quantized_matmuls"],
+              "quantized_matmuls": done["written"] + rest["quantized_matmuls"],
               "lm_head": (f"{'+'.join(sorted({p.kind for p in head[1]}))} blocks of the GGUF"
                           if head else "int4 (re-quantized)"),
               "embedding": embedding or rest["embedding"],
               "activations": "int8, per row and block"}
     if offsets:
         record["offsets"] = "float32 MatMul over the input's 32-block sums"
-    if split:
-        record["split_matmuls"] = split
+    if done["split"]:
+        record["split_matmuls"] = done["split"]
     if rest["quantized_matmuls"]:
         record["re_quantized"] = {k: rest[k] for k in ("method", "bits", "block_size",
                                                         "symmetric", "quantized_matmuls")}

@@ -220,34 +220,40 @@ class RowIndex:
             if raw is None:
                 continue
             self.raw[t.name] = (t.tensor_type.name, raw)
-            rows = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-            for r, row in enumerate(rows.reshape(len(rows), -1)):
-                self.where.setdefault(_digest(row), {}).setdefault(t.name, r)
+            for at in range(0, len(raw), 4096):  # rows at a time: a vocabulary is 1 GB in float32
+                rows = gguf.quants.dequantize(raw[at : at + 4096], t.tensor_type)
+                for r, row in enumerate(rows.reshape(len(rows), -1), start=at):
+                    self.where.setdefault(_digest(row), {}).setdefault(t.name, r)
 
-    def find(self, weight_rows: np.ndarray) -> list[Blocks] | None:
-        """The blocks whose de-quantization is exactly `weight_rows` [N, K], as consecutive runs
-        of rows of one form (one part unless the rows come from tensors of different forms), or
-        None when a row is not in the file."""
+    def locate(self, weight_rows: np.ndarray) -> list[tuple[str, int]] | None:
+        """(tensor, row) of the file whose de-quantization is each of `weight_rows` [N, K], or
+        None when a row is not in the file. A row found in several tensors (all-zero padding
+        rows, say) is taken from the one that holds most of the rows."""
         hits = [self.where.get(_digest(row)) for row in weight_rows]
         if any(h is None for h in hits):
             return None
-        # a row found in several tensors is taken from the one that holds most of the rows
         votes: dict[str, int] = {}
         for h in hits:
             for name in h:
                 votes[name] = votes.get(name, 0) + 1
-        chosen = [max(h, key=lambda name: votes[name]) for h in hits]
-        parts: list[Blocks] = []
-        at = 0
-        while at < len(hits):  # segments of consecutive rows from one tensor
-            name, end = chosen[at], at + 1
-            while end < len(hits) and chosen[end] == name:
-                end += 1
-            kind, raw = self.raw[name]
-            part = parse(kind, raw[[h[name] for h in hits[at:end]]])
-            if parts and parts[-1].form == part.form:
-                parts[-1] = concat([parts[-1], part])
-            else:
-                parts.append(part)
-            at = end
-        return parts
+        return [(name, h[name]) for h in hits for name in [max(h, key=lambda t: votes[t])]]
+
+    def blocks(self, rows: list[tuple[str, int]]) -> list[Blocks]:
+        """The blocks of `rows` (from locate), as consecutive runs of rows of one form: one part
+        unless the rows come from tensors of different forms."""
+        runs: list[list[Blocks]] = []
+        for at in range(0, len(rows), 4096):  # parsed 4096 rows at a time (intermediates)
+            chunk = rows[at : at + 4096]
+            start = 0
+            while start < len(chunk):  # segments of consecutive rows from one tensor
+                name, end = chunk[start][0], start + 1
+                while end < len(chunk) and chunk[end][0] == name:
+                    end += 1
+                kind, raw = self.raw[name]
+                part = parse(kind, raw[[r for _, r in chunk[start:end]]])
+                if runs and runs[-1][0].form == part.form:
+                    runs[-1].append(part)
+                else:
+                    runs.append([part])
+                start = end
+        return [concat(run) for run in runs]

@@ -84,6 +84,9 @@ def graphs(request, tmp_path_factory):
     module = for_hf_model(hf, 64)
     module.untie_lm_head()
     export_fused_llama(module, root / "fp32.onnx", 64)
+    if not tied:  # weights in an external data file, as a large model's are: read one by one
+        onnx.save_model(onnx.load(str(root / "fp32.onnx")), str(root / "fp32.onnx"),
+                        save_as_external_data=True, location="fp32.onnx.data", size_threshold=0)
     record = repack_int4(root / "fp32.onnx", root / "int4.onnx", path, tied=tied)
     fp32, int4 = (onnx.load(str(root / f"{g}.onnx")).graph for g in ("fp32", "int4"))
     return path, fp32, int4, record, tied
