@@ -229,12 +229,13 @@ def _rewrite_matmuls(graph, weights: _Weights, index: RowIndex, out: _Writer) ->
 def _rewrite_gather(weights: _Weights, index: RowIndex, out: _Writer, done: dict) -> str | None:
     """The embedding Gather over its table's blocks (the lm_head's when they are the same
     rows); returns the record's line, or None when the table is not one form of blocks."""
-    gather = next((n for n in out.nodes if n.op_type == "Gather"
-                   and all(a.name != "axis" or a.i == 0 for a in n.attribute)
-                   and n.input[0] in weights.inits), None)
-    table = weights.matrix(gather.input[0]) if gather is not None else None  # [V, C]
-    rows = index.locate(table) if table is not None and table.shape[1] % 32 == 0 else None
-    if rows is None:
+    for gather in out.nodes:  # the first row gather of a table the file holds
+        if gather.op_type != "Gather" or any(a.name == "axis" and a.i for a in gather.attribute):
+            continue
+        table = weights.matrix(gather.input[0])  # [V, C]
+        if table is not None and table.shape[1] % 32 == 0 and (rows := index.locate(table)):
+            break
+    else:
         return None
     head = done["head"]
     if head is not None and head[2] is not None and rows == head[0]:

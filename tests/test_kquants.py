@@ -199,3 +199,17 @@ def test_a_kquant_bundle_records_its_blocks_and_decodes_exactly(bundle):
 def test_a_position_scores_the_same_in_a_step_and_a_verify_call(bundle):
     """The block sums and the offsets' float MatMul are computed per row, as MatMulNBits is."""
     assert_rows_alike(spec_runtime.load(bundle).target)
+
+
+def test_the_portable_graph_too(tmp_path):
+    """The portable graph packs gate|up as well (Q4_0 beside Q4_1, Q5_K beside Q8_0: split)."""
+    (tmp_path / "m").mkdir()
+    b = build_bundle(str(mixed_gguf(tmp_path / "m" / "t.gguf")), "ngram", tmp_path / "b",
+                     max_len=96, precision="int4", kernels="portable", progress=False)
+    q = json.loads((b / "manifest.json").read_text())["target"]["quantization"]
+    assert set(q["gguf_blocks"]) == set(KINDS) and q["split_matmuls"] == 4
+    gen = spec_runtime.load(b)
+    gen.eos_token_ids = frozenset()
+    spec = gen.generate("abc abc abc abc", max_new_tokens=24, gamma=4)
+    assert spec.tokens == gen.generate("abc abc abc abc", max_new_tokens=24, use_draft=False).tokens
+    assert_rows_alike(gen.target)
