@@ -28,7 +28,7 @@ from .sources import BuildError, default_target, load_model, model_spec
 # "auto": fused ONNX Runtime kernels where the architecture has them (onnx_fused.FUSED_FAMILIES),
 # else portable
 KERNEL_CHOICES = ("auto", *KERNELS)
-# int4 weights: "gguf" repacks a GGUF source's own Q4_0/Q4_1/Q8_0 blocks (gguf_blocks.py),
+# int4 weights: "gguf" repacks a GGUF source's own blocks (Q4_0 ... Q6_K: gguf_blocks.py),
 # "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
 INT4_WEIGHTS = ("auto", "gguf", "quantize")
 

@@ -116,13 +116,17 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
     """The target's own weights at `precision` (an int4 self draft), made from the target's
     float32 graph, which is then removed unless it is the target itself."""
     import onnx
+    from onnx.external_data_helper import load_external_data_for_model
 
     from .onnx_fused import untie_head
 
     src = target.fp32_path
-    model = onnx.load(str(src))
+    # the graph without its weights: the GGUF repack reads them one at a time from the file
+    model = onnx.load(str(src), load_external_data=False)
     if target.tied:
-        untie_head(model)  # the quantizer reaches the lm_head's MatMul; the embedding reads it
+        untie_head(model, src.parent)  # the quantizer reaches the head; the embedding reads it
+    if precision != "int4" or gguf_path is None:  # the other writers need every weight
+        load_external_data_for_model(model, str(src.parent))
     parity = {"max_abs_diff_fp32": target.entry.parity["max_abs_diff_fp32"],
               "tolerance_fp32": FP32_TOLERANCE}
     quantization, parity[precision] = _lower(src, path, precision, quant_prompts,
@@ -223,6 +227,8 @@ def check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
     """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
     if int4_weights == "gguf" and entry.precision == "int4" \
             and not (entry.quantization or {}).get("gguf_blocks"):
-        raise BuildError(f"{role} {entry.gguf_file!r} has no Q4_0, Q4_1 or Q8_0 tensor "
-                         f"matching the model's weights (other block types are re-quantized): "
-                         f"use --int4-weights quantize")
+        from .gguf_quants import KINDS
+
+        raise BuildError(f"{role} {entry.gguf_file!r} has no tensor in {', '.join(KINDS)} "
+                         f"blocks matching the model's weights (other block types are "
+                         f"re-quantized): use --int4-weights quantize")

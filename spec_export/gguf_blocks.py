@@ -1,221 +1,308 @@
 """int4 graphs from a GGUF file's own quantized blocks, instead of quantizing its floats again.
 
-A GGUF's Q4_0 / Q4_1 / Q8_0 tensors are already blocks of 32 weights with their scales. The
-float model transformers loads is their de-quantization; quantizing those floats again with
-MatMulNBitsQuantizer rounds a second time, onto a grid the blocks were not made for.
-SmolLM2-135M-Instruct (Q4_1 layers, Q8_0 embedding) re-quantized to symmetric int4 agrees with
-its float model on 61% of next tokens (mean KL 0.58); written from the file's own blocks, on 99%
-(KL 0.005) — what is left is MatMulNBits' 8-bit activations, which llama.cpp's kernels use too.
+A GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors are already blocks of
+weights with their scales (and mins). The float model transformers loads is their
+de-quantization; quantizing those floats again with MatMulNBitsQuantizer rounds a second time,
+onto a grid the blocks were not made for. SmolLM2-135M-Instruct (Q4_1 layers, Q8_0 embedding)
+re-quantized to symmetric int4 agrees with its float model on about half of its next tokens;
+written from the file's own blocks, on 98% (mean KL 0.005): what is left is MatMulNBits' 8-bit
+activations, which llama.cpp's kernels use too.
 
-Each MatMul weight of the float graph is looked up row by row (a digest of each de-quantized
-row), so packed projections (q|k|v), the q/k row permutation transformers applies on load and a
-tied lm_head are all found without knowing tensor names. A weight is rewritten only when every
-row is found in blocks of one type; the rest go to the quantizer as before. Layouts
-(MatMulNBits, block 32, accuracy level 4):
+Every weight is written exactly: its block's scale·(code − zero point) (+ offset) is, in
+float32, gguf-py's de-quantization of the block (gguf_quants.py). MatMulNBits holds 2-, 4- or
+8-bit codes only, so 5- and 6-bit codes take 8 bits:
 
-    Q4_0  w = d·(q − 8)   4-bit, scale d, implied zero point 8: exact
-    Q8_0  w = d·q         8-bit, stored q + 128, implied zero point 128: exact
-    Q4_1  w = d·q + m     MatMulNBits has no float offset on its fast path (float zero points
-                          take a reference kernel, ~50× slower). With m' = m + 8d,
-                          w = d·(q − 8) + m': the first part is Q4_0 blocks; the second adds
-                          Σ_b m'_b · (sum of the input over block b). Two more 4-bit blocks per
-                          32 input blocks hold m' (m' ≈ s₁(q₁ − 8) + s₂(q₂ − 8), s₂ = s₁/15,
-                          error ≤ max|m'|/225) and read the input's block sums: the MatMul's
-                          input becomes [x, Sx, Sx] (S sums each block), one MatMul and one
-                          Concat per distinct input, shared by the weights that read it.
+    Q4_0                 MatMulNBits 4-bit, block 32
+    Q5_0, Q8_0           MatMulNBits 8-bit, block 32
+    Q6_K                 MatMulNBits 8-bit, block 16 (its 16-value sub-blocks, int8 scales)
+    Q4_1, Q4_K           MatMulNBits 4-bit, block 32, zero points, plus offsets
+    Q5_1, Q5_K           MatMulNBits 8-bit, block 32, zero points, plus offsets
+
+A type with a min (`d·q + m`, `d·sc·q − dmin·mn`) has a per-32-block offset MatMulNBits cannot
+hold on its fast path (float zero points take a reference kernel, ~50× slower), so the offset
+term is computed on its own: Σ_b offset_b · (sum of the input over block b), a float32 MatMul
+[.., K/32] × [K/32, N] over the input's block sums, which are one ReduceSum per distinct input,
+shared by the weights that read it:
+
+    x ──┬── MatMulNBits(codes, scales, zero points) ──┐
+        └── Reshape [.., K/32, 32] ── ReduceSum ── MatMul(offsets) ── Add ── y
+
+Both halves keep a row's result independent of the other rows of its call (what
+spec_runtime/rows.py needs). Exactness costs size: float32 scales and offsets and 8-bit codes
+for 5/6-bit ones make 5 bits a weight (Q4_0), 6.1 (Q4_1, Q4_K), 9 (Q5_0, Q8_0), 10 (Q6_K),
+10.3 (Q5_1, Q5_K), where the file has 4.5 to 8.5. Each block's zero point is moved to its mean code and the
+difference into its offset wherever that stays exact (Blocks.centred: all but 2 blocks in 10⁵
+of the real Q4_K_M files): the 8-bit activations' rounding errors are then weighed by codes
+around 0, which halves the relative error of a Q4_K MatMul's output (5e-3 instead of 1.1e-2 on
+Gemma 3 270M's, against 9e-2 re-quantized; benchmarks/gguf_blocks.py).
+
+Each MatMul weight of the float graph is looked up row by row (RowIndex), so packed projections
+(q|k|v), the q/k row permutation transformers applies on load and a tied lm_head are found
+without tensor names. A weight whose rows come from blocks of different forms (a Q4_K_M file's
+q and k in Q4_K beside a v in Q6_K) is split: one MatMulNBits per run of rows of one form, the
+outputs concatenated, each run in its own blocks (smaller and faster than widening all rows to
+one form: 8-bit, block 16). The embedding gather reads the blocks of its table too
+(GatherBlockQuantized, which takes every form here, and the offsets gathered and added per 32
+values; the lm_head's blocks when tied), unless `float_embedding`; a table whose rows mix forms
+stays float. Weights not found in the file are quantized by quantize.quantize_int4 as without
+a GGUF.
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from .gguf_quants import KINDS, Blocks, RowIndex
 from .quantize import ACCURACY_LEVEL
 
-BLOCK = 32
-KINDS = ("Q4_0", "Q4_1", "Q8_0")
-
-
-@dataclass
-class Blocks:
-    """One GGUF tensor's blocks, rows × blocks × 32 values in natural order."""
-    kind: str
-    q: np.ndarray  # uint8 0..15 (Q4_*) or int8 (Q8_0)
-    d: np.ndarray  # float32 [rows, blocks]
-    m: np.ndarray | None  # float32 [rows, blocks] (Q4_1) or None
-
-
-def _parse(t) -> Blocks | None:
-    """A gguf-py ReaderTensor's blocks, or None unless it is a 2-D Q4_0, Q4_1 or Q8_0 tensor."""
-    kind = t.tensor_type.name
-    if kind not in KINDS or len(t.shape) != 2:
-        return None
-    raw = np.asarray(t.data)
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blk = raw.reshape(raw.shape[0], -1, size)
-    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q8_0":
-        return Blocks(kind, blk[..., 2:].copy().view(np.int8), d, None)
-    start = 4 if kind == "Q4_1" else 2
-    m = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
-    qs = blk[..., start:]
-    # ggml packs element j in the low nibble and j + 16 in the high nibble of byte j
-    return Blocks(kind, np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.uint8), d, m)
-
-
-def read_blocks(gguf_path: str | Path) -> dict[str, Blocks]:
-    """The 2-D tensors of `gguf_path` stored as Q4_0, Q4_1 or Q8_0 (others are left out)."""
-    import gguf
-
-    tensors = gguf.GGUFReader(str(gguf_path)).tensors
-    return {t.name: b for t in tensors if (b := _parse(t)) is not None}
-
-
-def _digest(row: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(row, np.float32).tobytes(), digest_size=16).digest()
-
-
-class RowIndex:
-    """Where each de-quantized row of a GGUF's block tensors lives. Rows are de-quantized by
-    gguf-py, as transformers does when it loads the file, so the float weights match bit for
-    bit."""
-
-    def __init__(self, gguf_path: str | Path):
-        import gguf
-
-        self.tensors: dict[str, Blocks] = {}
-        self.where: dict[bytes, tuple[str, int]] = {}
-        for t in gguf.GGUFReader(str(gguf_path)).tensors:
-            b = _parse(t)
-            if b is None:
-                continue
-            self.tensors[t.name] = b
-            rows = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-            for r, row in enumerate(rows.reshape(len(rows), -1)):
-                self.where.setdefault(_digest(row), (t.name, r))
-
-    def find(self, weight_rows: np.ndarray) -> Blocks | None:
-        """The blocks whose de-quantization is exactly `weight_rows` [N, K], gathered row by
-        row, or None when a row is missing or the rows come from blocks of different types."""
-        hits = [self.where.get(_digest(row)) for row in weight_rows]
-        if any(h is None for h in hits):
-            return None
-        kinds = {self.tensors[name].kind for name, _ in hits}
-        if len(kinds) != 1:
-            return None
-
-        def gather(field):
-            if getattr(self.tensors[hits[0][0]], field) is None:
-                return None
-            return np.stack([getattr(self.tensors[name], field)[r] for name, r in hits])
-
-        return Blocks(kinds.pop(), gather("q"), gather("d"), gather("m"))
+__all__ = ["KINDS", "repack_int4"]
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:
-    """[N, blocks, 32] values 0..15 → MatMulNBits' [N, blocks, 16] bytes (2j low, 2j+1 high)."""
+    """[..., 2m] values 0..15 → [..., m] bytes (element 2j low nibble, 2j + 1 high), MatMulNBits'
+    and GatherBlockQuantized's 4-bit packing."""
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def _offset_blocks(m: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block offsets m [N, nb] as two rounds of 4-bit blocks over `width` (≥ nb, a multiple
-    of 32) padded slots: → (q [N, 2·width/32, 32] 0..15, scales [N, 2·width/32])."""
-    n, nb = m.shape
-    m = np.concatenate([m, np.zeros((n, width - nb), np.float32)], axis=1).reshape(n, -1, BLOCK)
-    s1 = np.abs(m).max(-1) / 7.5
-    s1[s1 == 0] = 1.0
-    q1 = np.clip(np.round(m / s1[..., None]), -8, 7)
-    s2 = s1 / 15
-    q2 = np.clip(np.round((m - q1 * s1[..., None]) / s2[..., None]), -8, 7)
-    q = np.concatenate([q1, q2], axis=1) + 8
-    return q.astype(np.uint8), np.concatenate([s1, s2], axis=1).astype(np.float32)
+def _zero_points(b: Blocks) -> np.ndarray | None:
+    """Explicit zero points [N, blocks] (two a byte at 4 bits), or None when they are all
+    MatMulNBits' implied 2^(bits−1)."""
+    zp = b.zero_points
+    if np.all(zp == 1 << (b.bits - 1)):
+        return None
+    if b.bits == 4:
+        return _pack4(np.pad(zp, ((0, 0), (0, zp.shape[1] % 2))))
+    return zp
+
+
+class _Writer:
+    """New nodes and initializers of the rewritten graph."""
+
+    def __init__(self):
+        from onnx import helper, numpy_helper
+
+        self.helper, self.numpy_helper = helper, numpy_helper
+        self.nodes, self.inits, self.sums, self.consts = [], [], {}, set()
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(self.numpy_helper.from_array(array, name))
+        return name
+
+    def constant(self, name: str, values) -> str:
+        if name not in self.consts:
+            self.consts.add(name)
+            self.init(name, np.array(values, np.int64))
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, name: str, **attrs) -> str:
+        domain = "com.microsoft" if op in ("MatMulNBits", "GatherBlockQuantized") else ""
+        self.nodes.append(self.helper.make_node(op, inputs, [output], name=name, domain=domain,
+                                                **attrs))
+        return output
+
+    def block_sums(self, x: str) -> str:
+        """x [.., K] → its 32-value block sums [.., K/32], once per input."""
+        if x not in self.sums:
+            view = self.node("Reshape", [x, self.constant("block_sums.shape", [0, 0, -1, 32])],
+                             f"{x}.blocks", f"{x}.blocks_view")
+            self.sums[x] = self.node("ReduceSum", [view, self.constant("block_sums.axes", [-1])],
+                                     f"{x}.block_sums", f"{x}.block_sums_node", keepdims=0)
+        return self.sums[x]
+
+    def blocks(self, b: Blocks, name: str) -> dict:
+        """b's initializers: {"q": [N, blocks, bytes], "scales", "zero_points"?, "offsets"?
+        ([K/32, N], the layout the offset MatMul reads)}."""
+        n, k = b.codes.shape
+        q = b.codes.reshape(n, k // b.block, b.block)
+        names = {"q": self.init(name + "_Q", _pack4(q) if b.bits == 4 else q),
+                 "scales": self.init(name + "_scales", b.scales.astype(np.float32))}
+        if (zp := _zero_points(b)) is not None:
+            names["zero_points"] = self.init(name + "_zero_points", zp)
+        if b.offsets is not None:
+            names["offsets"] = self.init(name + "_offsets", np.ascontiguousarray(b.offsets.T))
+        return names
+
+    def matmul(self, x: str, b: Blocks, names: dict, y: str, at: str) -> str:
+        """y = x · (the blocks' weights)ᵀ: MatMulNBits (+ the offsets over x's block sums)."""
+        n, k = b.codes.shape
+        ins = [x, names["q"], names["scales"]] + ([names["zero_points"]]
+                                                  if "zero_points" in names else [])
+        main = self.node("MatMulNBits", ins, y if b.offsets is None else f"{at}/nbits",
+                         at if b.offsets is None else f"{at}/MatMulNBits", K=k, N=n, bits=b.bits,
+                         block_size=b.block, accuracy_level=ACCURACY_LEVEL)
+        if b.offsets is None:
+            return main
+        off = self.node("MatMul", [self.block_sums(x), names["offsets"]], f"{at}/offset",
+                        f"{at}/offsets")
+        return self.node("Add", [main, off], y, f"{at}/add_offsets")
+
+    def gather(self, ids: str, b: Blocks, names: dict, y: str, at: str) -> str:
+        """y = rows `ids` of the blocks' weights, through GatherBlockQuantized (+ offsets).
+
+            ids ─┬─ GatherBlockQuantized(q, scales, zero points) ─ Reshape [.., K/32, 32] ─┐
+                 └─ Gather(offsets, axis 1) ─ Transpose ─ Unsqueeze [.., K/32, 1] ──────── Add
+            Add ─ Reshape [.., K] ─ y
+        """
+        n, k = b.codes.shape
+        per_row = k * b.bits // 8
+        view = self.node("Reshape", [names["q"], self.init(f"{at}.shape", np.array(
+            [n, per_row], np.int64))], f"{at}/q_rows", f"{at}/q_view")
+        ins = [view, ids, names["scales"]] + ([names["zero_points"]]
+                                              if "zero_points" in names else [])
+        main = self.node("GatherBlockQuantized", ins, y if b.offsets is None else f"{at}/main",
+                         at, gather_axis=0, quantize_axis=1, block_size=b.block, bits=b.bits)
+        if b.offsets is None:
+            return main
+        off = self.node("Gather", [names["offsets"], ids], f"{at}/offsets", f"{at}/offsets_gather",
+                        axis=1)  # [K/32, 1, n]
+        off = self.node("Transpose", [off], f"{at}/offsets_t", f"{at}/offsets_transpose",
+                        perm=[1, 2, 0])  # [1, n, K/32]
+        off = self.node("Unsqueeze", [off, self.constant("gather.last_axis", [-1])],
+                        f"{at}/offsets_u", f"{at}/offsets_unsqueeze")
+        blocks = self.node("Reshape", [main, self.constant("block_sums.shape", [0, 0, -1, 32])],
+                           f"{at}/main_blocks", f"{at}/main_view")
+        total = self.node("Add", [blocks, off], f"{at}/sum", f"{at}/add_offsets")
+        return self.node("Reshape", [total, self.constant(f"gather.shape{k}", [0, 0, k])], y,
+                         f"{at}/rows")
+
+
+class _Weights:
+    """The float graph's initializers, read one at a time (from its external data file when it
+    has one) so that a large model's float weights are never all in memory."""
+
+    def __init__(self, graph, base: Path):
+        self.inits = {t.name: t for t in graph.initializer}
+        self.uses = Counter(name for node in graph.node for name in node.input)
+        self.base = base
+
+    def matrix(self, name: str) -> np.ndarray | None:
+        """The 2-D initializer `name`, if nothing but one node reads it, else None."""
+        import onnx
+        from onnx import numpy_helper
+        from onnx.external_data_helper import load_external_data_for_tensor
+
+        t = self.inits.get(name)
+        if t is None or self.uses[name] != 1 or len(t.dims) != 2:
+            return None
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            t2 = onnx.TensorProto()
+            t2.CopyFrom(t)
+            load_external_data_for_tensor(t2, str(self.base))
+            t2.data_location = onnx.TensorProto.DEFAULT
+            del t2.external_data[:]
+            t = t2
+        return numpy_helper.to_array(t)
+
+
+def _rewrite_matmuls(graph, weights: _Weights, index: RowIndex, out: _Writer) -> dict:
+    """Every MatMul whose weight the file holds → MatMulNBits over its blocks (split by form).
+    Returns {"kinds": Counter of block types, "written", "split": weights written / split,
+    "head": the lm_head's (rows, parts, names) or None, "dropped": float weights replaced}."""
+    done = {"kinds": Counter(), "written": 0, "split": 0, "head": None, "dropped": set()}
+    for node in graph.node:
+        weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
+        w = weights.matrix(weight) if weight else None  # [K, N]
+        rows = index.locate(w.T) if w is not None and w.shape[0] % 32 == 0 else None
+        if rows is None:
+            out.nodes.append(node)
+            continue
+        parts = [p.centred() for p in index.blocks(rows)]
+        done["dropped"].add(weight)
+        done["written"] += 1
+        done["split"] += len(parts) > 1
+        done["kinds"].update(k for p in parts for k in p.kind.split("+"))
+        x, y = node.input[0], node.output[0]
+        names = None
+        if len(parts) == 1:
+            names = out.blocks(parts[0], weight)
+            out.matmul(x, parts[0], names, y, node.name)
+        else:  # one MatMulNBits per run of rows of one form, outputs side by side
+            ys = [out.matmul(x, p, out.blocks(p, f"{weight}.part{i}"), f"{y}.part{i}",
+                             f"{node.name}/part{i}") for i, p in enumerate(parts)]
+            out.node("Concat", ys, y, f"{node.name}/concat", axis=-1)
+        if y == "logits":
+            done["head"] = (rows, parts, names)
+    return done
+
+
+def _rewrite_gather(weights: _Weights, index: RowIndex, out: _Writer, done: dict) -> str | None:
+    """The embedding Gather over its table's blocks (the lm_head's when they are the same
+    rows); returns the record's line, or None when the table is not one form of blocks."""
+    for gather in out.nodes:  # the first row gather of a table the file holds
+        if gather.op_type != "Gather" or any(a.name == "axis" and a.i for a in gather.attribute):
+            continue
+        table = weights.matrix(gather.input[0])  # [V, C]
+        if table is not None and table.shape[1] % 32 == 0 and (rows := index.locate(table)):
+            break
+    else:
+        return None
+    head = done["head"]
+    if head is not None and head[2] is not None and rows == head[0]:
+        parts, names, shared = head[1], head[2], ", shared with the lm_head"  # tied: one copy
+    else:
+        parts, names, shared = [p.centred() for p in index.blocks(rows)], None, ""
+    if len(parts) != 1:
+        return None
+    names = names or out.blocks(parts[0], gather.input[0])
+    done["dropped"].add(gather.input[0])
+    at = out.nodes.index(gather)
+    tail = out.nodes[at + 1 :]
+    del out.nodes[at:]
+    out.gather(gather.input[1], parts[0], names, gather.output[0], gather.name)
+    out.nodes.extend(tail)
+    return f"{parts[0].kind} blocks of the GGUF (GatherBlockQuantized{shared})"
 
 
 def repack_int4(src: Path | None, dst: Path, gguf_path: str | Path, tied: bool,
                 block_size: int = 32, float_embedding: bool = False, model=None) -> dict:
     """Write `src` (a float graph exported from the model loaded from `gguf_path`) to `dst` with
-    every MatMul weight found in the GGUF's blocks as MatMulNBits over those blocks; weights
-    not found are quantized by quantize.quantize_int4's MatMulNBitsQuantizer (`block_size`).
-    With `tied` (and not `float_embedding`) the embedding reads the lm_head's blocks when they
-    are Q4_0 or Q8_0. `model` (an onnx ModelProto) is used instead of loading `src`. Returns
-    the manifest's quantization record."""
+    every MatMul weight found in the GGUF's blocks as MatMulNBits over those blocks, and the
+    embedding gather over its table's blocks unless `float_embedding`; weights not found are
+    quantized by quantize.quantize_int4's MatMulNBitsQuantizer (`block_size`; with `tied`, its
+    embedding reads the head it quantized). `model` (the float graph, loaded without its external
+    data, possibly edited) is used instead of loading `src`. Returns the manifest's
+    quantization record."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx.external_data_helper import load_external_data_for_model
 
     from . import quantize
 
     index = RowIndex(gguf_path)
-    model = model if model is not None else onnx.load(str(src))
+    model = model if model is not None else onnx.load(str(src), load_external_data=False)
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    uses: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            uses[name] = uses.get(name, 0) + 1
-    nodes, new_inits, dropped, extended = [], [], set(), {}
-    kinds: dict[str, int] = {}
-    head = None
-    for node in graph.node:
-        weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
-        blocks = None
-        if weight in inits and uses[weight] == 1:  # a weight read elsewhere stays as it is
-            w = numpy_helper.to_array(inits[weight])  # [K, N]
-            if w.ndim == 2 and w.shape[0] % BLOCK == 0:
-                blocks = index.find(w.T)
-        if blocks is None:
-            nodes.append(node)
-            continue
-        k, n = w.shape
-        if node.output[0] == "logits":
-            head = blocks.kind
-        kinds[blocks.kind] = kinds.get(blocks.kind, 0) + 1
-        dropped.add(weight)
-        x, bits, kk = node.input[0], 4, k
-        if blocks.kind == "Q8_0":
-            bits, packed, scales = 8, (blocks.q.astype(np.int16) + 128).astype(np.uint8), blocks.d
-        elif blocks.kind == "Q4_0":
-            packed, scales = _pack4(blocks.q), blocks.d
-        else:  # Q4_1: see the module doc
-            width = -(-blocks.q.shape[1] // BLOCK) * BLOCK
-            q_off, s_off = _offset_blocks(blocks.m + 8 * blocks.d, width)
-            packed = _pack4(np.concatenate([blocks.q, q_off], axis=1))
-            scales = np.concatenate([blocks.d, s_off], axis=1)
-            if x not in extended:
-                s = np.zeros((k, width), np.float32)
-                s[np.arange(k), np.arange(k) // BLOCK] = 1.0
-                sums = f"{x}.block_sums"
-                new_inits.append(numpy_helper.from_array(s, sums + ".S"))
-                nodes.append(helper.make_node("MatMul", [x, sums + ".S"], [sums],
-                                              name=sums + "_node"))
-                nodes.append(helper.make_node("Concat", [x, sums, sums], [f"{x}.extended"],
-                                              axis=-1, name=f"{x}.extended_node"))
-                extended[x] = f"{x}.extended"
-            x, kk = extended[x], k + 2 * width
-        new_inits += [numpy_helper.from_array(packed, weight + "_Q"),
-                      numpy_helper.from_array(scales.astype(np.float32), weight + "_scales")]
-        nodes.append(helper.make_node("MatMulNBits", [x, weight + "_Q", weight + "_scales"],
-                                      list(node.output), name=node.name, domain="com.microsoft",
-                                      K=kk, N=n, bits=bits, block_size=BLOCK,
-                                      accuracy_level=ACCURACY_LEVEL))
+    weights = _Weights(graph, Path(src).parent)
+    out = _Writer()
+    done = _rewrite_matmuls(graph, weights, index, out)
+    head = done["head"]
+    embedding = None if float_embedding else _rewrite_gather(weights, index, out, done)
     del graph.node[:]
-    graph.node.extend(nodes)
-    kept = [t for t in graph.initializer if t.name not in dropped]
+    graph.node.extend(out.nodes)
+    kept = [t for t in graph.initializer if t.name not in done["dropped"]]
     del graph.initializer[:]
-    graph.initializer.extend(kept + new_inits)
+    graph.initializer.extend(kept + out.inits)
+    load_external_data_for_model(model, str(Path(src).parent))  # what is left: norms, biases
 
-    # weights the GGUF does not hold as such blocks (none in a Q4_0/Q4_1 llama.cpp file) are
-    # quantized as without a GGUF; the block-sum MatMuls stay float (they are sums, exactly)
-    sums = tuple(n.name for n in nodes if n.name.endswith(".block_sums_node"))
-    rest = quantize.quantize_int4(None, dst, block_size, tied=tied and not float_embedding,
-                                  model=model, exclude=sums)
+    # weights the GGUF does not hold as such blocks (none in a llama.cpp file of these types)
+    # are quantized as without a GGUF; the offset MatMuls stay float (exact offsets)
+    offsets = tuple(n.name for n in out.nodes if n.name.endswith("/offsets"))
+    rest = quantize.quantize_int4(None, dst, block_size, model=model, exclude=offsets,
+                                  tied=tied and head is None and not float_embedding)
     record = {"method": "GGUF blocks repacked for MatMulNBits (" + str(Path(gguf_path).name) + ")",
-              "gguf_blocks": kinds, "block_size": BLOCK, "accuracy_level": ACCURACY_LEVEL,
-              "quantized_matmuls": sum(kinds.values()) + rest["quantized_matmuls"],
-              "lm_head": f"{head} blocks of the GGUF" if head else "int4 (re-quantized)",
-              "embedding": rest["embedding"]}
+              "gguf_blocks": dict(sorted(done["kinds"].items())),
+              "weights": "exact: each is its block's scale·(code − zero point) (+ offset)",
+              "accuracy_level": ACCURACY_LEVEL,
+              "quantized_matmuls": done["written"] + rest["quantized_matmuls"],
+              "lm_head": (f"{'+'.join(sorted({p.kind for p in head[1]}))} blocks of the GGUF"
+                          if head else "int4 (re-quantized)"),
+              "embedding": embedding or rest["embedding"],
+              "activations": "int8, per row and block"}
+    if offsets:
+        record["offsets"] = "float32 MatMul over the input's 32-block sums"
+    if done["split"]:
+        record["split_matmuls"] = done["split"]
     if rest["quantized_matmuls"]:
         record["re_quantized"] = {k: rest[k] for k in ("method", "bits", "block_size",
                                                         "symmetric", "quantized_matmuls")}

@@ -221,17 +221,27 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     return desc
 
 
-def untie_head(model: onnx.ModelProto) -> None:
+def untie_head(model: onnx.ModelProto, base: Path | None = None) -> None:
     """Give the lm_head of a tied fused graph (the Gemm that reads "embed" transposed, between
     two Reshapes) its own MatMul over a transposed copy, as export_fused_llama writes an untied
     head: a quantizer then reaches the head, and the embedding can read its blocks. Used to make
-    a lower-precision draft from a tied target's float32 graph without exporting it again."""
+    a lower-precision draft from a tied target's float32 graph without exporting it again.
+    `base`: the graph's directory, where an embedding kept as external data is read from."""
     graph = model.graph
     gemm = next(n for n in graph.node if n.op_type == "Gemm" and n.input[1] == "embed")
     producers = {o: n for n in graph.node for o in n.output}
     flatten = producers[gemm.input[0]]  # Reshape(rows -> [-1, C])
     unflatten = next(n for n in graph.node if gemm.output[0] in n.input)  # -> logits
     embed = next(t for t in graph.initializer if t.name == "embed")
+    if embed.data_location == onnx.TensorProto.EXTERNAL:
+        from onnx.external_data_helper import load_external_data_for_tensor
+
+        loaded = onnx.TensorProto()
+        loaded.CopyFrom(embed)
+        load_external_data_for_tensor(loaded, str(base))
+        loaded.data_location = onnx.TensorProto.DEFAULT
+        del loaded.external_data[:]
+        embed = loaded
     head = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(embed).T), "lm_head")
     matmul = helper.make_node("MatMul", [flatten.input[0], "lm_head"], list(unflatten.output),
                               name=gemm.name.replace("Gemm", "MatMul"))

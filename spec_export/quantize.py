@@ -115,7 +115,7 @@ def _gather_from_lm_head(graph) -> int | None:
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
     hidden = inits["embed"].dims[1]
-    if attrs["K"] != hidden:  # the head reads more than the hidden state (gguf_blocks' Q4_1)
+    if attrs["K"] != hidden:  # the head reads more than the hidden state
         return None
     weight, scales = inits[head.input[1]], inits[head.input[2]]
     vocab, blocks, per_block = weight.dims

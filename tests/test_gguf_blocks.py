@@ -1,7 +1,7 @@
 """int4 bundles from a GGUF's own blocks (spec_export/gguf_blocks.py): the file's Q4_0/Q4_1/Q8_0
 blocks become MatMulNBits weights instead of being quantized a second time, which keeps the
 bundle far closer to the model; speculative decoding stays exact relative to it; bad requests
-get one message."""
+get one message. Every other block type: test_kquants.py."""
 
 import json
 
@@ -9,11 +9,12 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from helpers import assert_rows_alike
 from tiny_models import byte_tokenizer, llama, save, truncated, write_gguf
 
 import spec_runtime
 from spec_export.build import BuildError, build_bundle
-from spec_export.gguf_blocks import BLOCK, _offset_blocks, read_blocks
+from spec_export.gguf_quants import read_blocks
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,9 @@ def test_the_files_blocks_are_used_and_recorded(q4_1):
     q = manifest(q4_1[1])["target"]["quantization"]
     assert q["gguf_blocks"] == {"Q4_1": 2 * 5, "Q8_0": 1}  # qkv, o, gate, up, down; lm_head
     assert q["lm_head"] == "Q8_0 blocks of the GGUF" and "re_quantized" not in q
-    assert q["embedding"].startswith("int8")  # the tied embedding reads the lm_head's blocks
+    # the tied embedding reads the lm_head's blocks
+    assert q["embedding"] == \
+        "Q8_0 blocks of the GGUF (GatherBlockQuantized, shared with the lm_head)"
     graph = onnx.load(str(q4_1[1] / "target.onnx")).graph
     ops = [n.op_type for n in graph.node]
     assert ops.count("MatMulNBits") == q["quantized_matmuls"] == 11
@@ -56,7 +59,7 @@ def test_blocks_stay_closer_to_the_model_than_quantizing_again(q4_1):
     mine = manifest(q4_1[1])["target"]["parity"]["int4"]
     again = manifest(q4_1[2])["target"]["parity"]["int4"]
     print("GGUF blocks", mine, "re-quantized", again)
-    # what remains is the 8-bit activations (and the Q4_1 offsets' 4+4-bit encoding)
+    # what remains is the 8-bit activations: the weights are the file's
     assert mine["mean_kl"] < 0.01 and mine["top1_agreement"] >= 0.95
     assert mine["mean_kl"] < again["mean_kl"] / 4
 
@@ -74,13 +77,7 @@ def test_greedy_speculative_equals_target_only(q4_1):
 
 def test_a_position_scores_the_same_in_a_step_and_a_verify_call(q4_1):
     """The block sums are computed per row: rows stay bit-identical whatever the call length."""
-    eng = spec_runtime.load(q4_1[1]).target
-    seq = np.random.default_rng(1).integers(0, eng.vocab_size, 30)
-    eng.forward(seq[:20], 0, 1)
-    steps = np.stack([eng.forward(seq[k : k + 1], k, 1)[0].copy() for k in range(20, 30)])
-    verify = np.concatenate([eng.forward(seq[20:25], 20, 5).copy(),
-                             eng.forward(seq[25:30], 25, 5).copy()])
-    np.testing.assert_array_equal(steps, verify)
+    assert_rows_alike(spec_runtime.load(q4_1[1]).target)
 
 
 def test_q4_0_untied_is_written_exactly(tmp_path):
@@ -91,7 +88,8 @@ def test_q4_0_untied_is_written_exactly(tmp_path):
                           progress=False)
     m = manifest(bundle)["target"]
     assert m["quantization"]["gguf_blocks"] == {"Q4_0": 5 + 1}  # the untied lm_head too
-    assert m["quantization"]["embedding"] == "float32"  # untied: a gather of a few rows
+    # untied: the embedding reads its own blocks (Q8_0), not the head's
+    assert m["quantization"]["embedding"] == "Q8_0 blocks of the GGUF (GatherBlockQuantized)"
     graph = onnx.load(str(bundle / "target.onnx")).graph
     assert not [n for n in graph.node if n.op_type == "Concat" and ".extended" in n.output[0]]
     assert m["parity"]["int4"]["top1_agreement"] >= 0.95, m["parity"]
@@ -106,22 +104,7 @@ def test_blocks_read_back_as_the_file_dequantizes(q4_1):
     for name, b in blocks.items():
         t = tensors[name]
         want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        q = b.q.astype(np.float32)
-        got = b.d[..., None] * q if b.kind == "Q8_0" else b.d[..., None] * q + b.m[..., None]
-        np.testing.assert_array_equal(got.reshape(len(got), -1), want.reshape(len(want), -1))
-
-
-def test_offsets_are_encoded_within_their_bound():
-    rng = np.random.default_rng(0)
-    m = (rng.standard_normal((64, 48)) * rng.uniform(0.01, 1, (64, 1))).astype(np.float32)
-    q, s = _offset_blocks(m, 64)  # two 32-slot chunks, two rounds each
-    n = q.shape[1] // 2
-    approx = ((q[:, :n] - 8.0) * s[:, :n, None] + (q[:, n:] - 8.0) * s[:, n:, None])
-    approx = approx.reshape(64, -1)[:, :48]
-    chunks = np.abs(np.pad(m, ((0, 0), (0, 16)))).reshape(64, 2, BLOCK).max(-1)
-    bound = np.repeat(chunks, BLOCK, axis=1)[:, :48] / 225
-    assert np.all(np.abs(approx - m) <= bound * 1.001)
-    assert np.abs(approx - m).max() > 0  # an approximation, not a copy
+        np.testing.assert_array_equal(b.weights(), want.reshape(len(want), -1))
 
 
 def test_bad_int4_weights_requests(tmp_path, monkeypatch):
@@ -136,8 +119,8 @@ def test_bad_int4_weights_requests(tmp_path, monkeypatch):
 
     (tmp_path / "g").mkdir()
     path = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf")
-    monkeypatch.setattr("spec_export.gguf_blocks._parse", lambda _: None)  # e.g. K-quants only
-    with pytest.raises(BuildError, match="has no Q4_0, Q4_1 or Q8_0 tensor.*--int4-weights quantize"):
+    monkeypatch.setattr("spec_export.gguf_quants._tensor_rows", lambda _: None)  # e.g. IQ types
+    with pytest.raises(BuildError, match="has no tensor in Q4_0, .*Q6_K blocks.*--int4-weights quant"):
         build_bundle(str(path), "ngram", tmp_path / "b2", max_len=64, precision="int4",
                      int4_weights="gguf", progress=False)
     assert not (tmp_path / "b2").exists()

@@ -4,6 +4,7 @@ so that export, bundle and CLI tests run the same code paths as for a downloaded
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
@@ -138,16 +139,21 @@ def save(model, directory: Path, tokenizer=None) -> Path:
     return directory
 
 
-def write_gguf(model, tokenizer, path, qtype="Q4_1", embed_qtype="Q8_0") -> Path:
+def write_gguf(model, tokenizer, path, qtype="Q4_1", embed_qtype="Q8_0", qtypes=None) -> Path:
     """Write a tiny LlamaForCausalLM and its byte-level BPE tokenizer as a GGUF file laid out the way
     llama.cpp's convert_hf_to_gguf.py (then llama-quantize) writes a llama model with a "gpt2"
     tokenizer, so that GGUF loading can be tested without downloading one.
 
-    2-D weights are stored in `qtype` (Q4_0, Q4_1 or Q8_0), the token embedding in `embed_qtype`
-    (real Q4_1 files keep it in Q8_0), norms in F32; q/k rows carry llama.cpp's RoPE permutation,
-    which transformers undoes on load."""
+    2-D weights are stored in `qtype`, the token embedding in `embed_qtype` (real Q4_1 files keep
+    it in Q8_0), and the tensors named in `qtypes` ({"blk.0.attn_v.weight": "Q6_K", ...}) in
+    theirs; norms in F32. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 quantize the model's weights with
+    gguf-py; K-quants, which gguf-py cannot quantize, are random_kquant blocks (the weights the
+    file then holds are their de-quantization, whatever the model's were). q/k rows carry
+    llama.cpp's RoPE permutation, which transformers undoes on load."""
     import gguf
     from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(0)
 
     path, cfg = Path(path), model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -165,7 +171,8 @@ def write_gguf(model, tokenizer, path, qtype="Q4_1", embed_qtype="Q8_0") -> Path
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    ftype = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}.get(qtype, qtype)
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{ftype}"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     # tokenizer, as convert_hf_to_gguf's get_vocab_base() + SpecialVocab write it
@@ -205,13 +212,36 @@ def write_gguf(model, tokenizer, path, qtype="Q4_1", embed_qtype="Q8_0") -> Path
         if t.ndim == 1:
             w.add_tensor(name, t)
         else:
-            q = Q[embed_qtype if name == "token_embd.weight" else qtype]
-            w.add_tensor(name, gguf.quants.quantize(t, q), raw_dtype=q)
+            kind = (qtypes or {}).get(name) or (
+                embed_qtype if name == "token_embd.weight" else qtype)
+            raw = (random_kquant(kind, *t.shape, float(t.std()), rng) if kind.endswith("_K")
+                   else gguf.quants.quantize(t, Q[kind]))
+            w.add_tensor(name, raw, raw_dtype=Q[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# K-quant super-blocks: where ggml keeps the fp16 d (and dmin), and d so that the weights'
+# spread is about the tensor's (q ∈ 0..15 / 0..31 times 6-bit scales, minus dmin·mn with
+# dmin = mean q·d to centre them; Q6_K: int8 scales times q ∈ −32..31)
+KQUANT_F16 = {"Q4_K": ((0, 1 / 150), (2, 7.5 / 150)), "Q5_K": ((0, 1 / 300), (2, 15.5 / 300)),
+              "Q6_K": ((208, 1 / 1300),)}
+
+
+def random_kquant(kind: str, rows: int, cols: int, std: float, rng) -> np.ndarray:
+    """Random but valid raw Q4_K / Q5_K / Q6_K blocks (uint8 [rows, bytes]): random quants and
+    sub-block scales (and mins), fp16 d (and dmin) of random size around `std`'s scale."""
+    import gguf
+
+    per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for at, factor in KQUANT_F16[kind]:
+        d = std * factor * 2.0 ** rng.uniform(-1, 1, (rows, cols // per))
+        raw[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def word_tokenizer(n: int) -> PreTrainedTokenizerFast:

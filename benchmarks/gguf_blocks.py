@@ -1,0 +1,147 @@
+"""How a GGUF's own blocks fare as MatMulNBits weights, per block type, on the real files.
+
+1. Every 2-D tensor of the file: its blocks as spec_export/gguf_quants.py reads them
+   de-quantize to gguf-py's floats bit for bit (transformers loads those), also with the zero
+   points centred; and the share of 32-blocks whose zero point could be centred.
+2. Per block type, on up to --tensors layer tensors: the relative error ‖y − y_ref‖ / ‖y_ref‖
+   of one MatMul's output over 8 rows of Gaussian inputs, y_ref = x·Wᵀ in float64 from
+   gguf-py's weights, for
+     blocks        the int4 build's graph (gguf_blocks.py: MatMulNBits at accuracy level 4,
+                   offsets as a float MatMul over block sums, zero points centred),
+     uncentred     the same with the file's own zero points (offset types only),
+     re-quantized  `--int4-weights quantize`: MatMulNBitsQuantizer, 4-bit, symmetric, block 32.
+   What the blocks leave is the 8-bit activations' rounding; re-quantizing adds a second
+   rounding of every weight.
+
+    python benchmarks/gguf_blocks.py qwen-0.5b gemma3-270m [--tensors 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def one_matmul(k: int, n: int, weight: np.ndarray | None = None, blocks=None):
+    """An ONNX model y = x·Wᵀ over x [1, rows, k]: a float MatMul (`weight` [n, k]) or the
+    int4 build's rewrite of `blocks`."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from spec_export.gguf_blocks import _Writer
+
+    if blocks is not None:
+        w = _Writer()
+        w.matmul("x", blocks, w.blocks(blocks, "w"), "y", "mm")
+        nodes, inits = w.nodes, w.inits
+    else:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+        inits = [numpy_helper.from_array(np.ascontiguousarray(weight.T), "w")]
+    graph = helper.make_graph(nodes, "one", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, None, k])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [1, None, n])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def run(model, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x[None]})[0][0].astype(np.float64)
+
+
+def requantized(weight: np.ndarray):
+    import onnx
+
+    from spec_export.quantize import quantize_int4
+
+    with tempfile.TemporaryDirectory(prefix="gguf-blocks-") as tmp:
+        path = Path(tmp) / "q.onnx"
+        quantize_int4(None, path, 32, model=one_matmul(weight.shape[1], weight.shape[0], weight))
+        return onnx.load(str(path))
+
+
+def measure(path: Path, per_type: int) -> None:
+    import gguf
+
+    from spec_export.gguf_quants import _tensor_rows, parse
+
+    exact, centred, blocks = defaultdict(lambda: [0, 0]), defaultdict(int), defaultdict(int)
+    layer_tensors = defaultdict(list)
+    for t in gguf.GGUFReader(str(path)).tensors:
+        raw = _tensor_rows(t)
+        if raw is None:
+            continue
+        kind, same = t.tensor_type.name, True
+        for at in range(0, len(raw), 4096):  # rows at a time: a vocabulary-sized head is 1 GB
+            rows = raw[at : at + 4096]
+            want = gguf.quants.dequantize(rows, t.tensor_type).reshape(len(rows), -1)
+            b = parse(kind, rows)
+            c = b.centred()
+            same &= np.array_equal(b.weights().view(np.uint32), want.view(np.uint32)) \
+                and np.array_equal(c.weights(), want)
+            if b.offsets is not None:
+                centred[kind] += int((c.zero_points != b.zero_points).sum())
+                blocks[kind] += b.zero_points.size
+        exact[kind][0] += same
+        exact[kind][1] += 1
+        if t.name.startswith("blk."):
+            layer_tensors[kind].append(t)
+    print(f"\n{path.name}")
+    print("| type | tensors read bit for bit | 32-blocks centred |")
+    print("|---|---:|---:|")
+    for kind, (ok, total) in sorted(exact.items()):
+        share = f"{centred[kind] / blocks[kind]:.4%}" if blocks[kind] else "n/a (symmetric)"
+        print(f"| {kind} | {ok}/{total} | {share} |")
+
+    print("\n| type | tensor [N×K] | blocks | uncentred | re-quantized int4 |")
+    print("|---|---|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for kind, tensors in sorted(layer_tensors.items()):
+        step = max(1, len(tensors) // per_type)
+        for t in tensors[::step][:per_type]:
+            raw = _tensor_rows(t)
+            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(len(raw), -1)
+            n, k = w.shape
+            x = rng.standard_normal((8, k)).astype(np.float32)
+            ref = x.astype(np.float64) @ w.T.astype(np.float64)
+
+            def err(model, x=x, ref=ref):
+                return np.linalg.norm(run(model, x) - ref) / np.linalg.norm(ref)
+
+            b = parse(kind, raw)
+            uncentred = f"{err(one_matmul(k, n, blocks=b)):.2e}" if b.offsets is not None else ""
+            mine = err(one_matmul(k, n, blocks=b.centred()))
+            print(f"| {kind} | {t.name} [{n}×{k}] | {mine:.2e} | {uncentred} "
+                  f"| {err(requantized(w)):.2e} |")
+
+
+def main() -> None:
+    from real_models import MODELS, fetch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*", default=["qwen-0.5b", "gemma3-270m"], choices=list(MODELS))
+    ap.add_argument("--tensors", type=int, default=3, help="layer tensors measured per type")
+    args = ap.parse_args()
+    import onnxruntime
+
+    print("# GGUF blocks as int4-build weights, per block type (benchmarks/gguf_blocks.py)\n")
+    print(f"- `python benchmarks/gguf_blocks.py {' '.join(args.models)} --tensors {args.tensors}`, "
+          f"onnxruntime {onnxruntime.__version__}, MatMulNBits accuracy level 4 on CPU")
+    print("- relative error ‖y − y_ref‖/‖y_ref‖ of x·Wᵀ over 8 Gaussian rows, y_ref in float64 "
+          "from gguf-py's weights")
+    for name in args.models:
+        measure(fetch(name), args.tensors)
+
+
+if __name__ == "__main__":
+    main()
