@@ -56,6 +56,35 @@ def test_fp16_speculative_is_exact_relative_to_the_fp16_target(fp16_pair):
     assert same >= 48, same  # float16 rounding may flip a near-tie, not the whole output
 
 
+def test_fp16_keeps_the_norm_statistics_in_float32_past_float16s_range(tmp_path):
+    """One channel of the residual stream at 600, as the "massive activations" of real models
+    (the default target's reach the thousands): x² is 360000, past float16's 65504, so RMSNorm's
+    statistics must stay float32 from x² to 1/rms, with no float16 step between. The portable
+    float16 graph agrees with the float32 Hugging Face model within the build's tolerance."""
+    import torch
+    from tiny_models import llama
+
+    from spec_export.onnx_export import export_decoder
+    from spec_export.parity import quantized_parity
+    from spec_export.quality import FP16_TOLERANCE
+    from spec_export.quantize import convert_fp16
+    from specedge.models import for_hf_model
+
+    hf = llama(0, layers=2, tied=False).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[:, 5] = 600.0
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 259, 40)) for _ in range(3)]
+    with torch.no_grad():
+        states = hf(torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+    assert max(float(h.abs().max()) for h in states) ** 2 > 65504  # the premise: x² overflows
+    export_decoder(for_hf_model(hf, 64), tmp_path / "fp32.onnx", 64)
+    convert_fp16(tmp_path / "fp32.onnx", tmp_path / "fp16.onnx")
+    agree = quantized_parity(hf, tmp_path / "fp16.onnx", prompts)
+    assert agree["top1_agreement"] >= FP16_TOLERANCE["min_top1_agreement"], agree
+    assert agree["mean_kl"] <= FP16_TOLERANCE["max_mean_kl"], agree
+
+
 def engines(bundle, store):
     gen = spec_runtime.load(bundle)
     return gen.target, type(gen.target)(gen.target.session, gen.target.graph,
