@@ -169,9 +169,10 @@ def provider_options(device: Device, inputs: list[dict], *, precision: str, max_
         return {}
     options = {"device_id": device.device_id, "trt_fp16_enable": precision == "fp16"}
     profile = tensorrt_profile(inputs, max_len, max_gamma, prefill_chunk)
-    for which in ("min", "opt", "max") if profile else ():
-        options[f"trt_profile_{which}_shapes"] = ",".join(
-            f"{name}:{'x'.join(map(str, getattr(r, which)))}" for name, r in profile.items())
+    if profile:  # (an encoder's inputs have fixed shapes: none)
+        for which in ("min", "opt", "max"):
+            options[f"trt_profile_{which}_shapes"] = ",".join(
+                f"{name}:{'x'.join(map(str, getattr(r, which)))}" for name, r in profile.items())
     if cache_dir is not None:
         options.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(cache_dir),
                        trt_timing_cache_enable=True, trt_timing_cache_path=str(cache_dir))
