@@ -1,5 +1,6 @@
 """Time one target call the way the runtime makes it: a bundle's engine, `forward(tokens, pos,
-num_logits)`, on ONNX Runtime CPU. Prints the median of a 1-token step and of a 5-token verify
+num_logits)`, on ONNX Runtime's CPU provider or, with --device, a GPU path (the logits come to
+the host, so a call's time includes its completion). Prints the median of a 1-token step and of a 5-token verify
 call at two positions, and their ratio (the verify/step cost ratio speculative decoding pays).
 
 Several bundles are timed one after the other, in two passes (A B … A B …), so that drift of the
@@ -8,7 +9,7 @@ Runtime's worker threads spin for a while after a run, and a second session star
 competes with them (on 2 cores, interleaving doubled every time measured here).
 
     python benchmarks/step_time.py BUNDLE [BUNDLE ...] [--threads 2] [--runs 30] [--json FILE]
-                                   [--one-row as-is,padded]
+                                   [--one-row as-is,padded] [--device cpu|cuda|tensorrt]
 
 `--one-row` times each bundle's 1-token calls in each of the given forms (spec_runtime/rows.py):
 "padded" is what a machine whose 1-row kernels differ runs, so its step time against "as-is" is
@@ -42,13 +43,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the medians here")
     ap.add_argument("--one-row", help="comma-separated 1-token call forms to time (as-is, "
                                       "padded); default: the one the load chose")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "tensorrt"],
+                    help="where the target runs (scripts/gpu_check.sh times the GPU paths)")
     args = ap.parse_args()
 
     import spec_runtime
 
     engines = {}  # label -> (engine, its 1-token call form)
     for b in args.bundles:
-        gen = spec_runtime.load(b, threads=args.threads)
+        gen = spec_runtime.load(b, threads=args.threads, device=args.device)
         graph = gen.manifest.target.graphs["decoder"]
         print(f"{b.name}: {gen.row_check.describe()}")
         for form in (args.one_row.split(",") if args.one_row else [gen.target.one_row]):
@@ -71,7 +74,8 @@ def main() -> None:
                     eng.forward(tokens, pos, n)
                     times[label][(n, pos)].append(time.perf_counter() - t0)
 
-    print(f"ORT CPU, {args.threads} threads, median of {args.runs} calls (ms); "
+    where = f"ORT CPU, {args.threads} threads" if args.device == "cpu" else args.device
+    print(f"{where}, median of {args.runs} calls (ms); "
           f"ratio = 5-token verify / 1-token step at the same position")
     print(f"{'bundle':52s} " + " ".join(f"{f'{n} tok @{p}':>11s}" for n, p in CALLS)
           + f" {'ratio@100':>9s} {'ratio@1000':>10s}")
@@ -84,7 +88,8 @@ def main() -> None:
         report[label] = {f"{n}@{p}": med[(n, p)] for n, p in CALLS}
         report[label].update(ratio_100=r100, ratio_1000=r1000)
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "runs": args.runs,
+        args.json.write_text(json.dumps({"device": args.device, "threads": args.threads,
+                                         "runs": args.runs,
                                          "median_ms": report}, indent=1))
 
 

@@ -24,28 +24,104 @@ def quantize_int8(src: Path | None, dst: Path, block_size: int = 32, model=None)
     return quantize_nbits(src, dst, bits=8, block_size=block_size, model=model)
 
 
-# computed in float32 inside a float16 graph (the converter casts around them): x² in the portable
-# graph's RMSNorm overflows float16's 65504 once an activation passes 256, which residual
-# streams of real models do (the fused graph's normalisation kernels accumulate in float32)
-FP16_FLOAT32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal")
+# computed in float32 inside a float16 graph:
+# - RMSNorm's statistics: x² overflows float16's 65504 once an activation passes 256, which
+#   residual streams of real models do (the fused graph's normalisation kernels accumulate in
+#   float32). The converter keeps these ops in float32, but it casts every output of a kept node
+#   to float16 and back, even between two kept nodes (x² itself would overflow there), and it
+#   converts the `+ eps` between ReduceMean and Sqrt: so the nodes between kept ones are kept
+#   too (float32_islands) and those round trips are removed (_drop_round_trips).
+# - Softmax: ONNX Runtime's float16 CPU Softmax rounds a row differently when masked (-inf) keys
+#   pad it, so a position would score differently in a step and in a verify call (rows.py); its
+#   float32 kernel does not (and float32 is what attention kernels accumulate in).
+FP16_FLOAT32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax")
 
 
 def convert_fp16(src: Path | None, dst: Path, model=None) -> dict:
     """Float16 weights, activations and KV cache; the logits stay float32 (a Cast at the end),
-    so that sampling reads full-precision values. Through onnxruntime's own converter. `model`
-    (an onnx ModelProto) is used instead of loading `src`."""
+    so that sampling reads full-precision values; the normalisation's statistics stay float32
+    from x² to 1/rms, and the softmax is float32 (FP16_FLOAT32_OPS). Through onnxruntime's own
+    converter. `model` (an onnx ModelProto) is used instead of loading `src`."""
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     from .onnx_export import save_graph
 
-    model = convert_float_to_float16(model if model is not None else onnx.load(str(src)),
-                                     keep_io_types=["logits"],
-                                     op_block_list=DEFAULT_OP_BLOCK_LIST + list(FP16_FLOAT32_OPS),
-                                     disable_shape_infer=True)
+    model = model if model is not None else onnx.load(str(src))
+    kept = float32_islands(model.graph)
+    model = convert_float_to_float16(model, keep_io_types=["logits"],
+                                     op_block_list=DEFAULT_OP_BLOCK_LIST,
+                                     node_block_list=sorted(kept), disable_shape_infer=True)
+    _drop_round_trips(model.graph, kept)
     save_graph(model, dst)
     return {"method": "onnxruntime.transformers.float16", "weights": "float16",
             "cache": "float16", "logits": "float32", "float32_ops": list(FP16_FLOAT32_OPS)}
+
+
+def float32_islands(graph) -> set[str]:
+    """Names of the nodes to keep in float32: every FP16_FLOAT32_OPS node, and every other node
+    whose inputs all come from kept nodes or constants and whose outputs only kept nodes read
+    (the `+ eps` of mean(x²) + eps). Unnamed nodes are named first (the converter blocks by
+    name)."""
+    for i, node in enumerate(graph.node):
+        if not node.name:
+            node.name = f"fp16_unnamed_{i}"
+    constants = {t.name for t in graph.initializer}
+    constants |= {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    producer = {o: n.name for n in graph.node for o in n.output}
+    readers: dict[str, list[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.name)
+    graph_outputs = {o.name for o in graph.output}
+    kept = {n.name for n in graph.node if n.op_type in FP16_FLOAT32_OPS}
+    grown = True
+    while grown:
+        grown = False
+        for node in graph.node:
+            if node.name in kept or node.op_type == "Constant":
+                continue
+            ins = [i for i in node.input if i and i not in constants]
+            read_by = [r for o in node.output for r in readers.get(o, [])]
+            if ins and read_by and all(producer.get(i) in kept for i in ins) \
+                    and all(r in kept for r in read_by) \
+                    and not graph_outputs.intersection(node.output):
+                kept.add(node.name)
+                grown = True
+    return kept
+
+
+def _drop_round_trips(graph, kept: set[str]) -> None:
+    """Where a kept node reads another kept node's output through the converter's
+    Cast(float16) → Cast(float32) pair, let it read that output directly; then remove the
+    casts nothing reads any more."""
+    from onnx import TensorProto
+
+    def cast_to(node, dtype) -> bool:
+        return node is not None and node.op_type == "Cast" and any(
+            a.name == "to" and a.i == dtype for a in node.attribute)
+
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.name not in kept:
+            continue
+        for i, name in enumerate(node.input):
+            up = producer.get(name)
+            down = producer.get(up.input[0]) if cast_to(up, TensorProto.FLOAT) else None
+            if cast_to(down, TensorProto.FLOAT16) and \
+                    getattr(producer.get(down.input[0]), "name", None) in kept:
+                node.input[i] = down.input[0]
+    graph_outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in graph.node for i in n.input} | graph_outputs
+        dead = [n for n in graph.node if n.op_type == "Cast" and not read.intersection(n.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    names = {o for n in graph.node for o in n.output}
+    for info in [v for v in graph.value_info if v.name not in names]:
+        graph.value_info.remove(info)
 
 
 def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool = False,

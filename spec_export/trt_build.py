@@ -2,9 +2,10 @@
 that will run them (an engine is tied to its TensorRT version and GPU, which the manifest
 records and the runtime checks).
 
-One engine per decoder graph, with one optimization profile (contract.tensorrt_profile: the
-token dimension from a step through a verify call to a prefill chunk, and the values of the
-scalars that set shapes inside the graph). The engine files are written into the bundle under
+One engine per decoder graph, built on GPU `device_id`, with one optimization profile
+(contract.tensorrt_profile, the profile ONNX Runtime's TensorRT provider gets too: the token
+dimension from a step through a verify call to a prefill chunk, and the values of the scalars
+that set shapes inside the graph). The engine files are written into the bundle under
 new names, then the manifest is rewritten by its one writer, listing them with their sha256.
 Imports neither torch nor transformers: it runs on a Jetson that has only JetPack's TensorRT.
 """
@@ -47,14 +48,16 @@ def build_engines(bundle_dir=None, *, fp16: bool | None = None,
                               f"kernels) is not one TensorRT can run: build one with "
                               f"{DEVICE_BUILDS['tensorrt']}")
     trt = trt or import_tensorrt()
+    device_memory.select_device(device_id)  # TensorRT builds for the current device
     identity = identity or device_memory.gpu_identity(device_id)
     if fp16 is None:
         fp16 = any(model.precision == "fp16" for _, model in manifest.models())
-    profile = tensorrt_profile(manifest.max_len, manifest.max_gamma, manifest.prefill_chunk)
     files = {}
     for role, model in manifest.models():
         graph = model.graphs["decoder"]
         name = f"{role}.decoder.trt"
+        profile = tensorrt_profile(graph.inputs, manifest.max_len, manifest.max_gamma,
+                                   manifest.prefill_chunk)
         log.warning("building the TensorRT engine for %s (minutes for a large model)", role)
         data = _build(trt, bundle_dir / graph.file, profile, fp16, workspace_mb)
         tmp = bundle_dir / (name + ".tmp")
@@ -81,12 +84,18 @@ def _build(trt, onnx_path: Path, profile: dict, fp16: bool, workspace_mb: int) -
         config.set_flag(trt.BuilderFlag.FP16)
     shape_inputs = {network.get_input(i).name for i in range(network.num_inputs)
                     if network.get_input(i).is_shape_tensor}
+    unvalued = shape_inputs - {name for name, r in profile.items() if r.values}
+    if unvalued:
+        raise BuildError(f"TensorRT reads {sorted(unvalued)} of {onnx_path.name} as shape "
+                         f"tensors, which the graph contract gives no values for: the graph is "
+                         f"not one `specexport build` writes; rebuild the bundle")
     opt = builder.create_optimization_profile()
-    for name, (low, mid, high) in profile.items():
-        if name in shape_inputs:  # a scalar that sets shapes: its values, not its shape
-            opt.set_shape_input(name, [low], [mid], [high])
-        elif name == "input_ids":
-            opt.set_shape(name, low, mid, high)
+    for name, r in profile.items():
+        if not r.values:
+            opt.set_shape(name, r.min, r.opt, r.max)
+        elif name in shape_inputs:  # values, not a shape (TensorRT 10+: int64 values)
+            opt.set_shape_input(name, list(r.min), list(r.opt), list(r.max))
+        # (a scalar TensorRT does not read as a shape tensor has a fixed shape: no entry)
     config.add_optimization_profile(opt)
     data = builder.build_serialized_network(network, config)
     if data is None:

@@ -63,11 +63,13 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
     """One model's engine on `device`: OrtEngine over its decoder graph, or for an
     encoder-decoder bundle OrtEncDecEngine over its encoder and decoder graphs; on "tensorrt",
     the native TensorRT engine when `specexport engine` built one."""
+    from .kv_cache import device as kv_device
     from .ort_engine import provider_options, require_provider
 
     native = (manifest.engines.get("tensorrt") or {}).get("graphs", {}).get(f"{role}/decoder")
     if device == "tensorrt" and native:
-        return open_tensorrt_engine(bundle_dir, manifest, role, model, native)
+        return open_tensorrt_engine(bundle_dir, manifest, role, model, native,
+                                    kv_device(device).device_id)
     dev = require_provider(device)
     for name, graph in model.graphs.items():
         check_external_data(bundle_dir, manifest, graph.file)
@@ -93,12 +95,16 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
     # spinning (it shortens its own calls).
     spinning = manifest.draft.model is None
     decoder = model.graphs["decoder"]
+
+    def options(graph):
+        return provider_options(dev, graph.inputs, precision=model.precision,
+                                max_len=manifest.max_len, max_gamma=manifest.max_gamma,
+                                prefill_chunk=manifest.prefill_chunk, cache_dir=cache_dir)
+
     common = dict(vocab_size=model.vocab_size, max_len=manifest.max_len,
                   prefill_chunk=manifest.prefill_chunk, device=dev, threads=threads,
                   spinning=spinning, metadata=graph_metadata(role, "decoder", model.precision),
-                  provider_options=provider_options(
-                      dev, precision=model.precision, max_gamma=manifest.max_gamma,
-                      prefill_chunk=manifest.prefill_chunk, cache_dir=cache_dir))
+                  provider_options=options(decoder))
     if manifest.encoder_decoder:
         from .ort_encdec import OrtEncDecEngine
 
@@ -106,7 +112,8 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
         return OrtEncDecEngine.open(
             bundle_dir / decoder.file, decoder, bundle_dir / encoder.file, encoder,
             max_source_len=manifest.max_source_len, where=role,
-            encoder_metadata=graph_metadata(role, "encoder", model.precision), **common)
+            encoder_metadata=graph_metadata(role, "encoder", model.precision),
+            encoder_provider_options=options(encoder), **common)
     from .ort_engine import OrtEngine
 
     return OrtEngine.open(bundle_dir / decoder.file, decoder, where=f"{role}.graphs.decoder",
@@ -114,21 +121,21 @@ def open_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEnt
 
 
 def open_tensorrt_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry,
-                         file: str):
-    """The native TensorRT engine `specexport engine` built for this role, after checking that
-    this machine's TensorRT and GPU are the ones it was built for."""
+                         file: str, device_id: int = 0):
+    """The native TensorRT engine `specexport engine` built for this role, on GPU `device_id`,
+    after checking that this machine's TensorRT and that GPU are the ones it was built for."""
     from .contract import token_profile
     from .device_memory import gpu_identity
     from .trt_engine import TrtEngine, check_compatible, import_tensorrt
 
     trt = import_tensorrt()
     record = manifest.engines["tensorrt"]
-    check_compatible(record, {"tensorrt_version": str(trt.__version__), **gpu_identity(0)},
-                     bundle_dir)
+    check_compatible(record, {"tensorrt_version": str(trt.__version__),
+                              **gpu_identity(device_id)}, bundle_dir)
     return TrtEngine(bundle_dir / file, model.graphs["decoder"], vocab_size=model.vocab_size,
                      max_len=manifest.max_len, prefill_chunk=manifest.prefill_chunk,
                      max_tokens=token_profile(manifest.max_gamma, manifest.prefill_chunk)[2],
-                     trt=trt)
+                     device_id=device_id, trt=trt)
 
 
 def check_external_data(bundle_dir: Path, manifest: Manifest, file: str) -> None:

@@ -68,14 +68,41 @@ def token_profile(max_gamma: int, prefill_chunk: int) -> tuple[int, int, int]:
     return 1, verify, max(verify, prefill_chunk)
 
 
-def tensorrt_profile(max_len: int, max_gamma: int, prefill_chunk: int) -> dict:
-    """The optimization profile of a decoder graph: input_ids by shape, and the two scalars
-    whose values set shapes inside the graph (the valid cache prefix, the logit rows), which
-    TensorRT takes as shape tensors, by value. {name: (min, opt, max)}."""
-    low, opt, high = token_profile(max_gamma, prefill_chunk)
-    return {"input_ids": ((1, low), (1, opt), (1, high)),
-            "position": (0, max_len // 2, max_len - 1),
-            "num_logits": (low, opt, high)}
+@dataclass(frozen=True)
+class ProfileRange:
+    """One input's entry in a TensorRT optimization profile: the min / opt / max of its shape,
+    or, for a shape tensor (`values`: a scalar whose value sets shapes inside the graph), of
+    its values."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+    values: bool = False
+
+
+def tensorrt_profile(inputs: list[dict], max_len: int, max_gamma: int,
+                     prefill_chunk: int) -> dict[str, ProfileRange]:
+    """The one optimization profile of a graph with these inputs (a description's), for native
+    engines and ONNX Runtime's TensorRT provider alike (the provider applies explicit profiles
+    only when every dynamic input has one): each input with a symbolic dim, dim `n` from a step
+    through a verify call (opt) to a prefill chunk; and the decoder's two scalars that set
+    shapes inside the graph, which TensorRT takes as shape tensors, by value: `position` (the
+    valid cache prefix: 0 .. max_len - 1) and `num_logits` (the logit rows: as the tokens). An
+    input of fixed shape (an encoder's) needs no entry."""
+    tokens = token_profile(max_gamma, prefill_chunk)
+    scalars = {"position": (0, max_len // 2, max_len - 1), DIM_NUM_LOGITS: tokens}
+    profile = {}
+    for io in inputs:
+        name, shape = io["name"], io["shape"]
+        if name in scalars and shape == []:
+            profile[name] = ProfileRange(*((v,) for v in scalars[name]), values=True)
+        elif any(isinstance(d, str) for d in shape):
+            unknown = [d for d in shape if isinstance(d, str) and d != DIM_N]
+            if unknown:
+                raise ValueError(f"input {name} has dims {unknown} with no profile range")
+            low, opt, high = ([d if isinstance(d, int) else t for d in shape] for t in tokens)
+            profile[name] = ProfileRange(tuple(low), tuple(opt), tuple(high))
+    return profile
 
 
 def cache_dtype(precision: str) -> str:

@@ -2,8 +2,9 @@
 engine's buffers, and the strided copies that write new cache slots on a device.
 
 `CudaMemory` is CUDA through cuda-python (one stream per user; copies on it, synchronised once a
-step). `HostMemory` does the same with host memory and ctypes: the stand-in that lets every
-caller's bookkeeping (offsets, pitches, sizes) be tested on a machine without a GPU.
+step). `HostMemory` does the same with host memory and ctypes. Memory from `alloc` is not
+initialised (cudaMalloc's is not); callers `zero` what they read before writing it (a KV cache:
+a NaN in a slot that attention masks is still NaN after the softmax's 0 × NaN).
 """
 
 from __future__ import annotations
@@ -19,15 +20,32 @@ CUDA_PYTHON = ("`pip install cuda-python` (it talks to the CUDA driver that the 
 
 
 def cuda_runtime():
-    """cuda-python's runtime API module, or InputError naming the install."""
+    """cuda-python's runtime API module, or InputError naming the install. cuda-python 12.6 and
+    later (and cuda-bindings 13, where it is the only one) have `cuda.bindings.runtime`; before
+    12.6 it was `cuda.cudart`, which 12.6 to 12.9 keep as a deprecated alias and 13 removed.
+    Both take and return the same values: a tuple (cudaError_t, results...) per call."""
     try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+        from cuda.bindings import runtime as cudart
     except ImportError:
         try:
-            from cuda import cudart  # older cuda-python
+            from cuda import cudart
         except ImportError:
             raise InputError(f"the GPU paths need cuda-python: {CUDA_PYTHON}") from None
     return cudart
+
+
+def native_handle(obj) -> int:
+    """The address behind a cuda-python object (a stream), as TensorRT takes it: cuda-bindings
+    13 deprecates int(obj) for `cuda.bindings.utils.get_cuda_native_handle`; earlier versions
+    have only int(obj)."""
+    try:
+        from cuda.bindings.utils import get_cuda_native_handle
+    except ImportError:
+        return int(obj)
+    try:
+        return int(get_cuda_native_handle(obj))
+    except TypeError:  # not a cuda-bindings type (one from cuda.cudart of an older install)
+        return int(obj)
 
 
 class HostMemory:
@@ -37,9 +55,12 @@ class HostMemory:
         self._keep: dict[int, np.ndarray] = {}
 
     def alloc(self, nbytes: int) -> int:
-        buf = np.zeros(max(1, nbytes), np.uint8)
+        buf = np.empty(max(1, nbytes), np.uint8)
         self._keep[buf.ctypes.data] = buf
         return buf.ctypes.data
+
+    def zero(self, ptr: int, nbytes: int) -> None:
+        ctypes.memset(ptr, 0, nbytes)
 
     def to_device(self, dst: int, src: np.ndarray) -> None:
         ctypes.memmove(dst, src.ctypes.data, src.nbytes)
@@ -80,6 +101,9 @@ class CudaMemory:
     def alloc(self, nbytes: int) -> int:
         return int(self._check(self.rt.cudaMalloc(max(1, nbytes))))
 
+    def zero(self, ptr: int, nbytes: int) -> None:
+        self._check(self.rt.cudaMemsetAsync(ptr, 0, nbytes, self._stream))
+
     def to_device(self, dst: int, src: np.ndarray) -> None:
         self._check(self.rt.cudaMemcpyAsync(dst, src.ctypes.data, src.nbytes,
                                             self._kinds.cudaMemcpyHostToDevice, self._stream))
@@ -98,11 +122,23 @@ class CudaMemory:
 
     @property
     def stream(self) -> int:
-        return int(self._stream)
+        return native_handle(self._stream)
 
 
 def memory(kind: str, device_id: int = 0):
     return HostMemory(device_id) if kind == "cpu" else CudaMemory(device_id)
+
+
+def select_device(device_id: int = 0):
+    """Make `device_id` this thread's current CUDA device (where TensorRT builds and
+    deserializes engines); returns the runtime module. InputError when there is no such
+    device."""
+    rt = cuda_runtime()
+    err, *_ = rt.cudaSetDevice(device_id)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise InputError(f"no CUDA device {device_id} ({err}): check the driver and "
+                         f"CUDA_VISIBLE_DEVICES")
+    return rt
 
 
 def gpu_identity(device_id: int = 0) -> dict:

@@ -99,7 +99,9 @@ class HostCache:
 
 
 class DeviceCache:
-    """The cache as OrtValues on `device`'s memory, allocated by ONNX Runtime once."""
+    """The cache as OrtValues on `device`'s memory, allocated by ONNX Runtime once and zeroed
+    once: device memory comes uninitialised, and a NaN in a slot that attention masks is still
+    NaN after the softmax's 0 × NaN."""
 
     def __init__(self, ort, names: list[str], shape: tuple[int, ...], dtype: str = "float32",
                  device: Device = DEVICES["cpu"]):
@@ -107,15 +109,19 @@ class DeviceCache:
         self.shape = tuple(shape)
         self.dtype = NUMPY_DTYPES[dtype]
         self.device = device
+        self._memory = memory(device.memory, device.device_id)  # zeroing, strided copies
         try:
             self.values = {name: self._alloc(self.shape) for name in names}
         except Exception as e:  # ONNX Runtime reports allocation failures as its own errors
             if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
                 raise
             raise BundleError(_allocation(names, shape, self.dtype)) from None
+        nbytes = int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+        for value in self.values.values():
+            self._memory.zero(value.data_ptr(), nbytes)
+        self._memory.sync()
         self._scratch: dict[int, dict[str, object]] = {}
         self._n = None
-        self._memory = memory(device.memory, device.device_id)  # for the strided copies
 
     def _alloc(self, shape):
         return self._ort.OrtValue.ortvalue_from_shape_and_type(

@@ -3,7 +3,9 @@ the decoder graph exactly as OrtEngine drives a decoder-only one.
 
 The encoder reads the source right-padded to the static max_source_len and returns the
 cross-attention K/V of every decoder layer, on the engine's device; they and the source mask are
-bound as fixed inputs of every decoder call of that request (no copy per step). `reset()` (called by the decode loop after
+bound once per request as inputs of every decoder call of that request (no copy per step). The
+host inputs are bound after their values are written, each request: ONNX Runtime copies an
+input to the device that reads it when it is bound. `reset()` (called by the decode loop after
 `encode_source`) keeps them: only the self-attention cache is per-position, and positions make
 its stale slots invisible.
 """
@@ -34,10 +36,7 @@ class OrtEncDecEngine(OrtEngine):
         self.cross_names = [o["name"] for o in encoder_graph.outputs]
         self._source = np.zeros((1, max_source_len), dtype=np.int64)
         self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
-        self._binding.bind_cpu_input("source_mask", self._source_mask)  # by address
         self._encoder_binding = encoder.io_binding()
-        self._encoder_binding.bind_cpu_input("input_ids", self._source)
-        self._encoder_binding.bind_cpu_input("attention_mask", self._source_mask)
         for name in self.cross_names:
             self._encoder_binding.bind_output(name, self.device.memory, self.device.device_id)
         self.cross: dict = {}  # this request's cross K/V (OrtValues), bound as decoder inputs
@@ -48,14 +47,16 @@ class OrtEncDecEngine(OrtEngine):
              vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
              device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
              where: str = "graph", metadata: dict | None = None,
-             encoder_metadata: dict | None = None,
-             provider_options: dict | None = None) -> "OrtEncDecEngine":
-        common = dict(device=device, threads=threads, spinning=spinning,
-                      provider_options=provider_options)
+             encoder_metadata: dict | None = None, provider_options: dict | None = None,
+             encoder_provider_options: dict | None = None) -> "OrtEncDecEngine":
+        """`provider_options` for the decoder's session, `encoder_provider_options` for the
+        encoder's (a TensorRT profile is the graph's own: ort_engine.provider_options)."""
+        common = dict(device=device, threads=threads, spinning=spinning)
         session = open_session(decoder_path, graph, where=f"{where}.graphs.decoder",
-                               metadata=metadata, **common)
+                               metadata=metadata, provider_options=provider_options, **common)
         encoder = open_session(encoder_path, encoder_graph, where=f"{where}.graphs.encoder",
-                               metadata=encoder_metadata, **common)
+                               metadata=encoder_metadata,
+                               provider_options=encoder_provider_options, **common)
         return cls(session, graph, encoder, encoder_graph, vocab_size=vocab_size,
                    max_len=max_len, max_source_len=max_source_len, prefill_chunk=prefill_chunk,
                    device=device)
@@ -84,6 +85,9 @@ class OrtEncDecEngine(OrtEngine):
         self._source[0, :n] = ids
         self._source_mask[:] = 0
         self._source_mask[0, :n] = 1
+        self._encoder_binding.bind_cpu_input("input_ids", self._source)
+        self._encoder_binding.bind_cpu_input("attention_mask", self._source_mask)
+        self._binding.bind_cpu_input("source_mask", self._source_mask)
         self.encoder.run_with_iobinding(self._encoder_binding)
         self.cross = dict(zip(self.cross_names, self._encoder_binding.get_outputs()))
         for name, value in self.cross.items():

@@ -2,8 +2,10 @@
 
 Every call runs through one IOBinding, set up once:
 
-    input_ids ───────────── bound per call (the only host-to-graph copy)
-    position, num_logits ── bound once by address; a call writes the values in place
+    input_ids, position, ── bound per call (the only host-to-graph copies): ONNX Runtime copies
+    num_logits              an input to the device of the node that reads it when it is bound,
+                            so a value written into a bound array later would reach a CPU node
+                            and never a GPU one
     past_key.i ... ──────── bound once to the cache store's buffers
     logits ──────────────── bound to a buffer allocated once (grown on demand): the rows asked
     present_key.i ...       "in-place" layout: bound to the same buffers as past (the attention
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from . import gqa_window
-from .contract import METADATA, dims_of, kv_names, mismatch, token_profile
+from .contract import METADATA, dims_of, kv_names, mismatch, tensorrt_profile
 from .engine import ChunkedEngine
 from .errors import BundleError, InputError
 from .kv_cache import Device, cache_store
@@ -155,22 +157,23 @@ def session_options(ort, device: Device, threads: int | None = None, spinning: b
     return opts
 
 
-def provider_options(device: Device, *, precision: str, max_gamma: int, prefill_chunk: int,
-                     cache_dir=None) -> dict:
-    """A session's provider options, derived from the bundle, never typed by the user.
-    TensorRT: fp16 for fp16 graphs; its engines cached in `cache_dir` (built once per GPU and
-    TensorRT version, minutes for a large graph); one optimization profile for the token
-    dimension, from a 1-token step through a (max_gamma+1)-token verify (opt) to a prefill
-    chunk (max)."""
+def provider_options(device: Device, inputs: list[dict], *, precision: str, max_len: int,
+                     max_gamma: int, prefill_chunk: int, cache_dir=None) -> dict:
+    """A session's provider options, derived from the bundle and the graph's `inputs` (its
+    description), never typed by the user. TensorRT: fp16 for fp16 graphs; its engines cached
+    in `cache_dir` (built once per GPU and TensorRT version, minutes for a large graph); the
+    graph's optimization profile (contract.tensorrt_profile, as native engines have it) as
+    "name:dim x dim ..." lists, a shape tensor's values in place of its shape."""
     if device.provider == "CUDAExecutionProvider":
         return {"device_id": device.device_id}
     if device.provider != "TensorrtExecutionProvider":
         return {}
-    low, opt, high = token_profile(max_gamma, prefill_chunk)
-    options = {"device_id": device.device_id, "trt_fp16_enable": precision == "fp16",
-               "trt_profile_min_shapes": f"input_ids:1x{low}",
-               "trt_profile_opt_shapes": f"input_ids:1x{opt}",
-               "trt_profile_max_shapes": f"input_ids:1x{high}"}
+    options = {"device_id": device.device_id, "trt_fp16_enable": precision == "fp16"}
+    profile = tensorrt_profile(inputs, max_len, max_gamma, prefill_chunk)
+    if profile:  # (an encoder's inputs have fixed shapes: none)
+        for which in ("min", "opt", "max"):
+            options[f"trt_profile_{which}_shapes"] = ",".join(
+                f"{name}:{'x'.join(map(str, getattr(r, which)))}" for name, r in profile.items())
     if cache_dir is not None:
         options.update(trt_engine_cache_enable=True, trt_engine_cache_path=str(cache_dir),
                        trt_timing_cache_enable=True, trt_timing_cache_path=str(cache_dir))
@@ -237,11 +240,9 @@ class OrtEngine(ChunkedEngine):
         for past, present in zip(self.past_names, self.present_names):
             self.cache.bind(self._binding, past, present if self.in_place else None)
         self._presents = dict(zip(self.present_names, self.past_names))
-        # scalars bound once by address: a call writes its values into the same arrays
+        # the scalars' host arrays, bound anew each call (module docstring)
         self._position = np.zeros((), np.int64)
         self._num_logits = np.zeros((), np.int64)
-        self._binding.bind_cpu_input("position", self._position)
-        self._binding.bind_cpu_input("num_logits", self._num_logits)
         # logits come to the host whatever the device: the rows asked for, nothing else
         self._logits = np.empty((1, 0, self.vocab_size), np.float32)  # grown on demand
         self._bound_rows = None  # (rows, buffer) the logits output is bound to
@@ -286,6 +287,8 @@ class OrtEngine(ChunkedEngine):
         out = self._bind_call(n, num_logits)
         self._position[...] = pos
         self._num_logits[...] = num_logits
+        self._binding.bind_cpu_input("position", self._position)
+        self._binding.bind_cpu_input("num_logits", self._num_logits)
         self._binding.bind_cpu_input("input_ids", tokens.reshape(1, n))
         self.session.run_with_iobinding(self._binding)
         if not self.in_place:

@@ -3,14 +3,18 @@ portable graph, for boards that have TensorRT (JetPack) but no onnxruntime-gpu.
 
 It implements spec_runtime.engine.Engine the way OrtEngine does, with its own buffers:
 
-    input_ids ─ host → device copy per call     position, num_logits ─ shape tensors, by value
-    past_* ─ the KV cache, allocated once on the device, bound once
+    input_ids ─ host → device copy per call
+    position, num_logits ─ where the engine says (get_tensor_location): host memory for the
+                shape tensors, TensorRT reads them at execution; device memory otherwise,
+                copied per call
+    past_* ─ the KV cache, allocated once on the device, zeroed once, bound once
     present_* ─ scratch of up to max_tokens slots, written into the cache at the position by one
                 strided device copy per tensor (the "new-slots" layout)
     logits ─ a device buffer; the rows asked for are copied to the host
 
-Memory goes through device_memory (CudaMemory on a GPU); `trt` and `memory` can be replaced,
-which is how its bookkeeping is tested on a machine without either (tests/fake_tensorrt.py).
+Memory goes through device_memory (CudaMemory on GPU `device_id`); `trt` and `memory` can be
+replaced, which is how its bookkeeping is tested on a machine without either
+(tests/fake_tensorrt.py, tests/fake_cuda.py).
 """
 
 from __future__ import annotations
@@ -60,17 +64,19 @@ class TrtEngine(ChunkedEngine):
                  prefill_chunk: int, max_tokens: int, device_id: int = 0, trt=None,
                  memory=None):
         """`graph` is the portable graph the engine was built from (its I/O description);
-        `max_tokens` the most tokens one call may carry (the profile's maximum)."""
+        `max_tokens` the most tokens one call may carry (the profile's maximum); `device_id`
+        the GPU it runs on."""
         trt = trt or import_tensorrt()
-        self.memory = mem = memory or CudaMemory(device_id)
+        self.memory = mem = memory or CudaMemory(device_id)  # (makes device_id current)
         self.vocab_size, self.max_len, self.prefill_chunk = int(vocab_size), max_len, prefill_chunk
         self.max_tokens = max_tokens
+        self.path = Path(path)
         logger = trt.Logger(trt.Logger.ERROR)
-        self.engine = trt.Runtime(logger).deserialize_cuda_engine(Path(path).read_bytes())
+        self.engine = trt.Runtime(logger).deserialize_cuda_engine(self.path.read_bytes())
         if self.engine is None:
-            raise BundleError(f"TensorRT cannot load {Path(path).name}: it was built by another "
+            raise BundleError(f"TensorRT cannot load {self.path.name}: it was built by another "
                               f"TensorRT version or for another GPU; "
-                              f"{rebuild_hint(Path(path).parent)}")
+                              f"{rebuild_hint(self.path.parent)}")
         self.context = self.engine.create_execution_context()
         dims = dims_of(graph.inputs, graph.outputs)
         self.past_names = kv_names("past", dims.n_layers)
@@ -81,24 +87,32 @@ class TrtEngine(ChunkedEngine):
         cache_bytes = self.heads * self.slots * self.head_dim * self.item
         scratch_bytes = self.heads * max_tokens * self.head_dim * self.item
         self.cache = {name: mem.alloc(cache_bytes) for name in self.past_names}
+        for address in self.cache.values():  # cudaMalloc'd memory holds anything, NaN too
+            mem.zero(address, cache_bytes)
         self.scratch = {name: mem.alloc(scratch_bytes) for name in self.past_names}
         self._ids = mem.alloc(8 * max_tokens)
         self._logits = mem.alloc(4 * max_tokens * self.vocab_size)
         self._host_logits = np.empty((max_tokens, self.vocab_size), np.float32)
-        for past, present in zip(self.past_names, self.present_names):
-            self.context.set_tensor_address(past, self.cache[past])
-            self.context.set_tensor_address(present, self.scratch[past])
-        self.context.set_tensor_address("input_ids", self._ids)
-        self.context.set_tensor_address("logits", self._logits)
-        # scalars that set shapes inside the graph are shape tensors: TensorRT reads them from
-        # host memory; any other is copied to the device with the tokens
+        host = trt.TensorLocation.HOST
+        on_device = {**{p: self.cache[p] for p in self.past_names},
+                     **{t: self.scratch[p] for p, t in zip(self.past_names, self.present_names)},
+                     "input_ids": self._ids, "logits": self._logits}
+        for name, address in on_device.items():
+            if self.engine.get_tensor_location(name) == host:
+                raise BundleError(f"{self.path.name} wants {name} in host memory, which no "
+                                  f"engine built from a portable graph does; "
+                                  f"{rebuild_hint(self.path.parent)}")
+            self.context.set_tensor_address(name, address)
+        # the scalars: a shape tensor's value is read from host memory when the engine runs
+        # (TensorRT 10 takes it by address, as any tensor); any other is copied to the device
         self._scalars = {}
         for name in ("position", "num_logits"):
-            host = np.zeros((), np.int64)
-            on_host = self.engine.is_shape_inference_io(name)
-            address = host.ctypes.data if on_host else mem.alloc(8)
+            value = np.zeros((), np.int64)
+            on_host = self.engine.get_tensor_location(name) == host
+            address = value.ctypes.data if on_host else mem.alloc(8)
             self.context.set_tensor_address(name, address)
-            self._scalars[name] = (host, None if on_host else address)
+            self._scalars[name] = (value, None if on_host else address)
+        mem.sync()
 
     def reset(self) -> None:
         pass  # positions make the stale slots invisible; nothing to clear
@@ -106,7 +120,10 @@ class TrtEngine(ChunkedEngine):
     def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
         n = len(tokens)
         mem = self.memory
-        self.context.set_input_shape("input_ids", (1, n))
+        if not self.context.set_input_shape("input_ids", (1, n)):
+            raise BundleError(f"{self.path.name} does not take {n} tokens in one call (its "
+                              f"optimization profile ends earlier): the engine was built for "
+                              f"other bundle settings; {rebuild_hint(self.path.parent)}")
         mem.to_device(self._ids, tokens)
         for name, value in (("position", pos), ("num_logits", num_logits)):
             host, device = self._scalars[name]

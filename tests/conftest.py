@@ -72,3 +72,13 @@ def bundle_copy(llama_pair, tmp_path):
     dst = tmp_path / "bundle"
     shutil.copytree(llama_pair[2], dst)
     return dst
+
+
+@pytest.fixture
+def cuda_stand_in(monkeypatch):
+    """(Device, fake CUDA runtime): "cuda" is a stand-in GPU on the CPU provider, with device
+    memory apart from host memory and IOBindings that copy host inputs when bound
+    (tests/device_stand_in.py)."""
+    from device_stand_in import install
+
+    return install(monkeypatch)

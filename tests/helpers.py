@@ -38,3 +38,23 @@ def assert_rows_alike(engine, seed: int = 1):
     prefill = engine.forward(seq, 0, 10).copy()
     np.testing.assert_array_equal(steps, verify)
     np.testing.assert_array_equal(steps, prefill)
+
+
+# (position, tokens, logit rows) of the calls `call_schedule` makes: a prefill, a step, two
+# 5-row verify calls where the second starts inside the first (a rollback: its slots are
+# written again), a step after it; then a second request from position 0
+CALLS = [(0, 17, 3), (17, 1, 1), (18, 5, 5), (20, 5, 5), (25, 1, 1)]
+
+
+def call_schedule(engine, seed: int = 0):
+    """The logit rows `engine` returns over CALLS, for one request and then a second one with
+    other tokens (the same engine, as a server slot serves them): [rows, vocab]."""
+    import numpy as np
+
+    rows = []
+    for request in range(2):
+        seq = np.random.default_rng(seed + request).integers(3, 259, 40)
+        engine.reset()
+        for pos, n, k in CALLS:
+            rows.append(np.array(engine.forward(seq[pos : pos + n], pos, k)))
+    return np.concatenate(rows)

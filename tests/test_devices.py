@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import spec_runtime
-from spec_runtime import kv_cache
 from spec_runtime.errors import BundleError
-from spec_runtime.kv_cache import DEVICES, Device, DeviceCache, HostCache
+from spec_runtime.kv_cache import DEVICES, DeviceCache, HostCache
 from spec_runtime.ort_engine import provider_options
-from helpers import assert_input_error, run
+from helpers import assert_input_error, call_schedule, run
 from specedge.cli.specrun import main as specrun
 
 
@@ -56,6 +55,35 @@ def test_fp16_speculative_is_exact_relative_to_the_fp16_target(fp16_pair):
     assert same >= 48, same  # float16 rounding may flip a near-tie, not the whole output
 
 
+def test_fp16_keeps_the_norm_statistics_in_float32_past_float16s_range(tmp_path):
+    """One channel of the residual stream at 600, as the "massive activations" of real models
+    (the default target's reach the thousands): x² is 360000, past float16's 65504, so RMSNorm's
+    statistics must stay float32 from x² to 1/rms, with no float16 step between. The portable
+    float16 graph agrees with the float32 Hugging Face model within the build's tolerance."""
+    import torch
+    from tiny_models import llama
+
+    from spec_export.onnx_export import export_decoder
+    from spec_export.parity import quantized_parity
+    from spec_export.quality import FP16_TOLERANCE
+    from spec_export.quantize import convert_fp16
+    from specedge.models import for_hf_model
+
+    hf = llama(0, layers=2, tied=False).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[:, 5] = 600.0
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, 259, 40)) for _ in range(3)]
+    with torch.no_grad():
+        states = hf(torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+    assert max(float(h.abs().max()) for h in states) ** 2 > 65504  # the premise: x² overflows
+    export_decoder(for_hf_model(hf, 64), tmp_path / "fp32.onnx", 64)
+    convert_fp16(tmp_path / "fp32.onnx", tmp_path / "fp16.onnx")
+    agree = quantized_parity(hf, tmp_path / "fp16.onnx", prompts)
+    assert agree["top1_agreement"] >= FP16_TOLERANCE["min_top1_agreement"], agree
+    assert agree["mean_kl"] <= FP16_TOLERANCE["max_mean_kl"], agree
+
+
 def engines(bundle, store):
     gen = spec_runtime.load(bundle)
     return gen.target, type(gen.target)(gen.target.session, gen.target.graph,
@@ -67,19 +95,14 @@ def engines(bundle, store):
 def same_logits(bundle):
     host, device = engines(bundle, DeviceCache)
     assert isinstance(host.cache, HostCache) and isinstance(device.cache, DeviceCache)
-    rng = np.random.default_rng(0)
-    seq = rng.integers(3, 259, 40)
-    for pos, n, rows in [(0, 17, 3), (17, 1, 1), (18, 5, 5), (20, 5, 5), (25, 1, 1)]:
-        a = host.forward(seq[pos : pos + n], pos, rows).copy()
-        b = device.forward(seq[pos : pos + n], pos, rows)
-        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(call_schedule(host), call_schedule(device))
 
 
 @pytest.mark.parametrize("pair", ["llama_pair", "llama_portable_pair"])
 def test_the_device_cache_path_gives_the_host_paths_logits_bit_for_bit(pair, request):
     """DeviceCache (ONNX Runtime allocates the cache, new slots are written by strided copies
     between OrtValues: the CUDA code path with CPU memory) against HostCache (numpy), over a
-    prefill, steps, verify calls and a rollback, for both cache layouts."""
+    prefill, steps, verify calls, a rollback and a second request, for both cache layouts."""
     same_logits(request.getfixturevalue(pair)[2])
 
 
@@ -87,20 +110,53 @@ def test_the_device_cache_path_in_float16(fp16_pair):
     same_logits(fp16_pair[2])
 
 
-@pytest.fixture
-def cuda_stand_in(monkeypatch):
-    """A "cuda" device that runs on the CPU provider with its cache in ONNX Runtime's CPU
-    memory: the device-generic path end to end, without a GPU."""
-    stand_in = Device("cuda", "CPUExecutionProvider", "cpu")
-    monkeypatch.setitem(DEVICES, "cuda", stand_in)
-    from spec_runtime import ort_engine
+def same_on_stand_in(bundle, stand_in):
+    gpu = spec_runtime.load(bundle, device="cuda").target
+    assert isinstance(gpu.cache, DeviceCache) and gpu.device is stand_in
+    np.testing.assert_array_equal(call_schedule(gpu),
+                                  call_schedule(spec_runtime.load(bundle).target))
 
-    def store(dev):
-        return DeviceCache if dev is stand_in else HostCache
 
-    monkeypatch.setattr(kv_cache, "cache_store", store)
-    monkeypatch.setattr(ort_engine, "cache_store", store)
-    return stand_in
+def test_a_gpu_stand_in_computes_what_the_cpu_computes(fp16_pair, cuda_stand_in):
+    """The target on the stand-in GPU (tests/device_stand_in.py: cache in device memory that
+    comes NaN-filled, host inputs copied when bound, as on a GPU) against the same bundle on the
+    CPU: the same logits bit for bit (both run ONNX Runtime's CPU kernels) over a prefill,
+    steps, 5-row verify calls, a rollback and a second request. An input bound once and
+    rewritten in place would reach the graph with its first value only."""
+    same_on_stand_in(fp16_pair[2], cuda_stand_in[0])
+
+
+def test_a_gpu_stand_in_computes_what_the_cpu_computes_in_float32(llama_portable_pair,
+                                                                  cuda_stand_in):
+    same_on_stand_in(llama_portable_pair[2], cuda_stand_in[0])
+
+
+def test_the_gpu_tests_pass_on_the_stand_in(fp16_pair, cuda_stand_in):
+    """tests/test_gpu.py's checks (logits against the CPU, greedy parity, `specrun check`)
+    run here on the stand-in GPU (fused: beside a CPU draft, as gpu_check.sh's mixed
+    placement; portable: alone): the harness itself is tested on every machine, the hardware
+    only where there is one."""
+    import test_gpu
+
+    fused = "fused" in fp16_pair[2].parent.name
+    path = (fp16_pair[2], "cuda", "cpu" if fused else None, "fused" if fused else "portable")
+    test_gpu.test_the_gpu_computes_what_the_cpu_computes(path)
+    test_gpu.test_greedy_parity_and_specrun_check(path)
+
+
+def test_the_device_cache_is_zeroed_when_allocated(cuda_stand_in):
+    """Device memory comes uninitialised (the stand-in's: NaN bytes); a NaN in a slot that
+    attention masks is still NaN after the softmax's 0 × NaN, so the cache starts at zero."""
+    from spec_runtime.ort_engine import onnxruntime
+
+    device, cuda = cuda_stand_in
+    _, fresh = cuda.cudaMalloc(64)
+    assert (cuda.array(fresh, 64) == 0xFF).all()  # the premise: allocations are not zeroed
+    cache = DeviceCache(onnxruntime(), ["past_key.0", "past_value.0"], (1, 2, 8, 4), "float16",
+                        device)
+    for value in cache.values.values():
+        assert cuda.device_of(value.data_ptr(), 128) == 0
+        assert not cuda.array(value.data_ptr(), 128).any()
 
 
 def test_mixed_placement_draft_on_one_device_target_on_another(fp16_pair, cuda_stand_in):
@@ -127,23 +183,86 @@ def test_a_bundle_refuses_a_device_its_graphs_cannot_run_on(llama_pair, cuda_sta
                       "cuda"), "draft decoder graph", "not on 'cuda'")
 
 
+def parse_profile(options: dict) -> dict:
+    """{name: (min, opt, max)} from ONNX Runtime's TensorRT profile options."""
+    lists = [dict(item.split(":") for item in options[f"trt_profile_{w}_shapes"].split(","))
+             for w in ("min", "opt", "max")]
+    return {name: tuple(tuple(int(v) for v in d[name].split("x")) for d in lists)
+            for name in lists[0]}
+
+
+def test_one_tensorrt_profile_for_every_dynamic_and_shape_input(llama_portable_pair, tmp_path,
+                                                               monkeypatch):
+    """ONNX Runtime's TensorRT provider applies explicit profiles only when every dynamic input
+    has one. What the graph needs is read from the graph as TensorRT's parser reads it
+    (fake_tensorrt.analyse: dynamic dims, and the integer inputs whose values set shapes): each
+    gets an entry, a shape tensor its values; the ranges hold every call a generate makes; and
+    native engines get the same profile."""
+    import shutil
+    import sys
+
+    import onnx
+
+    import fake_cuda
+    import fake_tensorrt
+    from spec_export.trt_build import build_engines
+    from spec_runtime.manifest import read_manifest
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_portable_pair[2], bundle)
+    m = read_manifest(bundle)
+    graph = m.target.graphs["decoder"]
+    options = provider_options(DEVICES["tensorrt"], graph.inputs, precision="fp32",
+                               max_len=m.max_len, max_gamma=m.max_gamma,
+                               prefill_chunk=m.prefill_chunk)
+    profile = parse_profile(options)
+    needs = fake_tensorrt.analyse(onnx.load(bundle / graph.file, load_external_data=False))
+    wanted = {n for n, i in needs.items() if i["shape_tensor"] or -1 in i["shape"]}
+    assert set(profile) == wanted and {"input_ids", "position", "num_logits"} <= wanted
+    assert all(len(profile[n][0]) == 1 for n in wanted if needs[n]["shape_tensor"])
+
+    seen = []  # (tokens, position, rows) of every target call
+    gen = spec_runtime.load(bundle)
+    run_call = gen.target._run
+    monkeypatch.setattr(gen.target, "_run", lambda t, p, k: seen.append((len(t), p, k))
+                        or run_call(t, p, k))
+    gen.generate("x" * 60, max_new_tokens=30, chat=False)  # a prefill, verify calls, steps
+    gen.generate("hi", max_new_tokens=int(m.max_len) - 8, chat=False)  # to the last slots
+    for n, pos, k in seen:
+        for name, value in (("input_ids", (1, n)), ("position", (pos,)), ("num_logits", (k,))):
+            low, _, high = profile[name]
+            assert all(a <= v <= b for a, v, b in zip(low, value, high)), (name, value)
+
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt)
+    fake_cuda.install(monkeypatch)
+    build_engines(bundle)
+    header = json.loads((bundle / "target.decoder.trt").read_bytes().split(b"\n", 2)[1])
+    native = {**header["shapes"], **header["values"]}
+    assert {n: tuple(map(tuple, r)) for n, r in native.items()} == profile
+
+
 def test_provider_options_come_from_the_manifest(tmp_path):
-    trt = provider_options(DEVICES["tensorrt"], precision="fp16", max_gamma=8, prefill_chunk=128,
-                           cache_dir=tmp_path / "b.trt-cache")
-    assert trt == {"device_id": 0, "trt_fp16_enable": True,
-                   "trt_profile_min_shapes": "input_ids:1x1",
-                   "trt_profile_opt_shapes": "input_ids:1x9",
-                   "trt_profile_max_shapes": "input_ids:1x128",
-                   "trt_engine_cache_enable": True,
-                   "trt_engine_cache_path": str(tmp_path / "b.trt-cache"),
-                   "trt_timing_cache_enable": True,
-                   "trt_timing_cache_path": str(tmp_path / "b.trt-cache")}
-    small = provider_options(DEVICES["tensorrt"], precision="fp32", max_gamma=8, prefill_chunk=4)
-    assert small["trt_fp16_enable"] is False and small["trt_profile_max_shapes"] == "input_ids:1x9"
-    assert "trt_engine_cache_path" not in small
-    assert provider_options(DEVICES["cuda"], precision="fp16", max_gamma=4,
+    from spec_runtime.contract import Dims, decoder_io, encoder_io
+
+    ins = decoder_io(Dims(2, 2, 16, 259), 96, "new-slots")[0]
+    trt = provider_options(DEVICES["tensorrt"], ins, precision="fp16", max_len=96, max_gamma=8,
+                           prefill_chunk=128, cache_dir=tmp_path / "b.trt-cache")
+    assert trt["device_id"] == 0 and trt["trt_fp16_enable"] is True
+    assert trt["trt_engine_cache_path"] == trt["trt_timing_cache_path"] == \
+        str(tmp_path / "b.trt-cache")
+    assert parse_profile(trt)["input_ids"] == ((1, 1), (1, 9), (1, 128))  # step, verify, chunk
+    small = provider_options(DEVICES["tensorrt"], ins, precision="fp32", max_len=96,
+                             max_gamma=8, prefill_chunk=4)
+    assert small["trt_fp16_enable"] is False and "trt_engine_cache_path" not in small
+    assert parse_profile(small)["input_ids"][2] == (1, 9)  # a verify call is the longest
+    # an encoder's inputs have fixed shapes: no profile (one would contradict them)
+    encoder = provider_options(DEVICES["tensorrt"], encoder_io(Dims(2, 2, 16, 259), 32)[0],
+                               precision="fp32", max_len=96, max_gamma=8, prefill_chunk=64)
+    assert not any(key.startswith("trt_profile") for key in encoder)
+    assert provider_options(DEVICES["cuda"], ins, precision="fp16", max_len=96, max_gamma=4,
                             prefill_chunk=64) == {"device_id": 0}
-    assert provider_options(DEVICES["cpu"], precision="fp32", max_gamma=4, prefill_chunk=64) == {}
+    assert provider_options(DEVICES["cpu"], ins, precision="fp32", max_len=96, max_gamma=4,
+                            prefill_chunk=64) == {}
 
 
 def test_threads_apply_to_cpu_sessions_only():

@@ -171,6 +171,23 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
         assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
 
 
+def test_a_gpu_stand_in_gives_the_cpus_tokens(v10_pair, cuda_stand_in):
+    """Target and draft on the stand-in GPU (tests/device_stand_in.py: host inputs copied when
+    bound, as on a GPU; cache and cross K/V in device memory): each request's source ids and
+    mask reach the encoder and the decoder, so requests in a row give the CPU's tokens, greedy
+    and sampled."""
+    from spec_runtime.kv_cache import DeviceCache
+
+    _, bundle = v10_pair
+    gpu = spec_runtime.load(bundle, device="cuda", threads=THREADS)
+    cpu = spec_runtime.load(bundle, threads=THREADS)
+    assert isinstance(gpu.target.cache, DeviceCache)
+    for source in SOURCES[:3]:
+        for kw in ({}, {"temperature": 1.0, "seed": 4}):
+            assert gpu.generate(source, max_new_tokens=20, **kw).tokens == \
+                cpu.generate(source, max_new_tokens=20, **kw).tokens, (source, kw)
+
+
 def test_eos_ends_generation_like_hf(v10_pair):
     """With EOS handling on, both stop at the same place (or both run to the limit)."""
     target_dir, bundle = v10_pair

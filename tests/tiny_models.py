@@ -17,29 +17,13 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from spec_export.random_target import SPECIALS
+from spec_export.random_target import byte_tokenizer as _byte_tokenizer
 
 
 def byte_tokenizer(extra: int = 0) -> PreTrainedTokenizerFast:
     """Byte-level BPE without merges: 3 specials + 256 bytes (+ `extra` padding ids)."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    for i in range(extra):
-        vocab[f"<pad{i}>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return _byte_tokenizer(len(SPECIALS) + 256 + extra)
 
 
 VOCAB = len(SPECIALS) + 256
