@@ -478,10 +478,13 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             metrics.finished(result.stats, started, task.first_token_at)
             metrics.requests.labels(endpoint, "200").inc()
             reason = FINISH.get(result.finish_reason, result.finish_reason)
-            yield chunk(None, reason, specedge=extension(result.stats))
+            # the stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
+            # comes last before [DONE] (choices empty), else the chunk that ends the choice
+            stats = {"specedge": extension(result.stats)}
+            yield chunk(None, reason, **({} if job.include_usage else stats))
             if job.include_usage:
                 body = {"id": rid, "object": obj, "created": created_at, "model": model_name,
-                        "choices": [], "usage": usage(result)}
+                        "choices": [], "usage": usage(result), **stats}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
             ended = True

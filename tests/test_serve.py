@@ -115,8 +115,11 @@ def test_chat_streaming_stop_and_seeds(tiny):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == ref.text
     final = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
-    assert len(final) == 1 and final[0].model_extra["specedge"]["new_tokens"] == len(ref.tokens)
-    assert chunks[-1].usage.completion_tokens == len(ref.tokens)
+    assert len(final) == 1 and chunks[-2] is final[0]
+    # OpenAI's usage chunk is the last one (no choices), and the stats ride on the last chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
+    assert chunks[-1].model_extra["specedge"]["new_tokens"] == len(ref.tokens)
+    assert "specedge" not in (final[0].model_extra or {})
 
     # a stop string cuts the text where the library cuts it
     stop = ref.text[3:5] if len(ref.text) >= 5 else None
