@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
+from pathlib import Path
 
 import click
 
-from spec_runtime.errors import InputError
+from spec_runtime.errors import InputError, install_extra
 
 from .common import BadInput, BundleCommand, input_errors, library_messages
 
@@ -455,6 +458,45 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
     sys.exit(report["exit_code"])
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def pid_file_of(path):
+    """While the server runs, `path` holds its process id (for `kill $(cat PATH)`, which cannot
+    reach another user's server as `pkill -f` can); removed at exit. A file that names a live
+    process is refused: it is another server's."""
+    if path is None:
+        yield
+        return
+    path = Path(path)
+    try:
+        old = int(path.read_text().strip())
+    except (OSError, ValueError):
+        old = None
+    if old is not None and old != os.getpid() and _alive(old):
+        raise BadInput(f"--pid-file {str(path)!r} names a running process ({old}), another "
+                       f"server's: stop it (kill {old}) or choose another file")
+    try:
+        path.write_text(f"{os.getpid()}\n")
+    except OSError as e:
+        raise BadInput(f"--pid-file {str(path)!r} cannot be written ({e.strerror}): choose a "
+                       f"writable path") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if int(path.read_text().strip()) == os.getpid():
+                path.unlink()
+
+
 @main.command(cls=BundleCommand)
 @bundle_option
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -479,9 +521,14 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
                    "are cancelled (each gets an error), >= 0")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="the server's log level (not Ray's)")
+@click.option("--pid-file", type=click.Path(dir_okay=False), default=None,
+              help="write the server's process id to this file while it runs (removed at "
+                   "exit), to stop it with `kill $(cat FILE)` [default: none; the id is printed "
+                   "at start]")
 @click.option("--ray", "use_ray", is_flag=True,
               help="serve as a Ray Serve application: --replicas copies, each with --slots "
-                   "(needs the ray extra: pip install \"specedge[ray]\") [default: one process]")
+                   "(needs the ray extra: pip install \"specedge[ray]\", or pip install -e "
+                   "\".[ray]\" in a checkout) [default: one process]")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="with --ray: replicas of the server, >= 1, each one device's worth of slots "
                    "[default: 1]")
@@ -491,29 +538,38 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
 @device_options
 @input_errors
 def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
-          use_ray, replicas, ray_address, device, draft_device):
+          pid_file, use_ray, replicas, ray_address, device, draft_device):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
-    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]"."""
+    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]", or
+    pip install -e ".[serve]" in a checkout."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise BadInput(f"specrun serve needs {e.name}: pip install \"specedge[serve]\"") from None
+        raise BadInput(f"specrun serve needs {e.name}: {install_extra('serve')}") from None
     if not use_ray:
         for name, value in (("--replicas", replicas), ("--ray-address", ray_address)):
             if value is not None:
                 raise BadInput(f"{name} {value} needs --ray: add --ray to serve through Ray "
                                f"Serve")
-    else:
+    with pid_file_of(pid_file):
+        _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
+               use_ray, replicas, ray_address, device, draft_device)
+
+
+def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
+           use_ray, replicas, ray_address, device, draft_device):
+    pid = os.getpid()
+    if use_ray:
         from spec_runtime.ray_serve import run as run_ray  # imports ray itself, when it runs
 
         def ready_ray(info):
             n = info["replicas"]
-            click.echo(f"serving {info['model_name']} on {info['url']} through Ray Serve ({n} "
-                       f"replica{'s' if n > 1 else ''} × {slots} slot{'s' if slots > 1 else ''})",
-                       err=True)
+            click.echo(f"serving {info['model_name']} on {info['url']} through Ray Serve (pid "
+                       f"{pid}, {n} replica{'s' if n > 1 else ''} × {slots} "
+                       f"slot{'s' if slots > 1 else ''})", err=True)
 
         with library_messages("spec_runtime", "specrun"):
             run_ray(bundle, replicas=replicas or 1, slots=slots, queue=queue, host=host,
@@ -532,7 +588,8 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
             for sock in s.sockets:
                 address, bound = sock.getsockname()[:2]
                 click.echo(f"serving {app.state.model_name} on http://{address}:{bound}/v1 "
-                           f"({slots} slot{'s' if slots > 1 else ''}, queue {queue})", err=True)
+                           f"(pid {pid}, {slots} slot{'s' if slots > 1 else ''}, queue {queue})",
+                           err=True)
 
     with library_messages("spec_runtime", "specrun"):
         run_uvicorn(app, host, port, drain_seconds=drain_seconds, log_level=log_level,

@@ -210,6 +210,7 @@ def chat_body(n, **kw):
             "max_tokens": n, "temperature": 0, **kw}
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_a_burst_beyond_slots_and_queue_gets_429_and_the_rest_complete(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "2") as (url, _):
         barrier = threading.Barrier(8)
@@ -236,6 +237,7 @@ def test_a_burst_beyond_slots_and_queue_gets_429_and_the_rest_complete(default_b
                     r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "0") as (url, _):
         with httpx.Client(timeout=60) as h:
@@ -256,6 +258,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(default_bundle):
             assert r.status_code == 200
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "4") as (url, proc):
         results = [None] * 4
@@ -279,6 +282,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(default_bundle):
         assert [r.status_code for r in results] == [200] * 4, results
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_sigterm_past_the_drain_time_cancels_with_an_error(default_bundle):
     """A stream holds the slot and a second request waits for it when SIGTERM comes with a
     1 s drain: the stream ends with an error event and [DONE], the waiting request gets 503,
