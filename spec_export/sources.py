@@ -34,7 +34,8 @@ class ModelSpec:
             return local
         from transformers.utils import cached_file
 
-        return Path(cached_file(self.source, self.gguf_file))
+        return Path(cached_file(self.source, self.gguf_file,
+                                local_files_only=hub_unreachable() is not None))
 
 
 def default_target() -> ModelSpec:
@@ -111,6 +112,42 @@ def check_vocabularies(target_tok, draft_tok) -> None:
             )
 
 
+HUB = "https://huggingface.co"
+HUB_CHECK_S = 3.0  # a reachable hub answers a TCP connect well within this
+
+
+@functools.lru_cache(maxsize=None)
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be used from here (offline mode, or no connection to
+    it within HUB_CHECK_S), or None. Checked once per process, so that a hub id is looked up
+    in the local cache at once instead of after transformers' ~30 s of retries."""
+    import os
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "on", "yes", "true"):
+            return f"{name} is set"
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or HUB)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect():  # in a thread: name resolution has no timeout of its own
+        try:
+            socket.create_connection((url.hostname, port), timeout=HUB_CHECK_S).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"the hub {url.scheme}://{url.netloc} cannot be reached from this "
+                           f"machine ({e.strerror or e})")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(HUB_CHECK_S + 1)
+    return outcome[0] if outcome else (f"the hub {url.scheme}://{url.netloc} did not answer "
+                                       f"within {HUB_CHECK_S:.0f} s")
+
+
 def load_model(spec: ModelSpec):
     from transformers.utils import logging as hf_logging
 
@@ -126,13 +163,23 @@ def load_model(spec: ModelSpec):
             gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     except (ImportError, AttributeError):
         pass
+    local = Path(spec.source).exists()
+    offline = None if local else hub_unreachable()
+    named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
+    gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""
     try:
-        return load_hf_model(spec.source, gguf_file=spec.gguf_file)
+        return load_hf_model(spec.source, gguf_file=spec.gguf_file,
+                             local_files_only=offline is not None)
     except (OSError, ValueError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
-        gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""
-        if Path(spec.source).exists():
+        if offline is not None:
+            raise BuildError(
+                f"{named}{gguf} is a Hugging Face id, but {offline}, and the model is not in "
+                f"the local Hugging Face cache: pass a "
+                f"local directory instead (download it where the hub is reachable, e.g. "
+                f"`huggingface-cli download {spec.source} --local-dir DIR`, copy DIR here and "
+                f"give {spec.option or '--target'} DIR), or a .gguf file") from None
+        if local:
             raise BuildError(f"cannot load a model from {named}{gguf}: {reason}; give a "
                              f"save_pretrained directory (config.json, weights, tokenizer) or a "
                              f".gguf file") from None
