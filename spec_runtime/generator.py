@@ -250,6 +250,8 @@ class Generator:
                 request = Request(prefix, params, int(max_new_tokens),
                                   policy if draft is not None else None, self.eos_token_ids,
                                   np.random.default_rng(params.seed), recorder)
+                if self.encoder_decoder:  # the prompt is the source the encoders read, not
+                    stats.prompt_tokens = len(ids)  # the decoder's one start token
                 for new in generate_tokens(self.target, draft, request):
                     yield new, stats
                     if cancel is not None and cancel.is_set() and not stats.finish_reason:
@@ -345,7 +347,8 @@ class Generator:
                logit_bias: dict[int, float] | None = None, cancel=None) -> Iterator[str]:
         """Yield the new text piece by piece, as rounds complete: the same tokens, text and
         stats as generate() with the same arguments. Holds back an incomplete UTF-8 character
-        and any tail that could still become a stop string."""
+        and any tail that could still become a stop string. A stream closed early (close(), Ctrl-C)
+        leaves last_result with what it did so far, finish_reason "cancelled"."""
         if self.tokenizer is None:
             raise InputError("stream() needs a tokenizer: use generate() for token ids")
         params = self.sampling_params(
@@ -357,11 +360,20 @@ class Generator:
     def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel):
         text = stats = None
         pieces = []
-        for piece, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
-                                              stop, chat, cancel=cancel):
-            if piece:
-                pieces.append(piece)
-                yield piece
+        texts = self._texts(prompt, max_new_tokens, params, gamma, use_draft, stop, chat,
+                            cancel=cancel)
+        try:
+            for piece, text, stats in texts:
+                if piece:
+                    pieces.append(piece)
+                    yield piece
+        except (GeneratorExit, KeyboardInterrupt):  # stopped by its caller (close(), Ctrl-C):
+            # the result is what it did so far
+            texts.close()
+            if stats is not None:
+                stats.finish_reason = stats.finish_reason or "cancelled"
+                self._result(text.tokens, "".join(pieces), stats)
+            raise
         self._result(text.tokens, "".join(pieces), stats)
 
     def _result(self, tokens: list[int], text: str | None, stats: DecodeStats) -> GenerationResult:
