@@ -58,10 +58,13 @@ def bundle_option(fn):
 
 
 def device_options(fn):
-    """--device and --draft-device, shared by the commands that load a bundle."""
+    """--device, --draft-device and --threads, shared by the commands that load a bundle."""
     from spec_runtime.kv_cache import DEVICES
 
     devices = click.Choice(sorted(DEVICES))
+    fn = click.option("--threads", type=click.IntRange(min=1), default=None,
+                      help="CPU threads of each ONNX Runtime session, >= 1 (llama.cpp's -t) "
+                           "[default: the physical cores this process may run on]")(fn)
     fn = click.option("--draft-device", type=devices, default=None,
                       help="where a model draft runs [default: --device], e.g. an int4 draft on "
                            "cpu beside an fp16 target on cuda")(fn)
@@ -191,6 +194,9 @@ def main(ctx):
               help="draft length γ, 1..the bundle's max_gamma, or 'auto' (re-chosen every round "
                    "from the measured acceptance and costs) [default: the bundle's]")
 @click.option("--no-draft", is_flag=True, help="target-only decoding (the baseline)")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="end the answer where this text appears, cut before it (finish_reason "
+                   "\"stop\"); repeatable [default: none, only EOS and --max-new-tokens]")
 @click.option("--chat/--no-chat", default=None,
               help="apply the bundle's chat template to the prompt [default: on when the bundle "
                    "has one]")
@@ -202,16 +208,22 @@ def main(ctx):
 @input_errors
 def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, gamma,
-             no_draft, chat, stream, as_json, device, draft_device):
+             no_draft, stop, chat, stream, as_json, device, draft_device, threads):
     """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
     import spec_runtime
+    from spec_runtime.text import stop_strings
 
     text = _read_prompt(prompt, prompt_file)
+    try:
+        stop = list(stop_strings(list(stop)))
+    except InputError as e:
+        raise BadInput(f"--stop: {e}") from None
     kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
-                  chat=chat, **sampling_kwargs(temperature, top_k, top_p, min_p,
+                  chat=chat, stop=stop, **sampling_kwargs(temperature, top_k, top_p, min_p,
                                                repetition_penalty, presence_penalty,
                                                frequency_penalty, logit_bias, seed))
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     check_gamma(gen, kwargs["gamma"])
     if stream:
         try:
@@ -256,7 +268,7 @@ def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, to
 @input_errors
 def chat(bundle, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
          presence_penalty, frequency_penalty, logit_bias, seed, system, gamma, no_draft, device,
-         draft_device):
+         draft_device, threads):
     """Talk with the bundle's model: a multi-turn conversation through its chat template,
     answers streamed, the speed and acceptance of each on one line. Type /reset to start
     over, /stats for the conversation's totals, /exit (or Ctrl-D) to leave; Ctrl-C stops an
@@ -267,7 +279,8 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, min_p, repetition_pe
     kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
                   **sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty,
                                     presence_penalty, frequency_penalty, logit_bias, seed))
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     check_gamma(gen, kwargs["gamma"])
     session = ChatSession(gen, system=system, **kwargs)
     interactive = sys.stdin is not None and sys.stdin.isatty()
@@ -380,7 +393,7 @@ class _Progress:
 @device_options
 @input_errors
 def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, full,
-          as_json, plot, device, draft_device):
+          as_json, plot, device, draft_device, threads):
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
@@ -392,7 +405,8 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     gammas = _gammas(gamma) if gamma is not None else ([1, 2, 4, 8] if full else None)
     prompts = load_prompts(prompts_file, kind if prompts_file is None else "all",
                            per_kind=None if full or prompts_file else QUICK_PROMPTS)
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     gammas = gammas or [gen.default_gamma]
     for g in gammas:
         check_gamma(gen, g)  # validate every γ before minutes of measuring
@@ -433,7 +447,8 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
 @device_options
 @input_errors
 def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, repetition_penalty,
-          presence_penalty, frequency_penalty, gamma, seed, as_json, device, draft_device):
+          presence_penalty, frequency_penalty, gamma, seed, as_json, device, draft_device,
+          threads):
     """Test that speculative decoding on the bundle samples from the target's distribution: a
     two-sample chi-square of speculative vs target-only continuations, and greedy parity.
     Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
@@ -448,7 +463,8 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
         SamplingParams(**setting)  # bad values before the bundle loads
     except InputError as e:
         raise BadInput(cli_words(str(e))) from None
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     samples = DEFAULT_SAMPLES if samples is None else samples
     with _Progress(max(samples, 1), "check") as progress:
         check_gamma(gen, _gamma(gamma))
@@ -538,7 +554,7 @@ def pid_file_of(path):
 @device_options
 @input_errors
 def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
-          pid_file, use_ray, replicas, ray_address, device, draft_device):
+          pid_file, use_ray, replicas, ray_address, device, draft_device, threads):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
     /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]", or
@@ -554,13 +570,16 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
             if value is not None:
                 raise BadInput(f"{name} {value} needs --ray: add --ray to serve through Ray "
                                f"Serve")
+    elif threads is not None:
+        raise BadInput(f"--threads {threads} applies to one server process; with --ray each "
+                       f"replica takes its own machine's cores: leave --threads out")
     with pid_file_of(pid_file):
         _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
-               use_ray, replicas, ray_address, device, draft_device)
+               use_ray, replicas, ray_address, device, draft_device, threads)
 
 
 def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
-           use_ray, replicas, ray_address, device, draft_device):
+           use_ray, replicas, ray_address, device, draft_device, threads):
     pid = os.getpid()
     if use_ray:
         from spec_runtime.ray_serve import run as run_ray  # imports ray itself, when it runs
@@ -581,7 +600,7 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
 
     app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
                      draft_device=draft_device, model_name=model_name,
-                     drain_seconds=drain_seconds)
+                     drain_seconds=drain_seconds, threads=threads)
 
     def ready(server):
         for s in server.servers:

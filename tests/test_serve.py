@@ -176,6 +176,48 @@ def test_bad_input_gets_openai_errors_never_a_500(tiny, llama_pair):
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
 
 
+def test_logprobs_are_the_python_apis_in_openais_shapes(tiny):
+    """logprobs / top_logprobs: the target's own log-probabilities of the emitted tokens
+    (tests/test_logprobs.py checks them against a hand log-softmax), as the Python API gives
+    them, in chat's and the legacy completions' shapes, streamed chunk by chunk too."""
+    url, gen, _ = tiny
+    c = client(url)
+    text = lambda t: gen.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    ref = gen.generate("abc abc abc", max_new_tokens=8, chat=False, logprobs=2)
+    r = c.completions.create(model="target", prompt="abc abc abc", max_tokens=8, temperature=0,
+                             logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [text(e.token) for e in ref.logprobs]
+    assert lp.token_logprobs == [e.logprob for e in ref.logprobs]
+    assert lp.top_logprobs == [{text(t): v for t, v in e.top} for e in ref.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    ref = gen.generate(HELLO, max_new_tokens=8, logprobs=3)
+    r = c.chat.completions.create(model="target", messages=HELLO, max_tokens=8, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in content] == \
+        [(text(e.token), e.logprob) for e in ref.logprobs]
+    assert [[(a.token, a.logprob) for a in x.top_logprobs] for x in content] == \
+        [[(text(t), v) for t, v in e.top] for e in ref.logprobs]
+    assert content[0].bytes == list(content[0].token.encode())
+    chunks = list(c.chat.completions.create(model="target", messages=HELLO, max_tokens=8,
+                                            logprobs=True, top_logprobs=3, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+    assert c.chat.completions.create(model="target", messages=HELLO,
+                                     max_tokens=2).choices[0].logprobs is None
+
+    post = lambda body: httpx.post(url + "/v1/chat/completions", json=body, timeout=30)  # noqa
+    assert_error(post({"messages": HELLO, "top_logprobs": 2}), 400, "needs logprobs",
+                 param="top_logprobs")
+    assert_error(post({"messages": HELLO, "logprobs": True, "top_logprobs": 21}), 400, "21",
+                 param="top_logprobs")
+    assert_error(httpx.post(url + "/v1/completions", json={"prompt": "x", "logprobs": 6},
+                            timeout=30), 400, "[0, 5]", param="logprobs")
+
+
 def test_api_key(llama_pair):
     with server(llama_pair[2], env={"SPECEDGE_API_KEY": "s3cret"}) as (url, _):
         assert_error(httpx.get(url + "/v1/models"), 401, "API key", code="invalid_api_key")
