@@ -615,6 +615,20 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
                     on_ready=ready)
 
 
+@main.command(name="list")
+@click.argument("dirs", nargs=-1, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the list as JSON")
+@input_errors
+def list_bundles(dirs, as_json):
+    """List the bundles on this machine: the default one ($SPECEDGE_BUNDLE, else `specrun
+    where`) and the others beside it, or those in DIRS (bundles, or folders holding them), with
+    their target, precision, draft, cache length and size. Reads manifests only."""
+    from spec_runtime.listing import find_bundles, format_bundles
+
+    rows = find_bundles(dirs)
+    click.echo(json.dumps(rows, indent=2) if as_json else format_bundles(rows))
+
+
 @main.command()
 def where():
     """Print the default bundle directory."""
