@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -98,6 +98,7 @@ class Generator:
         # the running request's TokenLogprobs so far, when it asked for them (a stream's reader
         # takes the new ones after each piece); None otherwise
         self.live_logprobs: list[TokenLogprob] | None = None
+        self._grammar = None  # constraint.Grammar, made at the first response_format
 
     # -- text -------------------------------------------------------------------------------
 
@@ -153,7 +154,7 @@ class Generator:
         second request decodes beside this one's (`specrun serve --slots N`)."""
         target = fork_engine(self.target)
         draft = self.draft.fork() if self.draft is not None else None
-        return Generator(target, draft, tokenizer=self.tokenizer,
+        forked = Generator(target, draft, tokenizer=self.tokenizer,
                          eos_token_ids=self.eos_token_ids, default_gamma=self.default_gamma,
                          max_gamma=self.max_gamma, chat_template=self.chat_template,
                          special_tokens=self.special_tokens, encoder_decoder=self.encoder_decoder,
@@ -161,6 +162,8 @@ class Generator:
                          manifest=self.manifest, bundle_dir=self.bundle_dir,
                          generation_defaults=self.generation_defaults,
                          row_check=self.row_check, clock=self.clock)
+        forked._grammar = self._grammar  # the compiled tokenizer, when there is one already
+        return forked
 
     def _engines(self, use_draft: bool = True) -> list:
         draft = self.draft if use_draft else None
@@ -239,6 +242,20 @@ class Generator:
         for engine in draft_engines(draft):
             engine.encode_source(ids)
         return np.asarray([self.decoder_start_token_id], dtype=np.int64)
+
+    def constrained(self, params: SamplingParams, response_format) -> SamplingParams:
+        """`params` with the constraint of OpenAI's `response_format` (constraint.py; None or
+        {"type": "text"}: unchanged); InputError for a format or schema it cannot compile."""
+        from .constraint import Grammar, grammar_of
+
+        grammar = grammar_of(response_format)
+        if grammar is None:
+            return params
+        if self.tokenizer is None:
+            raise InputError("response_format needs a tokenizer: this generator has none")
+        if self._grammar is None:
+            self._grammar = Grammar(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return replace(params, constraint=self._grammar.constraint(grammar))
 
     def _rounds(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
                 chat, cancel=None, logprobs=None) -> Iterator[tuple[np.ndarray, DecodeStats]]:
@@ -332,6 +349,7 @@ class Generator:
         logit_bias: dict[int, float] | None = None,
         cancel=None,
         logprobs: int | None = None,
+        response_format: dict | None = None,
     ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens from `prompt`: text, a list of
         {"role", "content"} messages, or token ids. A sampling argument left None takes the
@@ -345,11 +363,15 @@ class Generator:
         "cancelled"). `logprobs` N (0..20) fills the result's `logprobs`: each token's
         log-probability under the target's own distribution at its position (the warped one
         that sampling draws from; greedy: the log-softmax of the logits, penalties applied),
-        with the N most likely tokens there; the tokens themselves do not change."""
-        params = self.sampling_params(
+        with the N most likely tokens there; the tokens themselves do not change.
+        `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
+        {"schema": {...}}}, as OpenAI's API takes it) masks the logits of draft and target alike
+        to what the grammar allows: the output is the target's distribution restricted to it,
+        exactly, in both modes (constraint.py)."""
+        params = self.constrained(self.sampling_params(
             seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias), response_format)
         if self.tokenizer is None:  # token ids in, token ids out: no text, no stop strings
             if stop_strings(stop):
                 raise InputError("stop strings need a tokenizer: this generator has none")
@@ -372,17 +394,18 @@ class Generator:
                repetition_penalty: float | None = None, presence_penalty: float | None = None,
                frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None, cancel=None,
-               logprobs: int | None = None) -> Iterator[str]:
+               logprobs: int | None = None, response_format: dict | None = None
+               ) -> Iterator[str]:
         """Yield the new text piece by piece, as rounds complete: the same tokens, text and
         stats as generate() with the same arguments. Holds back an incomplete UTF-8 character
         and any tail that could still become a stop string. A stream closed early (close(), Ctrl-C)
         leaves last_result with what it did so far, finish_reason "cancelled"."""
         if self.tokenizer is None:
             raise InputError("stream() needs a tokenizer: use generate() for token ids")
-        params = self.sampling_params(
+        params = self.constrained(self.sampling_params(
             seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias), response_format)
         check_logprobs(logprobs)
         return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel,
                             logprobs)

@@ -32,7 +32,7 @@ class APIError(Exception):
 
 PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "logit_bias", "seed", "gamma", "max_tokens", "stop", "prompt",
-          "messages")
+          "messages", "response_format")
 
 
 def input_error(e: InputError, prompt_field: str = "prompt") -> APIError:
@@ -104,8 +104,7 @@ def parse_common(body: Any, model_name: str) -> dict:
                             f"several choices)", param="n", code="invalid_value")
     unsupported = {"echo": (None, False),
                    "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
-                   "functions": (None, []), "tool_choice": (None, "none"),
-                   "response_format": (None, {"type": "text"})}
+                   "functions": (None, []), "tool_choice": (None, "none")}
     for name, allowed in unsupported.items():
         if name in body and body[name] not in allowed:
             raise APIError(400, f"{name} is not supported by this server: leave it out",
@@ -132,6 +131,11 @@ def parse_common(body: Any, model_name: str) -> dict:
                                 f"\"auto\"", param="gamma", code="invalid_type")
         kwargs["gamma"] = gamma
     kwargs["use_draft"] = _field(body, "use_draft", (bool,), "true or false", True)
+    # JSON mode / a JSON schema: checked and compiled with the bundle (constraint.py)
+    response_format = _field(body, "response_format", (dict,), "an object like {\"type\": "
+                             "\"json_object\"}")
+    if response_format is not None:
+        kwargs["response_format"] = response_format
     newer = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
     max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", newer)
     if newer is not None and max_tokens != newer:

@@ -8,9 +8,9 @@
 
 Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
-presence_penalty, frequency_penalty, logit_bias) plus specedge's own as documented extensions
-(top_k, min_p, repetition_penalty, gamma, use_draft); spec_runtime/openai_api.py parses them and
-shapes the responses. Each response carries the request's speculative statistics in a
+presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
+specedge's own as documented extensions (top_k, min_p, repetition_penalty, gamma, use_draft);
+spec_runtime/openai_api.py parses them and shapes the responses. Each response carries the request's speculative statistics in a
 `specedge` field (on the last chunk of a stream).
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
@@ -417,8 +417,9 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         """What can be checked before a slot is taken (any generator will do: they share one
         bundle): sampling values, γ, and the prompt and max_tokens against the cache."""
         try:
-            gen.sampling_params(job.kwargs.get("seed"), **{
-                k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"})
+            gen.constrained(gen.sampling_params(job.kwargs.get("seed"), **{
+                k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"}),
+                job.kwargs.get("response_format"))
             gen.gamma_policy(job.kwargs.get("gamma"))
             if gen.encoder_decoder:
                 n = 1

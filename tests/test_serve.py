@@ -218,6 +218,24 @@ def test_logprobs_are_the_python_apis_in_openais_shapes(tiny):
                             timeout=30), 400, "[0, 5]", param="logprobs")
 
 
+def test_response_format_json_schema_is_the_python_apis(tiny):
+    """JSON mode through the API: the answer is the Python API's constrained answer, and
+    parses; a schema that does not compile is a 400 naming response_format."""
+    url, gen, _ = tiny
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    ref = gen.generate(HELLO, max_new_tokens=24, response_format=fmt)
+    r = client(url).chat.completions.create(model="target", messages=HELLO, max_tokens=24,
+                                            response_format=fmt)
+    assert r.choices[0].message.content == ref.text
+    assert list(json.loads(ref.text)) == ["ok"]
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+    assert_error(httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "messages": HELLO, "response_format": bad}), 400, "response_format",
+        param="response_format")
+
+
 def test_api_key(llama_pair):
     with server(llama_pair[2], env={"SPECEDGE_API_KEY": "s3cret"}) as (url, _):
         assert_error(httpx.get(url + "/v1/models"), 401, "API key", code="invalid_api_key")
