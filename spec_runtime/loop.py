@@ -67,7 +67,13 @@ def token_logprobs(rows: np.ndarray, greedy: bool, tokens, top: int) -> list[Tok
             logp = np.log(x)
     out = []
     for row, tok in zip(logp, tokens):
-        best = np.argsort(-row, kind="stable")[:top] if top else ()
+        best = []
+        if top:  # the `top` largest without sorting the vocabulary; ties by id, as a stable sort
+            k = min(top, len(row))
+            kth = np.partition(row, len(row) - k)[len(row) - k]
+            above = np.flatnonzero(row > kth)
+            best = np.concatenate([above, np.flatnonzero(row == kth)[: k - len(above)]])
+            best = best[np.lexsort((best, -row[best]))]
         out.append(TokenLogprob(int(tok), float(row[tok]),
                                 [(int(t), float(row[t])) for t in best]))
     return out

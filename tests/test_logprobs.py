@@ -88,3 +88,23 @@ def test_a_bad_logprobs_value_is_refused(gen, bad):
         gen.generate(PROMPT, max_new_tokens=2, logprobs=bad)
     with pytest.raises(InputError, match="logprobs"):
         gen.stream(PROMPT, max_new_tokens=2, logprobs=bad)
+
+
+def test_top_alternatives_are_a_stable_sort_of_the_row():
+    """token_logprobs picks the `top` most likely without sorting the vocabulary; ties (often
+    -inf, a token sampling cannot draw) go by id, as numpy's stable argsort orders them."""
+    from spec_runtime.loop import token_logprobs
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        vocab = int(rng.integers(2, 50))
+        p = np.exp(rng.integers(0, 4, size=vocab).astype(float))  # many ties
+        p[rng.random(vocab) < 0.4 * (trial % 2)] = 0.0  # and, every other row, zeros
+        if p.sum() == 0:
+            continue
+        p /= p.sum()
+        top = int(rng.integers(1, vocab + 2))
+        entry = token_logprobs(p[None], False, [int(p.argmax())], top)[0]
+        with np.errstate(divide="ignore"):
+            expected = np.argsort(-np.log(p), kind="stable")[:top]
+        assert [t for t, _ in entry.top] == list(expected), trial
