@@ -219,9 +219,9 @@ def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, to
     except InputError as e:
         raise BadInput(f"--stop: {e}") from None
     kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
-                  chat=chat, stop=stop, **sampling_kwargs(temperature, top_k, top_p, min_p,
-                                               repetition_penalty, presence_penalty,
-                                               frequency_penalty, logit_bias, seed))
+                  chat=chat, stop=stop,
+                  **sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty,
+                                    presence_penalty, frequency_penalty, logit_bias, seed))
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
                             threads=threads)
     check_gamma(gen, kwargs["gamma"])
