@@ -106,7 +106,9 @@ def parse_args(argv=None):
     ap.add_argument("--ov-ngram", type=int, default=3, help="OpenVINO prompt lookup: max_ngram_size")
     ap.add_argument("--skip", action="append", default=[], choices=SYSTEMS, metavar="NAME",
                     help=f"leave a system out (repeatable): {', '.join(SYSTEMS)}")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory for compare-PRECISION.json and .md (the committed ones: "
+                         "benchmarks/results) [default: print the table, write nothing]")
     ap.add_argument("--float-reference", type=Path, default=None,
                     help="a compare-fp32.json of the same prompts: report how many tokens each "
                     "system's greedy output follows the float model's (hf) before it differs")
@@ -528,13 +530,14 @@ def main(argv=None) -> None:
         "runs": runs,
         "prompts": [{"kind": p["kind"], "text": p["text"], "ids": p["ids"]} for p in prompts],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"compare-{args.precision}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
-    stem.with_suffix(".md").write_text(table)
     print(table)
-    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    if args.out is not None:  # only when asked: never over the committed results by default
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"compare-{args.precision}"
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        stem.with_suffix(".md").write_text(table)
+        print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -457,8 +457,9 @@ def main() -> None:
     ap.add_argument("--stop-timeout", type=float, default=90.0,
                     help="seconds a server may take to exit after SIGTERM before it is killed")
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON report [default: benchmarks/results/serve-load.json, "
-                         "serve-load-ray.json with --ray]; the table goes next to it as .md")
+                    help="write the JSON report here and the table next to it as .md (the "
+                         "committed ones: benchmarks/results/serve-load.json, serve-load-ray.json"
+                         ") [default: print the table, write nothing]")
     args = ap.parse_args()
 
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
@@ -468,9 +469,6 @@ def main() -> None:
               file=sys.stderr)
     slots_list = [int(s) for s in (args.slots or ("1" if args.ray else "1,2")).split(",")]
     replicas_list = [int(r) for r in args.ray_replicas.split(",")] if args.ray else [None]
-    if args.out is None:
-        args.out = REPO / "benchmarks/results" / ("serve-load-ray.json" if args.ray
-                                                  else "serve-load.json")
     startup_timeout = args.startup_timeout or (600.0 if args.ray else 180.0)
 
     load_before = load_average()
@@ -561,11 +559,12 @@ def main() -> None:
     print("\n" + head + "\n\n" + md)
     for n in report["notes"]:
         print(f"note: {n}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    args.out.with_suffix(".md").write_text(head + "\n\n" + md + "\n"
-                                           + "".join(f"\n- {n}" for n in report["notes"]) + "\n")
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
+    if args.out is not None:  # only when asked: never over the committed results by default
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        args.out.with_suffix(".md").write_text(
+            head + "\n\n" + md + "\n" + "".join(f"\n- {n}" for n in report["notes"]) + "\n")
+        print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
     failed = [c["name"] for c in report["configs"] if c.get("failed") or c.get("exit_code") != 0]
     if failed:
         sys.exit(1)

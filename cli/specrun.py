@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import sys
+from pathlib import Path
 
 import click
 
-from spec_runtime.errors import InputError
+from spec_runtime.errors import InputError, install_extra
 
 from .common import BadInput, BundleCommand, input_errors, library_messages
 
@@ -55,10 +58,13 @@ def bundle_option(fn):
 
 
 def device_options(fn):
-    """--device and --draft-device, shared by the commands that load a bundle."""
+    """--device, --draft-device and --threads, shared by the commands that load a bundle."""
     from spec_runtime.kv_cache import DEVICES
 
     devices = click.Choice(sorted(DEVICES))
+    fn = click.option("--threads", type=click.IntRange(min=1), default=None,
+                      help="CPU threads of each ONNX Runtime session, >= 1 (llama.cpp's -t) "
+                           "[default: the physical cores this process may run on]")(fn)
     fn = click.option("--draft-device", type=devices, default=None,
                       help="where a model draft runs [default: --device], e.g. an int4 draft on "
                            "cpu beside an fp16 target on cuda")(fn)
@@ -188,6 +194,9 @@ def main(ctx):
               help="draft length γ, 1..the bundle's max_gamma, or 'auto' (re-chosen every round "
                    "from the measured acceptance and costs) [default: the bundle's]")
 @click.option("--no-draft", is_flag=True, help="target-only decoding (the baseline)")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="end the answer where this text appears, cut before it (finish_reason "
+                   "\"stop\"); repeatable [default: none, only EOS and --max-new-tokens]")
 @click.option("--chat/--no-chat", default=None,
               help="apply the bundle's chat template to the prompt [default: on when the bundle "
                    "has one]")
@@ -199,16 +208,22 @@ def main(ctx):
 @input_errors
 def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, top_p, min_p,
              repetition_penalty, presence_penalty, frequency_penalty, logit_bias, seed, gamma,
-             no_draft, chat, stream, as_json, device, draft_device):
+             no_draft, stop, chat, stream, as_json, device, draft_device, threads):
     """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
     import spec_runtime
+    from spec_runtime.text import stop_strings
 
     text = _read_prompt(prompt, prompt_file)
+    try:
+        stop = list(stop_strings(list(stop)))
+    except InputError as e:
+        raise BadInput(f"--stop: {e}") from None
     kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
-                  chat=chat, **sampling_kwargs(temperature, top_k, top_p, min_p,
-                                               repetition_penalty, presence_penalty,
-                                               frequency_penalty, logit_bias, seed))
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+                  chat=chat, stop=stop,
+                  **sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty,
+                                    presence_penalty, frequency_penalty, logit_bias, seed))
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     check_gamma(gen, kwargs["gamma"])
     if stream:
         try:
@@ -253,7 +268,7 @@ def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, to
 @input_errors
 def chat(bundle, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
          presence_penalty, frequency_penalty, logit_bias, seed, system, gamma, no_draft, device,
-         draft_device):
+         draft_device, threads):
     """Talk with the bundle's model: a multi-turn conversation through its chat template,
     answers streamed, the speed and acceptance of each on one line. Type /reset to start
     over, /stats for the conversation's totals, /exit (or Ctrl-D) to leave; Ctrl-C stops an
@@ -264,7 +279,8 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, min_p, repetition_pe
     kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
                   **sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty,
                                     presence_penalty, frequency_penalty, logit_bias, seed))
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     check_gamma(gen, kwargs["gamma"])
     session = ChatSession(gen, system=system, **kwargs)
     interactive = sys.stdin is not None and sys.stdin.isatty()
@@ -377,7 +393,7 @@ class _Progress:
 @device_options
 @input_errors
 def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, full,
-          as_json, plot, device, draft_device):
+          as_json, plot, device, draft_device, threads):
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
@@ -389,7 +405,8 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     gammas = _gammas(gamma) if gamma is not None else ([1, 2, 4, 8] if full else None)
     prompts = load_prompts(prompts_file, kind if prompts_file is None else "all",
                            per_kind=None if full or prompts_file else QUICK_PROMPTS)
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     gammas = gammas or [gen.default_gamma]
     for g in gammas:
         check_gamma(gen, g)  # validate every γ before minutes of measuring
@@ -430,7 +447,8 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
 @device_options
 @input_errors
 def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, repetition_penalty,
-          presence_penalty, frequency_penalty, gamma, seed, as_json, device, draft_device):
+          presence_penalty, frequency_penalty, gamma, seed, as_json, device, draft_device,
+          threads):
     """Test that speculative decoding on the bundle samples from the target's distribution: a
     two-sample chi-square of speculative vs target-only continuations, and greedy parity.
     Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
@@ -445,7 +463,8 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
         SamplingParams(**setting)  # bad values before the bundle loads
     except InputError as e:
         raise BadInput(cli_words(str(e))) from None
-    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device,
+                            threads=threads)
     samples = DEFAULT_SAMPLES if samples is None else samples
     with _Progress(max(samples, 1), "check") as progress:
         check_gamma(gen, _gamma(gamma))
@@ -453,6 +472,45 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
                            gamma=_gamma(gamma), progress=progress.update, **setting)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     sys.exit(report["exit_code"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def pid_file_of(path):
+    """While the server runs, `path` holds its process id (for `kill $(cat PATH)`, which cannot
+    reach another user's server as `pkill -f` can); removed at exit. A file that names a live
+    process is refused: it is another server's."""
+    if path is None:
+        yield
+        return
+    path = Path(path)
+    try:
+        old = int(path.read_text().strip())
+    except (OSError, ValueError):
+        old = None
+    if old is not None and old != os.getpid() and _alive(old):
+        raise BadInput(f"--pid-file {str(path)!r} names a running process ({old}), another "
+                       f"server's: stop it (kill {old}) or choose another file")
+    try:
+        path.write_text(f"{os.getpid()}\n")
+    except OSError as e:
+        raise BadInput(f"--pid-file {str(path)!r} cannot be written ({e.strerror}): choose a "
+                       f"writable path") from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if int(path.read_text().strip()) == os.getpid():
+                path.unlink()
 
 
 @main.command(cls=BundleCommand)
@@ -479,9 +537,14 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
                    "are cancelled (each gets an error), >= 0")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="the server's log level (not Ray's)")
+@click.option("--pid-file", type=click.Path(dir_okay=False), default=None,
+              help="write the server's process id to this file while it runs (removed at "
+                   "exit), to stop it with `kill $(cat FILE)` [default: none; the id is printed "
+                   "at start]")
 @click.option("--ray", "use_ray", is_flag=True,
               help="serve as a Ray Serve application: --replicas copies, each with --slots "
-                   "(needs the ray extra: pip install \"specedge[ray]\") [default: one process]")
+                   "(needs the ray extra: pip install \"specedge[ray]\", or pip install -e "
+                   "\".[ray]\" in a checkout) [default: one process]")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="with --ray: replicas of the server, >= 1, each one device's worth of slots "
                    "[default: 1]")
@@ -491,29 +554,41 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
 @device_options
 @input_errors
 def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
-          use_ray, replicas, ray_address, device, draft_device):
+          pid_file, use_ray, replicas, ray_address, device, draft_device, threads):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
-    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]"."""
+    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]", or
+    pip install -e ".[serve]" in a checkout."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise BadInput(f"specrun serve needs {e.name}: pip install \"specedge[serve]\"") from None
+        raise BadInput(f"specrun serve needs {e.name}: {install_extra('serve')}") from None
     if not use_ray:
         for name, value in (("--replicas", replicas), ("--ray-address", ray_address)):
             if value is not None:
                 raise BadInput(f"{name} {value} needs --ray: add --ray to serve through Ray "
                                f"Serve")
-    else:
+    elif threads is not None:
+        raise BadInput(f"--threads {threads} applies to one server process; with --ray each "
+                       f"replica takes its own machine's cores: leave --threads out")
+    with pid_file_of(pid_file):
+        _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
+               use_ray, replicas, ray_address, device, draft_device, threads)
+
+
+def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
+           use_ray, replicas, ray_address, device, draft_device, threads):
+    pid = os.getpid()
+    if use_ray:
         from spec_runtime.ray_serve import run as run_ray  # imports ray itself, when it runs
 
         def ready_ray(info):
             n = info["replicas"]
-            click.echo(f"serving {info['model_name']} on {info['url']} through Ray Serve ({n} "
-                       f"replica{'s' if n > 1 else ''} × {slots} slot{'s' if slots > 1 else ''})",
-                       err=True)
+            click.echo(f"serving {info['model_name']} on {info['url']} through Ray Serve (pid "
+                       f"{pid}, {n} replica{'s' if n > 1 else ''} × {slots} "
+                       f"slot{'s' if slots > 1 else ''})", err=True)
 
         with library_messages("spec_runtime", "specrun"):
             run_ray(bundle, replicas=replicas or 1, slots=slots, queue=queue, host=host,
@@ -525,18 +600,33 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
 
     app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
                      draft_device=draft_device, model_name=model_name,
-                     drain_seconds=drain_seconds)
+                     drain_seconds=drain_seconds, threads=threads)
 
     def ready(server):
         for s in server.servers:
             for sock in s.sockets:
                 address, bound = sock.getsockname()[:2]
                 click.echo(f"serving {app.state.model_name} on http://{address}:{bound}/v1 "
-                           f"({slots} slot{'s' if slots > 1 else ''}, queue {queue})", err=True)
+                           f"(pid {pid}, {slots} slot{'s' if slots > 1 else ''}, queue {queue})",
+                           err=True)
 
     with library_messages("spec_runtime", "specrun"):
         run_uvicorn(app, host, port, drain_seconds=drain_seconds, log_level=log_level,
                     on_ready=ready)
+
+
+@main.command(name="list")
+@click.argument("dirs", nargs=-1, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the list as JSON")
+@input_errors
+def list_bundles(dirs, as_json):
+    """List the bundles on this machine: the default one ($SPECEDGE_BUNDLE, else `specrun
+    where`) and the others beside it, or those in DIRS (bundles, or folders holding them), with
+    their target, precision, draft, cache length and size. Reads manifests only."""
+    from spec_runtime.listing import find_bundles, format_bundles
+
+    rows = find_bundles(dirs)
+    click.echo(json.dumps(rows, indent=2) if as_json else format_bundles(rows))
 
 
 @main.command()

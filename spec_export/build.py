@@ -161,6 +161,26 @@ def _one_of(values) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
 
 
+# messages of the libraries a build drives that no specexport user can act on, by the logger
+# that emits them: filters on those loggers, which hold where levels do not (torch resets its
+# loggers' levels when an export starts)
+LIBRARY_NOISE = {
+    # torch.onnx's registry, once per export: optional torchvision ops it skips
+    "torch.onnx._internal.exporter._registration": ("torchvision is not installed",),
+    # onnxruntime.quantization's advice for its static/dynamic quantizers, on the root logger
+    "": ("Please consider to run pre-processing",),
+}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
 @contextlib.contextmanager
 def _quiet_libraries():
     """torch.export and onnxscript warn about their own internals (deprecations, optional op
@@ -168,6 +188,10 @@ def _quiet_libraries():
     logger = logging.getLogger("torch.onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    filters = [(logging.getLogger(name), _DropMessages(prefixes))
+               for name, prefixes in LIBRARY_NOISE.items()]
+    for lg, f in filters:
+        lg.addFilter(f)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -175,6 +199,8 @@ def _quiet_libraries():
             yield
     finally:
         logger.setLevel(level)
+        for lg, f in filters:
+            lg.removeFilter(f)
 
 
 @_quiet_libraries()

@@ -22,27 +22,30 @@ import torch
 from spec_runtime.errors import BuildError
 
 
-def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
+def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+                  local_files_only: bool = False):
     """-> (model in eval mode, tokenizer).
 
     `source` is a hub id or a local directory; with `gguf_file` it is the directory (or hub
     repo) holding that GGUF file. A path straight to a .gguf file is accepted too. An
     encoder-decoder config (T5) loads as AutoModelForSeq2SeqLM, anything else as a causal LM.
+    `local_files_only` reads a hub id from the local cache only (no network, no retries).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     if gguf_file is None and str(source).endswith(".gguf") and Path(source).is_file():
         source, gguf_file = str(Path(source).parent), Path(source).name
     gguf = {"gguf_file": gguf_file} if gguf_file else {}
-    config = AutoConfig.from_pretrained(source, **gguf)
+    hub = {"local_files_only": True} if local_files_only else {}
+    config = AutoConfig.from_pretrained(source, **gguf, **hub)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     if not gguf_file:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = auto.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        model = auto.from_pretrained(source, dtype=dtype, **hub)
         return model.eval(), tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
-    model_kwargs = {"gguf_file": gguf_file, "dtype": dtype}
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, **hub)
+    model_kwargs = {"gguf_file": gguf_file, "dtype": dtype, **hub}
     try:
         from transformers import GgufConfig  # transformers >= 5
 
@@ -71,6 +74,7 @@ def load_config_and_tokenizer(spec):
     from .sources import loading_errors
 
     gguf = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    with loading_errors(spec):
-        return (AutoConfig.from_pretrained(spec.source, **gguf),
-                AutoTokenizer.from_pretrained(spec.source, **gguf))
+    with loading_errors(spec) as offline:
+        hub = {"local_files_only": True} if offline else {}
+        return (AutoConfig.from_pretrained(spec.source, **gguf, **hub),
+                AutoTokenizer.from_pretrained(spec.source, **gguf, **hub))

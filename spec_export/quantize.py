@@ -131,6 +131,22 @@ def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool 
                           exclude=exclude)
 
 
+def _quantizer_class():
+    """onnxruntime's MatMulNBitsQuantizer. Its module calls logging.basicConfig(level=INFO) on
+    import, which would print every library's INFO lines on stderr for the rest of the process:
+    the root logger's handlers and level are put back as they were."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
 def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
                    tied: bool = False, model=None, exclude: tuple[str, ...] = ()) -> dict:
     """Weight-only `bits`-bit: every MatMul with a constant weight becomes MatMulNBits
@@ -144,8 +160,8 @@ def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
     import logging
 
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    MatMulNBitsQuantizer = _quantizer_class()
     model = model if model is not None else onnx.load(str(src))
     before = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size,

@@ -35,7 +35,8 @@ class ModelSpec:
             return local
         from transformers.utils import cached_file
 
-        return Path(cached_file(self.source, self.gguf_file))
+        return Path(cached_file(self.source, self.gguf_file,
+                                local_files_only=hub_unreachable() is not None))
 
 
 def default_target() -> ModelSpec:
@@ -112,18 +113,56 @@ def check_vocabularies(target_tok, draft_tok) -> None:
             )
 
 
+HUB = "https://huggingface.co"
+HUB_CHECK_S = 3.0  # a reachable hub answers a TCP connect well within this
+
+
+@functools.lru_cache(maxsize=None)
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be used from here (offline mode, or no connection to
+    it within HUB_CHECK_S), or None. Checked once per process, so that a hub id is looked up
+    in the local cache at once instead of after transformers' ~30 s of retries."""
+    import os
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "on", "yes", "true"):
+            return f"{name} is set"
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or HUB)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect():  # in a thread: name resolution has no timeout of its own
+        try:
+            socket.create_connection((url.hostname, port), timeout=HUB_CHECK_S).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"the hub {url.scheme}://{url.netloc} cannot be reached from this "
+                           f"machine ({e.strerror or e})")
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(HUB_CHECK_S + 1)
+    return outcome[0] if outcome else (f"the hub {url.scheme}://{url.netloc} did not answer "
+                                       f"within {HUB_CHECK_S:.0f} s")
+
+
 def load_model(spec: ModelSpec):
     from .load import load_hf_model
 
-    with loading_errors(spec):
-        return load_hf_model(spec.source, gguf_file=spec.gguf_file)
+    with loading_errors(spec) as offline:
+        return load_hf_model(spec.source, gguf_file=spec.gguf_file, local_files_only=offline)
 
 
 @contextlib.contextmanager
 def loading_errors(spec: ModelSpec):
     """Loading `spec` with transformers' progress bars off (our own bar shows the stages; theirs,
     one a plain tqdm in its GGUF reader, would print long single lines into users' logs), and
-    its errors as BuildErrors that name the option, the value and the fix."""
+    its errors as BuildErrors that name the option, the value and the fix. Yields whether a hub
+    id must come from the local cache only (the hub is unreachable: said at once, not after
+    transformers' retries)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -134,15 +173,24 @@ def loading_errors(spec: ModelSpec):
             gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     except (ImportError, AttributeError):
         pass
+    local = Path(spec.source).exists()
+    offline = None if local else hub_unreachable()
+    named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
+    gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""
     try:
-        yield
+        yield offline is not None
     except (OSError, ValueError) as e:
         if isinstance(e, BuildError):
             raise
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
-        gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""
-        if Path(spec.source).exists():
+        if offline is not None:
+            raise BuildError(
+                f"{named}{gguf} is a Hugging Face id, but {offline}, and the model is not in "
+                f"the local Hugging Face cache: pass a "
+                f"local directory instead (download it where the hub is reachable, e.g. "
+                f"`huggingface-cli download {spec.source} --local-dir DIR`, copy DIR here and "
+                f"give {spec.option or '--target'} DIR), or a .gguf file") from None
+        if local:
             raise BuildError(f"cannot load a model from {named}{gguf}: {reason}; give a "
                              f"save_pretrained directory (config.json, weights, tokenizer) or a "
                              f".gguf file") from None

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from spec_runtime.manifest import MANIFEST, Manifest, ModelEntry, read_manifest
 
+from .quality import WARN_TOP1_AGREEMENT
+
 
 def _mb(n_bytes: int) -> str:
     return f"{n_bytes / 1e6:.1f} MB" if n_bytes >= 50_000 else f"{n_bytes / 1e6:.2f} MB"
@@ -41,6 +43,22 @@ def _parity(role: str, entry: ModelEntry, encoder_decoder: bool) -> str:
     if encoder_decoder and "max_abs_diff_int8" in p:
         parts.append(f"int8 max |Δlogit| {p['max_abs_diff_int8']:.2g}")
     return f"{role} {entry.precision}: " + ("; ".join(parts) or "not recorded")
+
+
+def _low_agreement(role: str, entry: ModelEntry) -> str | None:
+    """A warning for a quantized graph that agrees with the float model on too few next
+    tokens to stand for it (quality.WARN_TOP1_AGREEMENT), with what keeps closer."""
+    q = (entry.parity or {}).get(entry.precision)
+    if entry.precision == "fp32" or not isinstance(q, dict) \
+            or q.get("top1_agreement", 1.0) >= WARN_TOP1_AGREEMENT:
+        return None
+    closer = ("--int4-weights gguf (the file's own blocks), " if entry.gguf_file
+              and entry.precision == "int4" else "")
+    effect = ("its output leaves the float model's within a few tokens" if role == "target"
+              else "fewer of its tokens will be accepted")
+    return (f"the {role}'s {entry.precision} graph agrees with the float model on "
+            f"{q['top1_agreement']:.0%} of next tokens (below {WARN_TOP1_AGREEMENT:.0%}): "
+            f"{effect}; {closer}a smaller --block-size, --precision int8 or fp32 keep closer")
 
 
 def _draft(manifest: Manifest) -> str:
@@ -91,6 +109,7 @@ def build_summary(bundle_dir) -> str:
     if m.encoder_decoder:
         cache += f", max_source_len {m.max_source_len}"
     rows += [("cache", cache), ("size", f"{_mb(total)} in {len(m.files) + 1} files")]
+    rows += [("warning", w) for w in (_low_agreement(role, e) for role, e in m.models()) if w]
     build = m.created_by.get("build") if isinstance(m.created_by, dict) else None
     if isinstance(build, dict) and build.get("stages"):
         rows.append(("build", _build(build)))

@@ -33,13 +33,18 @@ from .manifest_checks import check_file_hashes, check_unchanged, regular_file, s
 DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
 
+def data_dir() -> Path:
+    """$XDG_DATA_HOME/specedge (~/.local/share/specedge): where the default bundle lives."""
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "specedge"
+
+
 def default_bundle_dir() -> Path:
     """Where `specexport build` writes and `specrun` looks without flags: $SPECEDGE_BUNDLE, else
     $XDG_DATA_HOME/specedge/default (~/.local/share/specedge/default)."""
     if os.environ.get(DEFAULT_BUNDLE_ENV):
         return Path(os.environ[DEFAULT_BUNDLE_ENV]).expanduser()
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(data) / "specedge" / "default"
+    return data_dir() / "default"
 
 
 # the build that makes a graph a device can run, for the refusal of one it cannot

@@ -59,6 +59,7 @@ class ChatSession:
         """Stream the answer to `user`; it joins the conversation when it ends, also when the
         caller stops it early (close()), as far as it got."""
         pieces: list[str] = []
+        before = self.gen.last_result
         stream = self.gen.stream(self.messages(user), **self.kwargs)
         completed = False
         try:
@@ -68,10 +69,14 @@ class ChatSession:
             completed = True
         finally:
             stream.close()  # releases the engines at once when stopped early
-            # a turn that did not run (a message too long for the cache) is not history
+            # a turn that did not run (a message too long for the cache) is not history; one
+            # stopped early is, and counts as an answer with what it did so far
             if completed or pieces:
                 self.turns.append((user, "".join(pieces)))
-        stats = self.gen.last_stats
+                if self.gen.last_result is not before:  # the stream recorded its result
+                    self._count(self.gen.last_stats)
+
+    def _count(self, stats: dict) -> None:
         self.last_stats = stats
         t = self.totals
         t["answers"] += 1

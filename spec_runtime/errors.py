@@ -32,3 +32,20 @@ class NonFiniteLogitsError(InputError):
 
 class TemplateError(InputError):
     """The chat template refused the messages (its own raise_exception)."""
+
+
+def install_extra(extra: str) -> str:
+    """The command that installs one of specedge's extras here: from a checkout (the package's
+    directory sits beside its pyproject.toml, as an editable install leaves it) `pip install -e
+    "CHECKOUT[extra]"`, else `pip install "specedge[extra]"`."""
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]
+    project = checkout / "pyproject.toml"
+    try:
+        ours = 'name = "specedge"' in project.read_text(encoding="utf-8")
+    except OSError:
+        ours = False
+    if ours:
+        return f'pip install -e "{checkout}[{extra}]"'
+    return f'pip install "specedge[{extra}]"'

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .drafts import draft_engines, fork_engine
 from .errors import InputError
-from .loop import GammaPolicy, Request, check_capacity, generate_tokens
+from .loop import GammaPolicy, Request, TokenLogprob, check_capacity, generate_tokens
 from .sampling import SamplingParams
 from .stats import DecodeStats, Recorder
 from .text import BYTES_PROMPT, IncrementalText, check_text, stop_strings, token_list
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
 
 # the sampling arguments of generate() and stream(), SamplingParams' fields but the seed
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -35,6 +37,17 @@ class GenerationResult:
     text: str | None  # decoded new text, special tokens skipped; None without a tokenizer
     stats: dict
     finish_reason: str  # "eos", "length" or "stop"
+    # with logprobs=N: one per token, the target's own log-probability of it and its N most
+    # likely alternatives, exactly as target-only decoding computes them
+    logprobs: list[TokenLogprob] | None = None
+
+
+def check_logprobs(logprobs) -> None:
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(
+            logprobs, (int, np.integer)) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise InputError(f"logprobs={logprobs!r} is invalid: use an integer in "
+                         f"[0, {MAX_TOP_LOGPROBS}] (the alternatives reported per token), or "
+                         f"None")
 
 
 class Generator:
@@ -82,6 +95,10 @@ class Generator:
         self._owner: int | None = None  # thread id of the request holding the lock
         self.last_stats: dict | None = None  # stats of the latest finished generate/stream
         self.last_result: GenerationResult | None = None  # and its whole result
+        # the running request's TokenLogprobs so far, when it asked for them (a stream's reader
+        # takes the new ones after each piece); None otherwise
+        self.live_logprobs: list[TokenLogprob] | None = None
+        self._grammar = None  # constraint.Grammar, made at the first response_format
 
     # -- text -------------------------------------------------------------------------------
 
@@ -137,7 +154,7 @@ class Generator:
         second request decodes beside this one's (`specrun serve --slots N`)."""
         target = fork_engine(self.target)
         draft = self.draft.fork() if self.draft is not None else None
-        return Generator(target, draft, tokenizer=self.tokenizer,
+        forked = Generator(target, draft, tokenizer=self.tokenizer,
                          eos_token_ids=self.eos_token_ids, default_gamma=self.default_gamma,
                          max_gamma=self.max_gamma, chat_template=self.chat_template,
                          special_tokens=self.special_tokens, encoder_decoder=self.encoder_decoder,
@@ -145,6 +162,8 @@ class Generator:
                          manifest=self.manifest, bundle_dir=self.bundle_dir,
                          generation_defaults=self.generation_defaults,
                          row_check=self.row_check, clock=self.clock)
+        forked._grammar = self._grammar  # the compiled tokenizer, when there is one already
+        return forked
 
     def _engines(self, use_draft: bool = True) -> list:
         draft = self.draft if use_draft else None
@@ -224,14 +243,29 @@ class Generator:
             engine.encode_source(ids)
         return np.asarray([self.decoder_start_token_id], dtype=np.int64)
 
+    def constrained(self, params: SamplingParams, response_format) -> SamplingParams:
+        """`params` with the constraint of OpenAI's `response_format` (constraint.py; None or
+        {"type": "text"}: unchanged); InputError for a format or schema it cannot compile."""
+        from .constraint import Grammar, grammar_of
+
+        grammar = grammar_of(response_format)
+        if grammar is None:
+            return params
+        if self.tokenizer is None:
+            raise InputError("response_format needs a tokenizer: this generator has none")
+        if self._grammar is None:
+            self._grammar = Grammar(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return replace(params, constraint=self._grammar.constraint(grammar))
+
     def _rounds(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
-                chat, cancel=None) -> Iterator[tuple[np.ndarray, DecodeStats]]:
+                chat, cancel=None, logprobs=None) -> Iterator[tuple[np.ndarray, DecodeStats]]:
         """Validate a request, then hold the engines and yield each round's tokens; stop after
         the round in which `cancel` (a threading.Event) is set, with finish_reason
         "cancelled"."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
+        check_logprobs(logprobs)
         policy = self.gamma_policy(gamma)
         ids = self.prompt_ids(prompt, chat)
         draft = self.draft if use_draft else None
@@ -247,9 +281,13 @@ class Generator:
                 recorder = Recorder(stats, self.clock)
                 prefix = self._begin(ids, draft)
                 check_capacity(self._engines(use_draft), len(prefix), int(max_new_tokens))
+                self.live_logprobs = [] if logprobs is not None else None
                 request = Request(prefix, params, int(max_new_tokens),
                                   policy if draft is not None else None, self.eos_token_ids,
-                                  np.random.default_rng(params.seed), recorder)
+                                  np.random.default_rng(params.seed), recorder,
+                                  logprobs=logprobs, token_logprobs=self.live_logprobs)
+                if self.encoder_decoder:  # the prompt is the source the encoders read, not
+                    stats.prompt_tokens = len(ids)  # the decoder's one start token
                 for new in generate_tokens(self.target, draft, request):
                     yield new, stats
                     if cancel is not None and cancel.is_set() and not stats.finish_reason:
@@ -259,8 +297,8 @@ class Generator:
                 self._owner = None
 
     def _texts(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
-               stop, chat, live: bool = True,
-               cancel=None) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
+               stop, chat, live: bool = True, cancel=None,
+               logprobs=None) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
         """The one implementation of text and stop strings behind generate() and stream():
         yields (new text safe to show, the text so far, stats) per round. A stop string ends
         the request at the token that completes it; tokens and stats then count up to it.
@@ -269,7 +307,8 @@ class Generator:
         stop = stop_strings(stop)
         text = IncrementalText(self.detokenize, stop)
         shown = 0
-        rounds = self._rounds(prompt, max_new_tokens, params, gamma, use_draft, chat, cancel)
+        rounds = self._rounds(prompt, max_new_tokens, params, gamma, use_draft, chat, cancel,
+                              logprobs)
         try:
             for new, stats in rounds:
                 if not live and not stop:
@@ -278,6 +317,8 @@ class Generator:
                 if text.extend(new):
                     stats.new_tokens = len(text.tokens)
                     stats.finish_reason = "stop"
+                    if self.live_logprobs is not None:  # none past the stop string's token
+                        del self.live_logprobs[len(text.tokens):]
                 ready = text.ready()
                 yield text.text[shown:ready], text, stats
                 shown = max(shown, ready)
@@ -307,6 +348,8 @@ class Generator:
         frequency_penalty: float | None = None,
         logit_bias: dict[int, float] | None = None,
         cancel=None,
+        logprobs: int | None = None,
+        response_format: dict | None = None,
     ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens from `prompt`: text, a list of
         {"role", "content"} messages, or token ids. A sampling argument left None takes the
@@ -317,22 +360,30 @@ class Generator:
         reproduces a sample within a mode; speculative and target-only draws differ for the
         same seed (the same distribution, other random numbers). `cancel`, a threading.Event
         another thread may set, ends the request after the round in flight (finish_reason
-        "cancelled")."""
-        params = self.sampling_params(
+        "cancelled"). `logprobs` N (0..20) fills the result's `logprobs`: each token's
+        log-probability under the target's own distribution at its position (the warped one
+        that sampling draws from; greedy: the log-softmax of the logits, penalties applied),
+        with the N most likely tokens there; the tokens themselves do not change.
+        `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
+        {"schema": {...}}}, as OpenAI's API takes it) masks the logits of draft and target alike
+        to what the grammar allows: the output is the target's distribution restricted to it,
+        exactly, in both modes (constraint.py)."""
+        params = self.constrained(self.sampling_params(
             seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias), response_format)
         if self.tokenizer is None:  # token ids in, token ids out: no text, no stop strings
             if stop_strings(stop):
                 raise InputError("stop strings need a tokenizer: this generator has none")
             tokens, stats = [], DecodeStats()
             for new, stats in self._rounds(prompt, max_new_tokens, params, gamma, use_draft,
-                                           chat, cancel):
+                                           chat, cancel, logprobs):
                 tokens.extend(int(t) for t in new)
             return self._result(tokens, None, stats)
         text = stats = None
         for _, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
-                                          stop, chat, live=False, cancel=cancel):
+                                          stop, chat, live=False, cancel=cancel,
+                                          logprobs=logprobs):
             pass
         return self._result(text.tokens, text.finish(), stats)
 
@@ -342,32 +393,48 @@ class Generator:
                chat: bool | None = None, *, min_p: float | None = None,
                repetition_penalty: float | None = None, presence_penalty: float | None = None,
                frequency_penalty: float | None = None,
-               logit_bias: dict[int, float] | None = None, cancel=None) -> Iterator[str]:
+               logit_bias: dict[int, float] | None = None, cancel=None,
+               logprobs: int | None = None, response_format: dict | None = None
+               ) -> Iterator[str]:
         """Yield the new text piece by piece, as rounds complete: the same tokens, text and
         stats as generate() with the same arguments. Holds back an incomplete UTF-8 character
-        and any tail that could still become a stop string."""
+        and any tail that could still become a stop string. A stream closed early (close(), Ctrl-C)
+        leaves last_result with what it did so far, finish_reason "cancelled"."""
         if self.tokenizer is None:
             raise InputError("stream() needs a tokenizer: use generate() for token ids")
-        params = self.sampling_params(
+        params = self.constrained(self.sampling_params(
             seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel)
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias), response_format)
+        check_logprobs(logprobs)
+        return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel,
+                            logprobs)
 
-    def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel):
+    def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel,
+                logprobs):
         text = stats = None
         pieces = []
-        for piece, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
-                                              stop, chat, cancel=cancel):
-            if piece:
-                pieces.append(piece)
-                yield piece
+        texts = self._texts(prompt, max_new_tokens, params, gamma, use_draft, stop, chat,
+                            cancel=cancel, logprobs=logprobs)
+        try:
+            for piece, text, stats in texts:
+                if piece:
+                    pieces.append(piece)
+                    yield piece
+        except (GeneratorExit, KeyboardInterrupt):  # stopped by its caller (close(), Ctrl-C):
+            # the result is what it did so far
+            texts.close()
+            if stats is not None:
+                stats.finish_reason = stats.finish_reason or "cancelled"
+                self._result(text.tokens, "".join(pieces), stats)
+            raise
         self._result(text.tokens, "".join(pieces), stats)
 
     def _result(self, tokens: list[int], text: str | None, stats: DecodeStats) -> GenerationResult:
         self.last_stats = stats.to_dict()
+        logprobs = self.live_logprobs[: len(tokens)] if self.live_logprobs is not None else None
         self.last_result = GenerationResult(list(tokens), text, self.last_stats,
-                                            stats.finish_reason)
+                                            stats.finish_reason, logprobs)
         return self.last_result
 
     def target_logits(self, prompt_ids, prefix: Sequence[int]) -> np.ndarray:

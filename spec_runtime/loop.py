@@ -12,7 +12,7 @@ position, never a copy.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -43,12 +43,51 @@ class GammaPolicy:
         return self.gamma
 
 
+@dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the target's own distribution at its position,
+    and the `top` most likely tokens there (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(rows: np.ndarray, greedy: bool, tokens, top: int) -> list[TokenLogprob]:
+    """Row i of `rows` is the target's distribution at the position of tokens[i]: for sampling
+    the probabilities `warp` made (what target-only decoding samples from, so a token it can
+    never draw has log-probability -inf), for greedy the logits it takes the argmax of, as a
+    log-softmax. Reads the rows and nothing else: the tokens are already chosen."""
+    x = np.asarray(rows[: len(tokens)], dtype=np.float64)
+    if greedy:
+        m = x.max(axis=-1, keepdims=True)
+        logp = x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    else:
+        with np.errstate(divide="ignore"):
+            logp = np.log(x)
+    out = []
+    for row, tok in zip(logp, tokens):
+        best = []
+        if top:  # the `top` largest without sorting the vocabulary; ties by id, as a stable sort
+            k = min(top, len(row))
+            kth = np.partition(row, len(row) - k)[len(row) - k]
+            above = np.flatnonzero(row > kth)
+            best = np.concatenate([above, np.flatnonzero(row == kth)[: k - len(above)]])
+            best = best[np.lexsort((best, -row[best]))]
+        out.append(TokenLogprob(int(tok), float(row[tok]),
+                                [(int(t), float(row[t])) for t in best]))
+    return out
+
+
 class Request:
-    """One generation: what it asks for and where it stands."""
+    """One generation: what it asks for and where it stands. With `logprobs` (the number of
+    most likely alternatives to report, 0 for none) every emitted token's TokenLogprob is
+    appended to `token_logprobs`."""
 
     def __init__(self, prompt: np.ndarray, params: SamplingParams, max_new_tokens: int,
                  gamma: GammaPolicy | None, eos_token_ids: frozenset[int],
-                 rng: np.random.Generator, recorder: Recorder):
+                 rng: np.random.Generator, recorder: Recorder, logprobs: int | None = None,
+                 token_logprobs: list | None = None):
         n = len(prompt)
         # presence and frequency penalties count generated tokens: the context from here on
         self.params = replace(params, penalty_start=n) if params.reads_context else params
@@ -64,6 +103,8 @@ class Request:
         self.n_seq = n
         self.target_valid = 0
         self.stats.prompt_tokens = n
+        self.logprobs = logprobs
+        self.token_logprobs = token_logprobs if token_logprobs is not None else []
 
     @property
     def tokens(self) -> np.ndarray:
@@ -130,8 +171,8 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
 
         # 3. Accept x_i while r < p_target(x_i) / p_draft(x_i); at the first rejection draw from
         #    norm(max(0, p_target - p_draft)), or from p_target[k] when all k were accepted.
-        new, beta_sum, examined = _accept(drafts, p_draft, logits, req.params, req.rng,
-                                          req.tokens)
+        new, beta_sum, examined, rows = _accept(drafts, p_draft, logits, req.params, req.rng,
+                                                req.tokens)
         n_acc = len(new) - 1
 
         # 4. Roll back by position: both caches now hold the old sequence + accepted drafts.
@@ -142,8 +183,12 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
             if draft.needs:
                 draft.observe(_needed(draft.needs, logits[: n_acc + 1], req.stats))
 
-        # 5. Emit, stopping at EOS or max_new_tokens.
-        yield req.emit(new)
+        # 5. Emit, stopping at EOS or max_new_tokens; row i of the target's distributions is
+        #    the position of the round's token i, whether a draft's or its own.
+        emitted = req.emit(new)
+        if req.logprobs is not None:
+            req.token_logprobs += token_logprobs(rows, req.params.greedy, emitted, req.logprobs)
+        yield emitted
 
 
 def _needed(needs: frozenset[str], logits: np.ndarray, stats: DecodeStats) -> dict:
@@ -155,19 +200,23 @@ def _needed(needs: frozenset[str], logits: np.ndarray, stats: DecodeStats) -> di
 
 def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):
     """Step 3 of a round: (the round's tokens, Σ β = Σ min(p_target, p_draft) over the positions
-    examined, how many were examined); β feeds the α estimate. Row i of `logits` follows
-    `context` + drafts[:i], which is what penalties read."""
+    examined, how many were examined, the target's rows the tokens were chosen from: penalized
+    logits when greedy, warped probabilities otherwise); β feeds the α estimate. Row i of
+    `logits` follows `context` + drafts[:i], which is what penalties read."""
     k = len(drafts)
     if params.greedy:
         if params.reads_context:
             logits = penalize(logits, params, context, drafts)
         new = accept_drafts_greedy(drafts, logits)
         examined = min(len(new), k)
-        return new, float(min(len(new) - 1, examined)), examined  # one-hot p, q: β is 1 or 0
+        # one-hot p, q: β is 1 or 0
+        return new, float(min(len(new) - 1, examined)), examined, logits
     p_target = warp(logits, params, context, drafts)
     if k == 0:
-        return accept_drafts(drafts, np.empty((0, p_target.shape[-1])), p_target, rng), 0.0, 0
+        new = accept_drafts(drafts, np.empty((0, p_target.shape[-1])), p_target, rng)
+        return new, 0.0, 0, p_target
     new = accept_drafts(drafts, p_draft, p_target, rng)
     examined = min(len(new), k)
     v = min(p_target.shape[-1], p_draft.shape[-1])
-    return new, float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum()), examined
+    beta = float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum())
+    return new, beta, examined, p_target

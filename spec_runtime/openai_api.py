@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CacheCapacityError, InputError
+from .generator import MAX_TOP_LOGPROBS
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -31,7 +32,7 @@ class APIError(Exception):
 
 PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "logit_bias", "seed", "gamma", "max_tokens", "stop", "prompt",
-          "messages")
+          "messages", "response_format")
 
 
 def input_error(e: InputError, prompt_field: str = "prompt") -> APIError:
@@ -83,6 +84,7 @@ class Job:
     stream: bool
     include_usage: bool
     kwargs: dict = field(default_factory=dict)  # Generator.stream's sampling/γ/draft arguments
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
     stop: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None  # max_tokens left out: this, else the context's room
     prompt_field: str = "prompt"  # the request field that holds the prompt
@@ -100,10 +102,9 @@ def parse_common(body: Any, model_name: str) -> dict:
     if n != 1:
         raise APIError(400, f"n {n} is not supported: use n = 1 (send several requests for "
                             f"several choices)", param="n", code="invalid_value")
-    unsupported = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    unsupported = {"echo": (None, False),
                    "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
-                   "functions": (None, []), "tool_choice": (None, "none"),
-                   "response_format": (None, {"type": "text"})}
+                   "functions": (None, []), "tool_choice": (None, "none")}
     for name, allowed in unsupported.items():
         if name in body and body[name] not in allowed:
             raise APIError(400, f"{name} is not supported by this server: leave it out",
@@ -130,6 +131,11 @@ def parse_common(body: Any, model_name: str) -> dict:
                                 f"\"auto\"", param="gamma", code="invalid_type")
         kwargs["gamma"] = gamma
     kwargs["use_draft"] = _field(body, "use_draft", (bool,), "true or false", True)
+    # JSON mode / a JSON schema: checked and compiled with the bundle (constraint.py)
+    response_format = _field(body, "response_format", (dict,), "an object like {\"type\": "
+                             "\"json_object\"}")
+    if response_format is not None:
+        kwargs["response_format"] = response_format
     newer = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
     max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", newer)
     if newer is not None and max_tokens != newer:
@@ -172,7 +178,12 @@ def parse_completion(body: Any, model_name: str) -> Job:
     # the completions API continues the text as it is (OpenAI's legacy endpoint); chat=True is
     # the package's extension for a chat model behind a completions client
     chat = _field(body, "chat", (bool,), "true or false", False)
-    return Job(prompt=prompt, chat=chat, default_max_tokens=16, **common)  # OpenAI's default
+    # the legacy API's logprobs: how many alternatives per token (at most 5), null for none
+    logprobs = None if body.get("logprobs") is False else _field(
+        body, "logprobs", (int,), f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
+    _in_range("logprobs", logprobs, MAX_COMPLETION_LOGPROBS)
+    return Job(prompt=prompt, chat=chat, default_max_tokens=16, logprobs=logprobs,
+               **common)  # OpenAI's default max_tokens
 
 
 def parse_chat(body: Any, model_name: str) -> Job:
@@ -203,7 +214,21 @@ def parse_chat(body: Any, model_name: str) -> Job:
             raise APIError(400, f"messages[{i}].content is invalid: use a string",
                            param=f"messages[{i}].content", code="invalid_value")
         out.append({"role": m["role"], "content": content})
-    return Job(prompt=out, chat=True, prompt_field="messages", **common)
+    # chat's logprobs: a flag, and top_logprobs alternatives per token (at most 20) with it
+    wanted = _field(body, "logprobs", (bool,), "true or false", False)
+    top = _field(body, "top_logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    _in_range("top_logprobs", top, MAX_TOP_LOGPROBS)
+    if top and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: set \"logprobs\": true",
+                       param="top_logprobs", code="invalid_value")
+    return Job(prompt=out, chat=True, prompt_field="messages",
+               logprobs=(top or 0) if wanted else None, **common)
+
+
+def _in_range(name: str, value, high: int) -> None:
+    if value is not None and not 0 <= value <= high:
+        raise APIError(400, f"{name} {value} is invalid: use an integer in [0, {high}]",
+                       param=name, code="invalid_value")
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -225,12 +250,49 @@ def usage(result) -> dict:
             "total_tokens": prompt + completion}
 
 
-def completion_body(result, rid: str, chat: bool, model_name: str) -> dict:
+# -- log-probabilities, in the API's two shapes ---------------------------------------------------
+
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the sampling could not draw (-inf)
+
+
+def _lp(x: float) -> float:
+    return max(float(x), LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries, token_text) -> dict:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}, from the
+    generator's TokenLogprobs; `token_text(id)` is a token's text."""
+    def one(tok, lp):
+        text = token_text(tok)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob),
+                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
+    """The legacy completions API's `logprobs`: parallel lists of tokens, their logprobs, the
+    top alternatives ({text: logprob}) and each token's offset in the text, from `offset`."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(token_text(e.token))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": [{token_text(t): _lp(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def completion_body(result, rid: str, chat: bool, model_name: str, token_text=None) -> dict:
     """The response to a request that did not stream."""
     reason = FINISH.get(result.finish_reason, result.finish_reason)
+    logprobs = None
+    if result.logprobs is not None:
+        logprobs = (chat_logprobs if chat else completion_logprobs)(result.logprobs, token_text)
     choice = ({"index": 0, "message": {"role": "assistant", "content": result.text},
-               "logprobs": None, "finish_reason": reason} if chat else
-              {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason})
+               "logprobs": logprobs, "finish_reason": reason} if chat else
+              {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": [choice],
             "usage": usage(result), "specedge": extension(result.stats)}

@@ -35,7 +35,8 @@ or a config file for `serve run config.yaml` / `serve deploy config.yaml`:
 
 A replica loads the bundle from its own node's disk: copy the bundle to the same absolute path
 on every node (the path is resolved to an absolute one where the application is built). Every
-node needs specedge installed with the ray extra (pip install "specedge[ray]").
+node needs specedge installed with the ray extra (`pip install "specedge[ray]"`, or
+`pip install -e ".[ray]"` in a checkout).
 
 Each response carries an `x-specedge-replica` header naming the Ray Serve replica that served
 it. GET /metrics through Ray's proxy reaches one replica (its own counters); Ray exports its
@@ -54,7 +55,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, install_extra
 from .openai_api import default_model_name
 from .server import RETRY_AFTER_S, check_count, create_app
 
@@ -65,7 +66,6 @@ REPLICA_HEADER = "x-specedge-replica"
 HEALTH_CHECK_PERIOD_S = 10.0  # Ray's defaults, stated here
 HEALTH_CHECK_TIMEOUT_S = 30.0
 GPU_DEVICES = ("cuda", "tensorrt")
-INSTALL = 'pip install "specedge[ray]" (on every node of the cluster)'
 
 
 def _ray():
@@ -75,7 +75,7 @@ def _ray():
         from ray import serve
     except ImportError as e:
         raise InputError(f"specrun serve --ray needs Ray Serve ({e.name} is not installed): "
-                         f"{INSTALL}") from None
+                         f"{install_extra('ray')} (on every node of the cluster)") from None
     return ray, serve
 
 

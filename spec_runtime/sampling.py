@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,7 +64,9 @@ class SamplingParams:
     4. temperature (0 = greedy: the distribution is one-hot at the argmax of the logits after
        1-3), then top-k, top-p and min-p truncation (0, 1.0 and 0 disable them).
 
-    Steps 1-3 read the context of each position, so `warp` takes the tokens before it.
+    Before them, a `constraint` (constraint.py: a response_format's grammar) sets the logits of
+    the tokens it does not allow after the generated tokens to -inf. Steps 0-3 read the context
+    of each position, so `warp` takes the tokens before it.
     """
 
     temperature: float = 0.0
@@ -77,6 +79,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None  # a dict is accepted and converted
     penalty_start: int = 0
+    # constraint.Constraint (response_format): tokens it does not allow after the generated
+    # ones get -inf first; one request's state, never compared
+    constraint: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # numpy scalars (np.float32(0.5), np.int64(3)) are numbers like any other; stored as
@@ -130,7 +135,8 @@ class SamplingParams:
         """Whether the distribution at a position depends on the tokens before it (steps 1-3:
         logit_bias does not, but it goes through the same function)."""
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 \
-            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.constraint is not None
 
 
 def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
@@ -168,6 +174,8 @@ def penalize(logits: np.ndarray, params: SamplingParams, tokens=None, appended=N
     x = np.array(logits, dtype=np.float64)  # a copy
     rows = x.reshape(-1, x.shape[-1])
     vocab = rows.shape[-1]
+    if params.constraint is not None:
+        _mask(rows, params, tokens, appended)
     if params.logit_bias:
         ids = np.array([t for t, _ in params.logit_bias], np.int64)
         bias = np.array([b for _, b in params.logit_bias])
@@ -198,6 +206,22 @@ def penalize(logits: np.ndarray, params: SamplingParams, tokens=None, appended=N
             ids, counts = np.unique(generated[generated < vocab], return_counts=True)
             row[ids] -= counts * params.frequency_penalty + params.presence_penalty
     return x
+
+
+def _mask(rows: np.ndarray, params: SamplingParams, tokens, appended) -> None:
+    """Step 0, in place: -inf for the tokens the constraint does not allow after the tokens
+    generated before each row (the context from `penalty_start` on, then appended[:r])."""
+    if tokens is None:
+        raise ValueError("a constraint reads the context: pass the tokens before the first row")
+    tokens = np.asarray(tokens, np.int64)
+    appended = np.zeros(0, np.int64) if appended is None else np.asarray(appended, np.int64)
+    generated = tokens[min(params.penalty_start, len(tokens)):]
+    for r, row in enumerate(rows):
+        allowed = params.constraint.allowed(np.concatenate([generated, appended[:r]]))
+        if allowed is not None:
+            n = min(len(allowed), len(row))  # ids past the mask (padding) are never allowed
+            row[:n][~allowed[:n]] = -np.inf
+            row[n:] = -np.inf
 
 
 def warp(logits: np.ndarray, params: SamplingParams, tokens=None, appended=None) -> np.ndarray:

@@ -8,9 +8,9 @@
 
 Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
-presence_penalty, frequency_penalty, logit_bias) plus specedge's own as documented extensions
-(top_k, min_p, repetition_penalty, gamma, use_draft); spec_runtime/openai_api.py parses them and
-shapes the responses. Each response carries the request's speculative statistics in a
+presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
+specedge's own as documented extensions (top_k, min_p, repetition_penalty, gamma, use_draft);
+spec_runtime/openai_api.py parses them and shapes the responses. Each response carries the request's speculative statistics in a
 `specedge` field (on the last chunk of a stream).
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
@@ -42,7 +42,9 @@ from .openai_api import (
     SAMPLING_FIELDS,
     APIError,
     Job,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     default_model_name,
     extension,
     input_error,
@@ -215,10 +217,10 @@ class Metrics:
 def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                api_key: str | None = None, device: str = "cpu", draft_device: str | None = None,
                model_name: str | None = None, drain_seconds: float = DRAIN_SECONDS,
-               generator=None):
+               generator=None, threads: int | None = None):
     """The ASGI app serving the bundle at `bundle_dir` (the default bundle when None), or an
-    already loaded `generator`. The bundle is loaded here, once; `slots` - 1 forks share its
-    sessions."""
+    already loaded `generator`. The bundle is loaded here, once (`threads`: each CPU session's,
+    default the physical cores); `slots` - 1 forks share its sessions."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -231,7 +233,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     if generator is None:
         from . import load
 
-        generator = load(bundle_dir, device=device, draft_device=draft_device)
+        generator = load(bundle_dir, device=device, draft_device=draft_device, threads=threads)
     gen = generator
     if model_name is None:
         model_name = default_model_name(gen.manifest)
@@ -243,6 +245,10 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     app = FastAPI(title="specedge", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.slots, app.state.metrics, app.state.model_name = pool, metrics, model_name
     app.state.generator = gen
+
+    def token_text(tok: int) -> str:
+        """A token's own text, special tokens included (logprobs name every token)."""
+        return gen.tokenizer.decode([int(tok)], skip_special_tokens=False)
 
     def error_response(err: APIError, endpoint: str) -> JSONResponse:
         # a label per route, not per path a client invents (each would be a series forever)
@@ -383,7 +389,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             raise result
         metrics.finished(result.stats, started, task.first_token_at)
         metrics.requests.labels(endpoint, "200").inc()
-        return completion_body(result, rid, chat, model_name)
+        return completion_body(result, rid, chat, model_name, token_text)
 
     async def acquire(request: Request):
         """A slot for the request, waiting in the queue if need be; a client that leaves while
@@ -411,8 +417,9 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         """What can be checked before a slot is taken (any generator will do: they share one
         bundle): sampling values, γ, and the prompt and max_tokens against the cache."""
         try:
-            gen.sampling_params(job.kwargs.get("seed"), **{
-                k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"})
+            gen.constrained(gen.sampling_params(job.kwargs.get("seed"), **{
+                k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"}),
+                job.kwargs.get("response_format"))
             gen.gamma_policy(job.kwargs.get("gamma"))
             if gen.encoder_decoder:
                 n = 1
@@ -445,12 +452,25 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         obj = "chat.completion.chunk" if chat else "text_completion"
         created_at = int(time.time())
 
-        def chunk(piece: str | None, reason=None, delta=None, **extra) -> str:
+        offset = 0  # of the next token in the completion's text (the legacy text_offset)
+
+        def shaped(entries):
+            nonlocal offset
+            if entries is None or not entries and job.logprobs is None:
+                return None
+            if chat:
+                return chat_logprobs(entries, token_text)
+            out = completion_logprobs(entries, token_text, offset)
+            offset += sum(len(t) for t in out["tokens"])
+            return out
+
+        def chunk(piece: str | None, reason=None, delta=None, entries=None, **extra) -> str:
             if chat:
                 delta = delta or ({} if piece is None else {"content": piece})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": delta, "logprobs": shaped(entries),
+                          "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None,
+                choice = {"index": 0, "text": piece or "", "logprobs": shaped(entries),
                           "finish_reason": reason}
             body = {"id": rid, "object": obj, "created": created_at, "model": model_name,
                     "choices": [choice], **extra}
@@ -464,7 +484,8 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             while True:
                 kind, value = await task.events.get()
                 if kind == "piece":
-                    yield chunk(value)
+                    piece, entries = value
+                    yield chunk(piece, entries=entries)
                     continue
                 if kind == "error":
                     metrics.requests.labels(endpoint, str(value.status)).inc()
@@ -478,10 +499,14 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
             metrics.finished(result.stats, started, task.first_token_at)
             metrics.requests.labels(endpoint, "200").inc()
             reason = FINISH.get(result.finish_reason, result.finish_reason)
-            yield chunk(None, reason, specedge=extension(result.stats))
+            # the stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
+            # comes last before [DONE] (choices empty), else the chunk that ends the choice
+            stats = {"specedge": extension(result.stats)}
+            rest = result.logprobs[task.logprobs_sent:] if result.logprobs is not None else None
+            yield chunk(None, reason, entries=rest, **({} if job.include_usage else stats))
             if job.include_usage:
                 body = {"id": rid, "object": obj, "created": created_at, "model": model_name,
-                        "choices": [], "usage": usage(result)}
+                        "choices": [], "usage": usage(result), **stats}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
             ended = True
@@ -545,6 +570,7 @@ class Decode:
         self.first_token_at: float | None = None
         self._error: APIError | None = None
         self._result = None
+        self.logprobs_sent = 0  # TokenLogprobs handed on with the pieces so far
 
     def start(self) -> None:
         threading.Thread(target=self._work, name=DECODE_THREAD, daemon=True).start()
@@ -571,11 +597,14 @@ class Decode:
         job = self.job
         try:
             for piece in self.gen.stream(job.prompt, max_new_tokens=job.max_tokens,
-                                         stop=job.stop, chat=job.chat,
-                                         cancel=self.cancel_event, **job.kwargs):
+                                         stop=job.stop, chat=job.chat, cancel=self.cancel_event,
+                                         logprobs=job.logprobs, **job.kwargs):
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
-                self._post(self.events.put_nowait, ("piece", piece))
+                live, entries = self.gen.live_logprobs, None
+                if live is not None:  # the tokens decoded since the last piece
+                    entries, self.logprobs_sent = live[self.logprobs_sent:], len(live)
+                self._post(self.events.put_nowait, ("piece", (piece, entries)))
             result = self.gen.last_result
             if result.finish_reason == "cancelled":
                 end = ("error", self._error or APIError(

@@ -97,15 +97,15 @@ def test_non_utf8_prompt_file_exits_2(llama_pair, tmp_path):
 
 def test_unknown_model_family_exits_2(tmp_path):
     from tiny_models import byte_tokenizer
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    d = tmp_path / "mistral"
-    MistralForCausalLM(MistralConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1)).save_pretrained(d)
+    d = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=259, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1,
+                                     num_attention_heads=2)).save_pretrained(d)
     byte_tokenizer().save_pretrained(d)
     r = run(specexport, "build", "--target", d, "--out", tmp_path / "b", "--quiet")
-    assert_input_error(r, "'mistral'", "llama", "gpt2")
+    assert_input_error(r, "'gpt_neox'", "llama", "gpt2", "qwen2", "gemma3_text")
     assert not (tmp_path / "b").exists()
 
 

@@ -145,3 +145,75 @@ def test_bench_shows_progress_when_stderr_is_not_a_terminal(llama_pair, tmp_path
     assert r.exit_code == 0, r.output
     progress = [line for line in r.stderr.splitlines() if line.startswith("bench")]
     assert 2 <= len(progress) <= 12, r.stderr
+
+
+def test_a_stopped_answer_counts_as_an_answer_and_a_turn(llama_pair):
+    """`/stats` after Ctrl-C: an answer stopped early (close() after a piece, or Ctrl-C inside
+    a target call) joins the conversation and the totals alike, with what it did so far."""
+    from spec_runtime.chat_session import ChatSession
+
+    gen = spec_runtime.load(llama_pair[2])
+    gen.eos_token_ids = frozenset()  # a random model may end any answer at once
+    session = ChatSession(gen, max_new_tokens=8)
+    seen = []
+    "".join(session.answer("hi"))
+    seen.append(session.last_stats)
+    answer = session.answer("so?")
+    next(answer)
+    answer.close()
+    seen.append(session.last_stats)
+    forward, calls = gen.target.forward, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(*args)
+
+    gen.target.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        for _ in session.answer("ok"):
+            pass
+    del gen.target.forward
+    seen.append(session.last_stats)
+    assert seen[0]["finish_reason"] == "length"
+    assert [s["finish_reason"] for s in seen[1:]] == ["cancelled", "cancelled"]
+    assert len({id(s) for s in seen}) == 3 and all(0 < s["new_tokens"] < 8 for s in seen[1:])
+    assert session.totals["answers"] == len(session.turns) == 3
+    assert session.totals["tokens"] == sum(s["new_tokens"] for s in seen)
+    line = session.totals_line()
+    assert line.startswith("3 answer(s)") and line.endswith("3 turn(s) in the conversation")
+
+
+def test_generate_stops_at_any_of_its_stop_strings(llama_pair):
+    """`--stop` (repeatable): the answer ends before the first of them to appear in the text
+    the same generation gives without them (a hand cut of that text is the oracle)."""
+    bundle = llama_pair[2]
+    full = spec_runtime.load(bundle).generate("abc abc abc", max_new_tokens=24, chat=False).text
+    assert len(full) >= 12, full  # the tiny model's greedy text, long enough to cut
+    stops = [full[9:11], full[5:7]]
+    cut = min(full.find(s) for s in stops)
+    r = run(specrun, "generate", "abc abc abc", "-b", bundle, "--no-chat", "--max-new-tokens",
+            24, "--stop", stops[0], "--stop", stops[1], "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["text"] == full[:cut] and out["stats"]["finish_reason"] == "stop"
+    assert_input_error(run(specrun, "generate", "x", "-b", bundle, "--stop", ""),
+                       "--stop", "non-empty")
+
+
+def test_threads_sets_each_sessions_cpu_threads(llama_pair, monkeypatch):
+    loaded = []
+
+    def load(*args, **kwargs):
+        loaded.append(spec_runtime.bundle.load_bundle(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(spec_runtime, "load", load)
+    for threads in (1, 3):
+        r = run(specrun, "generate", "hi", "-b", llama_pair[2], "--max-new-tokens", 2,
+                "--threads", threads)
+        assert r.exit_code == 0, r.output
+        options = loaded[-1].target.session.get_session_options()
+        assert options.intra_op_num_threads == threads
+    assert_input_error(run(specrun, "generate", "hi", "--threads", 0), "--threads", "0")

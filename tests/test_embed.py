@@ -91,9 +91,13 @@ def test_cpp_host_generates_what_python_generates(llama_pair, tmp_path):
     print("C++:   ", out.stdout, "\nPython:", expected)
     assert out.stdout == expected  # bytes: the text may hold newlines and control characters
 
-    # a bad bundle: the host prints the library's message and exits 1, without crashing
+    # a bad bundle: the host prints the library's one-line message and exits 1, without a
+    # traceback (README's promise), the message being the one Python raises
+    with pytest.raises(spec_runtime.InputError) as e:
+        spec_runtime.load(tmp_path / "missing")
     out = run_host(exe, tmp_path / "missing", cwd=tmp_path, active=other)
-    assert out.returncode == 1 and b"specexport build" in out.stderr, out.stderr.decode()
+    assert out.returncode == 1 and out.stderr.decode() == f"error: {e.value}\n", out.stderr
+    assert "specexport build" in str(e.value)
     out = run_host(exe, cwd=tmp_path, active=other)
     assert out.returncode == 2 and b"usage" in out.stderr
 

@@ -170,3 +170,166 @@ def run_blocks(work: Path, env: dict) -> tuple[int, list[str]]:
             f"{previous.stdout[-3000:]}\n--- stderr\n{previous.stderr[-3000:]}")
         ran += 1
     return ran, skipped
+
+
+# -- commands parsed against the command-line tools themselves (fast; also the skipped blocks) ---
+
+REDIRECT = re.compile(r"(?<=\s)\d*>&\d+|(?<=\s)\d*>>?\s*[^\s&|;]+")
+OPERATORS = set("();<>|&")
+
+
+def cli_commands(code: str) -> list[list[str]]:
+    """The `specrun ...` and `specexport ...` command lines of a shell block, as argument lists:
+    continuation lines joined, comments and redirections dropped, split at `&&`, `|`, `;`, `&`
+    and `$(`...`)` (a command inside quotes, such as "$(specrun where)", is an argument)."""
+    import shlex
+
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(REDIRECT.sub(" ", line), posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        command: list[str] = []
+        for token in [*lexer, ";"]:
+            if token and set(token) <= OPERATORS:
+                if command and command[0] in ("specrun", "specexport"):
+                    out.append(command)
+                command = []
+            else:
+                command.append(token)
+    return out
+
+
+def parse_cli(argv: list[str]) -> None:
+    """Parse `argv` with the tool's own click objects, as running it would (options exist,
+    values convert to their types, choices and ranges hold, no stray argument), without
+    running it; a click.UsageError / BadParameter says what is wrong."""
+    from specedge.cli.specexport import main as specexport
+    from specedge.cli.specrun import main as specrun
+
+    import click
+
+    tool = {"specrun": specrun, "specexport": specexport}[argv[0]]
+    parent = click.Context(tool, info_name=argv[0])
+    command = tool.commands.get(argv[1]) if len(argv) > 1 else None
+    if command is None:
+        raise click.UsageError(f"{argv[0]} has no command {argv[1:2]}", parent)
+    command.make_context(argv[1], argv[2:], parent=parent).close()
+
+
+def test_cli_command_parser_oracle():
+    """The splitter on hand-written lines, and the parser on a good and a bad command."""
+    import click
+
+    code = ('specrun serve > serve.log 2>&1 &     # a comment\n'
+            'kill $(pgrep -f "specrun serve$")\n'
+            'echo "Why?" | specrun generate --max-new-tokens 32\n'
+            'specexport engine b && specrun generate "P" \\\n    --bundle "$(specrun where)"\n')
+    assert cli_commands(code) == [["specrun", "serve"],
+                                  ["specrun", "generate", "--max-new-tokens", "32"],
+                                  ["specexport", "engine", "b"],
+                                  ["specrun", "generate", "P", "--bundle", "$(specrun where)"]]
+    parse_cli(["specrun", "generate", "P", "--max-new-tokens", "32", "--gamma", "auto"])
+    for bad in (["specrun", "generate", "P", "--max-new-tokens", "lots"],   # a type
+                ["specrun", "generate", "P", "--max-new-tokenz", "3"],      # an option
+                ["specrun", "serve", "--port", "70000"],                    # a range
+                ["specexport", "build", "--precision", "fp8"],              # a choice
+                ["specexport", "verify", "some-bundle"]):                   # a stray argument
+        with pytest.raises(click.UsageError):
+            parse_cli(bad)
+
+
+def test_every_shell_command_parses_with_the_cli():
+    """Every specrun/specexport command of every sh block, the skipped ones included (they
+    cannot run here: a GPU, the hub, several machines), parses with the CLI's own parser."""
+    checked = 0
+    for b in read_blocks(README.read_text()):
+        if b.lang != "sh":
+            continue
+        for argv in cli_commands(b.code):
+            try:
+                parse_cli(argv)
+            except Exception as e:  # noqa: BLE001 — reported with the line it came from
+                pytest.fail(f"README line {b.line}: `{' '.join(argv)}` does not parse: {e}")
+            checked += 1
+    print(f"{checked} commands parsed")
+    assert checked >= 30
+
+
+def _synopsis() -> dict[str, str]:
+    """README's synopsis block: {"specexport build": its text, ...}."""
+    block = next(b for b in read_blocks(README.read_text())
+                 if b.lang == "text" and b.code.startswith("specexport build"))
+    out, current = {}, None
+    for line in block.code.splitlines():
+        if line.startswith(("specexport ", "specrun ")):
+            current = " ".join(line.split()[:2])
+            out[current] = ""
+        out[current] += " " + line.split("#")[0]
+    return out
+
+
+def _option_names(command) -> set[str]:
+    return {o for p in command.params for o in [*p.opts, *p.secondary_opts] if o.startswith("-")}
+
+
+def test_synopsis_names_real_options_and_every_build_option():
+    from specedge.cli.specexport import main as specexport
+    from specedge.cli.specrun import main as specrun
+
+    tools = {"specrun": specrun, "specexport": specexport}
+    synopsis = _synopsis()
+    assert {"specexport build", "specrun generate", "specrun serve"} <= set(synopsis)
+    for name, text in synopsis.items():
+        tool, sub = name.split()
+        command = tools[tool].commands[sub]
+        named = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", text))
+        assert named <= _option_names(command), (name, named - _option_names(command))
+    build = _option_names(specexport.commands["build"]) - {"--help"}
+    named = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", synopsis["specexport build"]))
+    assert build <= named, f"specexport build options missing from the synopsis: {build - named}"
+
+
+def test_what_readme_commands_write_in_the_checkout_is_ignored_by_git():
+    """Bundles (`--out DIR`), programs (`-o FILE`), logs (`> FILE`) and pid files that README's
+    commands write into the working directory do not show in `git status`."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing can show in git status")
+    written = set()
+    for b in read_blocks(README.read_text()):
+        if b.lang == "sh":
+            code = b.code.replace("\\\n", " ")
+            written |= set(re.findall(r"(?:--out|-o|--pid-file)\s+([\w.-]+)", code))
+            written |= set(re.findall(r"(?<=\s)>\s*([\w.-]+)", code))
+    assert {"int4-bundle", "lookup-bundle", "fp16-bundle", "host", "serve.log",
+            "serve.pid"} <= written
+    shown = [w for w in sorted(written) if subprocess.run(
+        ["git", "check-ignore", "-q", "--no-index", w + ("/" if "bundle" in w else "")],
+        cwd=ROOT).returncode != 0]
+    assert not shown, f"README writes these into the checkout and git would show them: {shown}"
+
+
+def _marked_slow(node, module_slow: bool) -> bool:
+    import ast
+
+    return module_slow or any("mark.slow" in ast.unparse(d) for d in node.decorator_list)
+
+
+def test_the_fast_subset_builds_no_default_bundle():
+    """README's `-m "not slow"` leaves out every test that builds the real default bundle (a
+    minute or more of the suite): each test that asks for the `default_bundle` fixture, directly
+    or through a fixture of its module, is marked slow."""
+    import ast
+
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = any(isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n.targets[0])
+                          and "slow" in ast.unparse(n.value) for n in tree.body)
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        needs = {"default_bundle"}
+        for _ in functions:  # fixtures of the module that reach default_bundle, to a fixed point
+            needs |= {f.name for f in functions if {a.arg for a in f.args.args} & needs}
+        unmarked += [f"{path.name}::{f.name}" for f in functions if f.name.startswith("test_")
+                     and {a.arg for a in f.args.args} & needs and not _marked_slow(f, module_slow)]
+    assert not unmarked, f"build the default bundle but are not marked slow: {unmarked}"
+    assert "-m \"not slow\"" in README.read_text()

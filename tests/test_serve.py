@@ -115,8 +115,11 @@ def test_chat_streaming_stop_and_seeds(tiny):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == ref.text
     final = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
-    assert len(final) == 1 and final[0].model_extra["specedge"]["new_tokens"] == len(ref.tokens)
-    assert chunks[-1].usage.completion_tokens == len(ref.tokens)
+    assert len(final) == 1 and chunks[-2] is final[0]
+    # OpenAI's usage chunk is the last one (no choices), and the stats ride on the last chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
+    assert chunks[-1].model_extra["specedge"]["new_tokens"] == len(ref.tokens)
+    assert "specedge" not in (final[0].model_extra or {})
 
     # a stop string cuts the text where the library cuts it
     stop = ref.text[3:5] if len(ref.text) >= 5 else None
@@ -173,6 +176,66 @@ def test_bad_input_gets_openai_errors_never_a_500(tiny, llama_pair):
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
 
 
+def test_logprobs_are_the_python_apis_in_openais_shapes(tiny):
+    """logprobs / top_logprobs: the target's own log-probabilities of the emitted tokens
+    (tests/test_logprobs.py checks them against a hand log-softmax), as the Python API gives
+    them, in chat's and the legacy completions' shapes, streamed chunk by chunk too."""
+    url, gen, _ = tiny
+    c = client(url)
+    text = lambda t: gen.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    ref = gen.generate("abc abc abc", max_new_tokens=8, chat=False, logprobs=2)
+    r = c.completions.create(model="target", prompt="abc abc abc", max_tokens=8, temperature=0,
+                             logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [text(e.token) for e in ref.logprobs]
+    assert lp.token_logprobs == [e.logprob for e in ref.logprobs]
+    assert lp.top_logprobs == [{text(t): v for t, v in e.top} for e in ref.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    ref = gen.generate(HELLO, max_new_tokens=8, logprobs=3)
+    r = c.chat.completions.create(model="target", messages=HELLO, max_tokens=8, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in content] == \
+        [(text(e.token), e.logprob) for e in ref.logprobs]
+    assert [[(a.token, a.logprob) for a in x.top_logprobs] for x in content] == \
+        [[(text(t), v) for t, v in e.top] for e in ref.logprobs]
+    assert content[0].bytes == list(content[0].token.encode())
+    chunks = list(c.chat.completions.create(model="target", messages=HELLO, max_tokens=8,
+                                            logprobs=True, top_logprobs=3, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+    assert c.chat.completions.create(model="target", messages=HELLO,
+                                     max_tokens=2).choices[0].logprobs is None
+
+    post = lambda body: httpx.post(url + "/v1/chat/completions", json=body, timeout=30)  # noqa
+    assert_error(post({"messages": HELLO, "top_logprobs": 2}), 400, "needs logprobs",
+                 param="top_logprobs")
+    assert_error(post({"messages": HELLO, "logprobs": True, "top_logprobs": 21}), 400, "21",
+                 param="top_logprobs")
+    assert_error(httpx.post(url + "/v1/completions", json={"prompt": "x", "logprobs": 6},
+                            timeout=30), 400, "[0, 5]", param="logprobs")
+
+
+def test_response_format_json_schema_is_the_python_apis(tiny):
+    """JSON mode through the API: the answer is the Python API's constrained answer, and
+    parses; a schema that does not compile is a 400 naming response_format."""
+    url, gen, _ = tiny
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    ref = gen.generate(HELLO, max_new_tokens=24, response_format=fmt)
+    r = client(url).chat.completions.create(model="target", messages=HELLO, max_tokens=24,
+                                            response_format=fmt)
+    assert r.choices[0].message.content == ref.text
+    assert list(json.loads(ref.text)) == ["ok"]
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+    assert_error(httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "messages": HELLO, "response_format": bad}), 400, "response_format",
+        param="response_format")
+
+
 def test_api_key(llama_pair):
     with server(llama_pair[2], env={"SPECEDGE_API_KEY": "s3cret"}) as (url, _):
         assert_error(httpx.get(url + "/v1/models"), 401, "API key", code="invalid_api_key")
@@ -207,6 +270,7 @@ def chat_body(n, **kw):
             "max_tokens": n, "temperature": 0, **kw}
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_a_burst_beyond_slots_and_queue_gets_429_and_the_rest_complete(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "2") as (url, _):
         barrier = threading.Barrier(8)
@@ -233,6 +297,7 @@ def test_a_burst_beyond_slots_and_queue_gets_429_and_the_rest_complete(default_b
                     r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "0") as (url, _):
         with httpx.Client(timeout=60) as h:
@@ -253,6 +318,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(default_bundle):
             assert r.status_code == 200
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "4") as (url, proc):
         results = [None] * 4
@@ -276,6 +342,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(default_bundle):
         assert [r.status_code for r in results] == [200] * 4, results
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_sigterm_past_the_drain_time_cancels_with_an_error(default_bundle):
     """A stream holds the slot and a second request waits for it when SIGTERM comes with a
     1 s drain: the stream ends with an error event and [DONE], the waiting request gets 503,

@@ -54,6 +54,7 @@ def leave_after(url, body, seconds):
 CHAT = "/v1/chat/completions"
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_a_client_that_leaves_a_plain_request_frees_its_slot(default_bundle):
     """Nothing is decoded for nobody: the request stops after the round it is in."""
     with server(default_bundle, "--slots", "1", "--queue", "0") as (url, _):
@@ -67,6 +68,7 @@ def test_a_client_that_leaves_a_plain_request_frees_its_slot(default_bundle):
         assert m["specedge_generated_tokens_total"] < 1500, m
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_clients_that_leave_the_queue_give_up_their_place(default_bundle):
     with server(default_bundle, "--slots", "1", "--queue", "4") as (url, _):
         holder = threading.Thread(target=leave_after, args=(url, chat_body(1500), 20.0))
@@ -174,6 +176,7 @@ def test_the_prompt_is_checked_off_the_event_loop(llama_pair):
     assert health.status_code == 200 and answer.status_code == 200, answer.text
 
 
+@pytest.mark.slow  # builds the real default bundle
 def test_a_second_sigterm_ends_every_request_with_its_error(default_bundle):
     """The first SIGTERM drains (30 s by default); a second one cuts it short: the stream
     gets its error event and [DONE], and the process exits 0 (no abort from threads still

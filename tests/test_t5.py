@@ -188,6 +188,16 @@ def test_a_gpu_stand_in_gives_the_cpus_tokens(v10_pair, cuda_stand_in):
                 cpu.generate(source, max_new_tokens=20, **kw).tokens, (source, kw)
 
 
+def test_stats_count_the_source_as_the_prompt(v10_pair):
+    """prompt_tokens (OpenAI's usage too) is the source the encoders read, as the tokenizer
+    encodes it, not the decoder's one start token."""
+    gen = spec_runtime.load(v10_pair[1], threads=THREADS)
+    for source in SOURCES:
+        for use_draft in (True, False):
+            r = gen.generate(source, max_new_tokens=2, use_draft=use_draft)
+            assert r.stats["prompt_tokens"] == len(gen.tokenizer.encode(source).ids) > 1, source
+
+
 def test_eos_ends_generation_like_hf(v10_pair):
     """With EOS handling on, both stop at the same place (or both run to the limit)."""
     target_dir, bundle = v10_pair

@@ -54,6 +54,29 @@ bool generate(const char* bundle, const char* prompt) {
     return true;
 }
 
+// The library's InputError (a bad bundle or value) is one line that names the value and the
+// fix, printed as the command-line tools print it; anything else is a bug: its traceback.
+void report_error() {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    Ref runtime(PyImport_ImportModule("spec_runtime"));
+    Ref input_error(runtime ? PyObject_GetAttrString(runtime.p, "InputError") : nullptr);
+    PyErr_Clear();  // spec_runtime itself may be what failed to import
+    if (input_error && value && PyObject_IsInstance(value, input_error.p) == 1) {
+        Ref message(PyObject_Str(value));
+        const char* text = message ? PyUnicode_AsUTF8(message.p) : nullptr;
+        std::fprintf(stderr, "error: %s\n", text ? text : "(a message that is not text)");
+        PyErr_Clear();
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return;
+    }
+    PyErr_Restore(type, value, traceback);
+    PyErr_Print();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,7 +94,7 @@ int main(int argc, char** argv) {
     if (PyStatus_Exception(status)) Py_ExitStatusException(status);
 
     bool ok = generate(argv[1], argc > 2 ? argv[2] : "What is speculative decoding?");
-    if (!ok) PyErr_Print();  // a bad bundle prints the library's message and hint
+    if (!ok) report_error();  // a bad bundle: the library's one line, naming the fix
     if (Py_FinalizeEx() < 0) return 120;
     return ok ? 0 : 1;
 }
