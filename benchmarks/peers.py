@@ -76,7 +76,7 @@ class CallCounter:
 class HFGenerate:
     """transformers `generate` in PyTorch, greedy; prompt lookup when lookup > 0; assisted
     generation with `assistant` (a draft model) otherwise. Option k: num_assistant_tokens on a
-    constant schedule (without it, transformers' own default schedule). Each target forward call
+    constant schedule (without it, transformers' own default draft length and schedule). Each target forward call
     makes one token of its own plus the draft tokens it accepts, so accepted = new tokens −
     target calls; an assistant proposes one token per forward call."""
 
@@ -91,6 +91,9 @@ class HFGenerate:
         model._call_counter = self.target_calls
         self.draft_calls = None
         if assistant is not None:
+            config = assistant.generation_config
+            self.assistant_defaults = (config.num_assistant_tokens,
+                                       config.num_assistant_tokens_schedule)
             self.draft_calls = getattr(assistant, "_call_counter", None) or CallCounter(assistant)
             assistant._call_counter = self.draft_calls
 
@@ -102,9 +105,15 @@ class HFGenerate:
             kw["prompt_lookup_num_tokens"] = self.lookup
         elif self.assistant is not None:
             kw["assistant_model"] = self.assistant
+            # transformers reads the draft length from the assistant's generation config, not
+            # from generate's arguments
+            config = self.assistant.generation_config
             if options.get("k"):
-                kw.update(num_assistant_tokens=int(options["k"]),
-                          num_assistant_tokens_schedule="constant")
+                config.num_assistant_tokens = int(options["k"])
+                config.num_assistant_tokens_schedule = "constant"
+            else:
+                config.num_assistant_tokens, config.num_assistant_tokens_schedule = \
+                    self.assistant_defaults
         calls0 = self.target_calls.calls
         draft0 = self.draft_calls.calls if self.draft_calls else 0
         t0 = time.perf_counter()
@@ -165,10 +174,12 @@ class OrtGenai:
         info = {"target_calls": len(tokens)}  # the plain loop: one call per token
         if spec:
             st = gen.get_speculative_stats()
-            # its verify passes, plus the prefill whose logits judge the first draft tokens
+            # the prefill, its verify (and re-anchor) passes, and the plain steps it falls back
+            # to where the n-gram lookup finds nothing
             info = {"accepted": int(st["draft_tokens_accepted"]),
                     "proposed": int(st["draft_tokens_proposed"]),
-                    "target_calls": int(st["target_forward_passes"]) + 1}
+                    "target_calls": 1 + int(st["target_forward_passes"])
+                    + int(st["standard_fallback_steps"])}
         return Run(tokens, wall, info)
 
 
