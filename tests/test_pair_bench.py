@@ -121,3 +121,26 @@ def test_a_specedge_row_needs_a_bundle_directory(tmp_path, capsys):
     with pytest.raises(SystemExit):
         pair.parse_args(["--out", str(tmp_path), "--specedge", f"x={tmp_path}"])
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_hf_assisted_draft_length_option_sets_the_tokens_per_target_call():
+    """The assistant is the target itself and drafts without its confidence cut-off, so every
+    draft token is accepted and a target call makes exactly k + 1 tokens: 12 tokens take
+    ceil(12 / (k + 1)) calls. Without k, transformers' own default drafts all 11 at once, also
+    after runs with k."""
+    import peers
+    from tiny_models import llama
+
+    target = llama(0, layers=2).eval()
+    assistant = llama(0, layers=2).eval()
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    hf = peers.HFGenerate(target, 0, False, [2], assistant)
+    ids = [5, 6, 7, 8, 9, 10]
+    default = hf.run(ids, 12)
+    assert default.info == {"target_calls": 1, "accepted": 11, "proposed": 11}
+    for k in (1, 2, 4):
+        r = hf.run(ids, 12, k=k)
+        assert r.tokens == default.tokens
+        assert r.info["target_calls"] == -(-12 // (k + 1))
+        assert r.info["accepted"] == r.info["proposed"] == 12 - r.info["target_calls"]
+    assert hf.run(ids, 12).info == default.info
