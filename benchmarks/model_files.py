@@ -1,6 +1,7 @@
 """The model files the peers need, built once from a GGUF file and cached under
-benchmarks/.cache/ (git-ignored). Every build goes to a temporary name and is renamed into place
-when it is complete, so an interrupted build is redone, never used.
+benchmarks/.cache/ (git-ignored; $SPECEDGE_BENCH_CACHE names another directory). Every build
+goes to a temporary name and is renamed into place when it is complete, so an interrupted build
+is redone, never used.
 
     hf-fp32/                   save_pretrained copy of the SmolLM2 GGUF (compare.py's default)
     hf-<stem>/                 the same for another GGUF file (<stem>: its name without .gguf)
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -30,7 +32,8 @@ import time
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE = Path(__file__).resolve().parent / ".cache"
+# $SPECEDGE_BENCH_CACHE lets another checkout use the files one has built
+CACHE = Path(os.environ.get("SPECEDGE_BENCH_CACHE") or Path(__file__).resolve().parent / ".cache")
 OV_GROUP_SIZES = (128, 64, 32)  # optimum-intel's default group first
 
 

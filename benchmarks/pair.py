@@ -16,8 +16,9 @@ Systems (names for --skip; PEERS below says what each runs):
 Every system runs in a worker process of its own (worker.py; OpenVINO: ov_worker.py in its own
 environment): its peak RSS is its own. The draft-model modes first get a quick sweep of their
 draft length k (and draft precision) on --sweep-prompts prompts; the best goes into the race.
-In the race the systems take turns prompt by prompt, in an order that rotates; each system runs
-all --repeats of a prompt in one turn, after a warm-up on a prompt of its own. When the systems'
+In the race the systems take turns prompt by prompt (or --turn-prompts prompts a turn), in an
+order that rotates; each system runs all --repeats of a prompt in one turn, after a warm-up on a
+prompt of its own. When the systems'
 model files do not fit in memory together (--resident auto), each turn starts the system's
 worker and ends it afterwards, so only one model is loaded at a time.
 """
@@ -104,6 +105,9 @@ def parse_args(argv=None):
                     help="onnxruntime-genai n-gram: size,max_draft_tokens,chained|plain")
     ap.add_argument("--ov-lookup", default="8,3",
                     help="OpenVINO prompt lookup: num_assistant_tokens,max_ngram_size")
+    ap.add_argument("--turn-prompts", type=int, default=1,
+                    help="prompts a system runs in one turn (one load, when workers are loaded "
+                    "per turn): 1 alternates prompt by prompt; more saves loads")
     ap.add_argument("--resident", choices=["auto", "all", "one"], default="auto",
                     help="all: every worker stays loaded; one: a worker per turn; auto: all "
                     "when the model files fit in 70%% of the available memory")
@@ -123,7 +127,7 @@ def parse_args(argv=None):
         if not str(args.gamma).isdigit():
             ap.error(f"--gamma {args.gamma!r}: use an integer or 'auto'")
         args.gamma = int(args.gamma)
-    for name in ("max_new_tokens", "repeats", "threads", "sweep_prompts"):
+    for name in ("max_new_tokens", "repeats", "threads", "sweep_prompts", "turn_prompts"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     args.sweep_k = tuple(int(k) for k in args.sweep_k.split(",") if k)
@@ -398,29 +402,35 @@ def sweep(systems, prompts, args, pool: Pool) -> list[dict]:
 
 
 def race(systems, prompts, args, pool: Pool, failed: dict) -> tuple[list, list]:
+    """Blocks of --turn-prompts prompts; in each block every system takes one turn, in an order
+    that rotates from block to block, and runs the block's prompts × repeats in it."""
     runs, loads = [], []
-    for i, p in enumerate(prompts):
+    step = args.turn_prompts
+    for b, first in enumerate(range(0, len(prompts), step)):
+        block = list(enumerate(prompts))[first:first + step]
         live = [s for s in systems if s.name not in failed]
-        order = live[i % len(live):] + live[:i % len(live)] if live else []
+        order = live[b % len(live):] + live[:b % len(live)] if live else []
         for s in order:
             try:
                 w = pool.start(s)
-                for rep in range(args.repeats):
-                    a = w.run(p["ids"], args.max_new_tokens, s.options)
-                    pool.note_rss(s.name, a)
-                    runs.append({"prompt": i, "kind": p["kind"], "repeat": rep, "system": s.name,
-                                 "new_tokens": len(a["tokens"]), "wall_s": a["wall_s"],
-                                 "tokens_per_s": len(a["tokens"]) / a["wall_s"],
-                                 "info": a["info"], "tokens": a["tokens"]})
+                for i, p in block:
+                    for rep in range(args.repeats):
+                        a = w.run(p["ids"], args.max_new_tokens, s.options)
+                        pool.note_rss(s.name, a)
+                        runs.append({"prompt": i, "kind": p["kind"], "repeat": rep,
+                                     "system": s.name, "new_tokens": len(a["tokens"]),
+                                     "wall_s": a["wall_s"],
+                                     "tokens_per_s": len(a["tokens"]) / a["wall_s"],
+                                     "info": a["info"], "tokens": a["tokens"]})
                 pool.end_turn(s.name)
             except (WorkerError, json.JSONDecodeError, BrokenPipeError) as e:
                 pool.stop(s.name)
-                failed[s.name] = f"failed on prompt {i}: {str(e)[-600:]}"
+                failed[s.name] = f"failed in block {b}: {str(e)[-600:]}"
                 print(f"  {s.name} FAILED: {failed[s.name]}", file=sys.stderr, flush=True)
-        loads.append({"after_prompt": i, "loadavg": os.getloadavg(),
+        loads.append({"after_prompt": block[-1][0], "loadavg": os.getloadavg(),
                       "mem_available": mem_available()})
-        print(f"  prompt {i + 1}/{len(prompts)} done (load {os.getloadavg()[0]:.2f})",
-              file=sys.stderr, flush=True)
+        print(f"  prompts {block[0][0] + 1}-{block[-1][0] + 1}/{len(prompts)} done (load "
+              f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
     return runs, loads
 
 
@@ -435,9 +445,7 @@ def prepare_prompts(hf_target: Path, args) -> tuple[list[dict], list[int], list[
 
     tok = AutoTokenizer.from_pretrained(hf_target)
     prompts = load_prompts(args.prompts)
-    if args.limit:
-        kinds = list(dict.fromkeys(p["kind"] for p in prompts))
-        prompts = [q for k in kinds for q in [p for p in prompts if p["kind"] == k][:args.limit]]
+    prompts = interleave(prompts, args.limit)
 
     def ids(text):
         out = tok.apply_chat_template([{"role": "user", "content": text}],
@@ -449,6 +457,17 @@ def prepare_prompts(hf_target: Path, args) -> tuple[list[dict], list[int], list[
     eos = config.get("eos_token_id", tok.eos_token_id)
     eos = [eos] if isinstance(eos, int) else list(eos)
     return prompts, [int(t) for t in ids(WARMUP)], eos
+
+
+def interleave(prompts: list[dict], limit: int | None = None) -> list[dict]:
+    """The first `limit` prompts of each kind, kinds taking turns (code, grounded, chat, code,
+    ...): drift of the machine spreads over every kind, and a block of --turn-prompts holds
+    several kinds."""
+    by_kind: dict[str, list] = {}
+    for p in prompts:
+        by_kind.setdefault(p["kind"], []).append(p)
+    depth = min(limit or len(prompts), max(map(len, by_kind.values())))
+    return [q[i] for i in range(depth) for q in by_kind.values() if i < len(q)]
 
 
 def uptime() -> str:

@@ -144,3 +144,54 @@ def test_hf_assisted_draft_length_option_sets_the_tokens_per_target_call():
         assert r.info["target_calls"] == -(-12 // (k + 1))
         assert r.info["accepted"] == r.info["proposed"] == 12 - r.info["target_calls"]
     assert hf.run(ids, 12).info == default.info
+
+
+def test_prompts_interleave_kinds_and_keep_the_first_of_each():
+    prompts = [{"kind": k, "text": f"{k}{i}"} for k, n in (("code", 3), ("chat", 1),
+                                                              ("grounded", 2)) for i in range(n)]
+    assert [p["text"] for p in pair.interleave(prompts)] == \
+        ["code0", "chat0", "grounded0", "code1", "grounded1", "code2"]
+    assert [p["text"] for p in pair.interleave(prompts, limit=1)] == \
+        ["code0", "chat0", "grounded0"]
+
+
+class FakeWorker:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def run(self, ids, n, options):
+        self.log.append((self.name, ids[0]))
+        return {"tokens": [1] * n, "wall_s": 1.0, "info": {}, "peak_rss": 1}
+
+
+class FakePool:
+    def __init__(self):
+        self.log, self.starts = [], []
+
+    def start(self, s):
+        self.starts.append(s.name)
+        return FakeWorker(s.name, self.log)
+
+    def note_rss(self, name, answer):
+        pass
+
+    def end_turn(self, name):
+        pass
+
+    def stop(self, name):
+        pass
+
+
+def test_race_turns_rotate_by_block_and_run_every_prompt_and_repeat():
+    """3 systems, 4 prompts, 2 a turn, 2 repeats: 2 blocks, the second starting with the
+    second system; every system runs each prompt twice, inside its own turn."""
+    systems = [pair.System(n, [["x"]], ["-"], "hf") for n in ("a", "b", "c")]
+    prompts = [{"kind": "code", "ids": [i]} for i in range(4)]
+    args = type("A", (), {"turn_prompts": 2, "repeats": 2, "max_new_tokens": 3})()
+    pool = FakePool()
+    runs, loads = pair.race(systems, prompts, args, pool, failed={})
+    assert pool.starts == ["a", "b", "c", "b", "c", "a"]
+    assert pool.log[:4] == [("a", 0), ("a", 0), ("a", 1), ("a", 1)]
+    assert sorted((r["system"], r["prompt"], r["repeat"]) for r in runs) == \
+        sorted((n, i, k) for n in "abc" for i in range(4) for k in range(2))
+    assert [x["after_prompt"] for x in loads] == [1, 3]
