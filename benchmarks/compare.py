@@ -304,7 +304,7 @@ def summarise(runs, systems) -> dict:
             row = {"tokens_per_s": quartiles([r["tokens_per_s"] for r in mine]),
                    "new_tokens": sum(r["new_tokens"] for r in mine)}
             acc = [(r["info"].get("accepted"), r["info"].get("proposed")) for r in mine]
-            if all(a is not None for a, _ in acc):
+            if all(a is not None and p is not None for a, p in acc):
                 row["acceptance"] = sum(a for a, _ in acc) / max(1, sum(p for _, p in acc))
                 row["proposed_per_token"] = sum(p for _, p in acc) / row["new_tokens"]
             rows[name] = row
@@ -458,7 +458,8 @@ def notes(args) -> list[str]:
                    f"greedy, token ids in (no chat template of its own), ignore_eos with "
                    f"`--eos continue`; prompt lookup with num_assistant_tokens "
                    f"{args.ov_lookup_tokens}, max_ngram_size {args.ov_ngram}"
-                   + ("; its draft mode drafts with the int4 export, 4 tokens a round."
+                   + ("; its draft mode drafts with the int4 export at its CPU defaults, 4 "
+                      "tokens a round."
                       if PRECISIONS[args.precision]["openvino_draft"] else "."))
     if args.precision == "int4":
         out.append("llama.cpp runs through llama-cpp-python's Llama.generate (top_k=1, temp=0), "

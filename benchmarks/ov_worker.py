@@ -12,8 +12,7 @@ repeated prompt would skip its prefill); with --ignore-eos, EOS is an ordinary t
 other system, else generation stops at --eos-ids (optimum's IR leaves the pipeline without an
 EOS id: -1). Option k is num_assistant_tokens (draft and lookup modes). The wall time is the
 generate call's, measured here, so the pipe costs nothing. info: target_calls (the main model's
-steps, prefill included), and in draft mode accepted / proposed draft tokens as the pipeline
-counts them.
+steps, prefill included), and in draft mode accepted / proposed draft tokens (see stats).
 
     python ov_worker.py --model DIR [--mode plain|lookup|draft] [--draft DIR] [--f32]
                         [--draft-f32] [--threads 2] [--ignore-eos] [--eos-ids 2,3]
@@ -32,14 +31,17 @@ import machine  # benchmarks/, this script's own directory
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 
 
-def stats(result, speculative: bool) -> dict:
-    """Target calls, and accepted / proposed draft tokens, from the pipeline's perf metrics."""
-    metrics = result.extended_perf_metrics if speculative else None
-    main = metrics.main_model_metrics if metrics is not None else result.perf_metrics
+def stats(result, mode: str, k: int, new_tokens: int) -> dict:
+    """Target calls from the pipeline's perf metrics (the main model's steps, prefill included).
+    In draft mode each target call keeps one token of its own, so accepted = new tokens −
+    target calls, and every verify call checks k draft tokens. (The pipeline's own counters
+    miss rounds: get_num_draft_tokens() is 0 after a 4-token generation that accepted 2.)"""
+    metrics = result.extended_perf_metrics if mode != "plain" else None
+    main = getattr(metrics, "main_model_metrics", None) or result.perf_metrics
     info = {"target_calls": len(main.raw_metrics.m_batch_sizes)}
-    if metrics is not None:
-        info.update(accepted=int(metrics.get_num_accepted_tokens()),
-                    proposed=int(metrics.get_num_draft_tokens()))
+    if mode == "draft":
+        info.update(accepted=new_tokens - info["target_calls"],
+                    proposed=k * (info["target_calls"] - 1))
     return info
 
 
@@ -95,17 +97,19 @@ def main() -> None:
             config.eos_token_id = eos_ids[0]
             config.stop_token_ids = set(eos_ids)
         if args.mode == "lookup":
-            config.num_assistant_tokens = int(k or args.lookup_tokens)
+            k = int(k or args.lookup_tokens)
             config.max_ngram_size = args.ngram
         elif args.mode == "draft":
-            config.num_assistant_tokens = int(k or args.draft_tokens)
+            k = int(k or args.draft_tokens)
+        if args.mode != "plain":
+            config.num_assistant_tokens = k
         ids = ov.Tensor(np.asarray([request["ids"]], dtype=np.int64))
         t0 = time.perf_counter()
         result = pipe.generate(ids, config)
         wall = time.perf_counter() - t0
-        tokens = [int(t) for t in result.tokens[0]]
-        print(json.dumps({"tokens": tokens[: request["n"]], "wall_s": wall,
-                          "info": stats(result, args.mode != "plain"),
+        tokens = [int(t) for t in result.tokens[0]][: request["n"]]
+        print(json.dumps({"tokens": tokens, "wall_s": wall,
+                          "info": stats(result, args.mode, k, len(tokens)),
                           "peak_rss": machine.peak_rss()}), flush=True)
 
 
