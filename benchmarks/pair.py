@@ -1,0 +1,525 @@
+"""The pair race: a real target drafted by a smaller model of its family (by default the
+Qwen2.5-Coder 1.5B and 0.5B GGUF files of real_models.py), every system on the same weights, one
+table per precision. Run through `compare.py --pair` or directly:
+
+    python benchmarks/pair.py --precision fp32 --openvino-python OVENV/bin/python \\
+        --specedge-target target-only=B_T --specedge draft-0.5b=B_D --specedge auto=B_A
+
+Systems (names for --skip; PEERS below says what each runs):
+    hf, hf-draft, hf-lookup                      transformers in PyTorch (fp32 table)
+    ortgenai, ortgenai-ngram, ortgenai-draft     onnxruntime-genai on its own builds
+    openvino, openvino-lookup, openvino-draft    OpenVINO GenAI on optimum-intel's IR
+    llamacpp, llamacpp-lookup                    llama.cpp on the GGUF file (int4 table)
+    ours: each --specedge NAME=BUNDLE (speculative) and --specedge-target NAME=BUNDLE
+    (use_draft=False on the same engines) is a row of its own
+
+Every system runs in a worker process of its own (worker.py; OpenVINO: ov_worker.py in its own
+environment): its peak RSS is its own. The draft-model modes first get a quick sweep of their
+draft length k (and draft precision) on --sweep-prompts prompts; the best goes into the race.
+In the race the systems take turns prompt by prompt (or --turn-prompts prompts a turn), in an
+order that rotates; each system runs all --repeats of a prompt in one turn, after a warm-up on a
+prompt of its own. When the systems'
+model files do not fit in memory together (--resident auto), each turn starts the system's
+worker and ends it afterwards, so only one model is loaded at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine
+import model_files
+import pair_report
+import peers
+import real_models
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = HERE / "pair_prompts.json"
+WARMUP = "Write a haiku about compilers."  # not one of the race's prompts: no shared prefix
+SWEEP_K = (3, 4, 5, 6, 7, 8)
+PLAIN_OF = {"hf-draft": "hf", "hf-lookup": "hf", "ortgenai-ngram": "ortgenai",
+            "ortgenai-draft": "ortgenai", "openvino-lookup": "openvino",
+            "openvino-draft": "openvino", "llamacpp-lookup": "llamacpp"}
+PEERS = tuple(["hf", "ortgenai", "openvino", "llamacpp"] + list(PLAIN_OF))
+
+
+@dataclass
+class System:
+    name: str
+    cmds: list[list[str]]  # worker command lines: one, or one per draft variant to sweep
+    labels: list[str]  # what each command runs (its draft), for the sweep table
+    family: str  # ours, hf, ortgenai, openvino, llamacpp
+    plain: str | None = None  # its own target-only row, for "= own greedy"
+    weight_bytes: int = 0  # the target's weight files: bandwidth ceiling of a plain row
+    footprint: int = 0  # every model file it loads: its memory estimate
+    sweep_k: tuple = ()  # draft lengths to sweep (option k); () = no sweep
+    options: dict = field(default_factory=dict)  # per-call options the sweep chose
+    what: str = ""
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
+    ap.add_argument("--target-gguf", type=Path, help="default: real_models.py's qwen-1.5b")
+    ap.add_argument("--draft-gguf", type=Path, help="default: real_models.py's qwen-0.5b")
+    ap.add_argument("--specedge", action="append", default=[], metavar="NAME=BUNDLE",
+                    help="a speculative row of ours (repeatable)")
+    ap.add_argument("--specedge-target", action="append", default=[], metavar="NAME=BUNDLE",
+                    help="a target-only row of ours (use_draft=False); the first one is what "
+                    "our speculative rows are compared with for '= own greedy'")
+    ap.add_argument("--specedge-python", type=Path, default=Path(sys.executable),
+                    help="python whose spec_runtime runs our rows (default: this one)")
+    ap.add_argument("--ours-default", metavar="NAME", help="the row of ours that is the "
+                    "default bundle (target: within 10%% of our best mode)")
+    ap.add_argument("--gamma", default=None, help="γ for our rows: integer or 'auto' "
+                    "(default: each bundle's)")
+    ap.add_argument("--openvino-python", type=Path, help="python of the OpenVINO environment")
+    ap.add_argument("--draft-precisions", default="int4,fp32",
+                    help="the peers' draft builds to sweep (onnxruntime-genai, OpenVINO)")
+    ap.add_argument("--sweep-k", default=",".join(map(str, SWEEP_K)),
+                    help="draft lengths to sweep; '' for no sweep (then --draft-k)")
+    ap.add_argument("--draft-k", type=int, default=4, help="draft length without a sweep")
+    ap.add_argument("--sweep-prompts", type=int, default=2,
+                    help="prompts of the sweep (the first of code, then chat, then grounded)")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS)
+    ap.add_argument("--limit", type=int, help="first N prompts of each kind")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eos", choices=["stop", "continue"], default="stop")
+    ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    ap.add_argument("--llamacpp-lookup", type=int, default=10,
+                    help="LlamaPromptLookupDecoding num_pred_tokens")
+    ap.add_argument("--llamacpp-gguf", type=Path,
+                    help="llama.cpp's model (default: the target GGUF, int4 table only)")
+    ap.add_argument("--genai-ngram", default="3,8,chained",
+                    help="onnxruntime-genai n-gram: size,max_draft_tokens,chained|plain")
+    ap.add_argument("--ov-lookup", default="8,3",
+                    help="OpenVINO prompt lookup: num_assistant_tokens,max_ngram_size")
+    ap.add_argument("--turn-prompts", type=int, default=1,
+                    help="prompts a system runs in one turn (one load, when workers are loaded "
+                    "per turn): 1 alternates prompt by prompt; more saves loads")
+    ap.add_argument("--resident", choices=["auto", "all", "one"], default="auto",
+                    help="all: every worker stays loaded; one: a worker per turn; auto: all "
+                    "when the model files fit in 70%% of the available memory")
+    ap.add_argument("--skip", action="append", default=[], metavar="NAME",
+                    help="leave a system out (repeatable)")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only these systems (repeatable)")
+    ap.add_argument("--float-reference", type=Path,
+                    help="a pair-fp32.json of the same prompts: how long each system's greedy "
+                    "output follows the fp32 model's (hf), and × HF for a table without hf")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "local",
+                    help="directory for pair-<precision>.{json,md} (default: "
+                    "benchmarks/results/local, git-ignored)")
+    ap.add_argument("--replace", action="store_true", help="overwrite existing result files")
+    args = ap.parse_args(argv)
+    if args.gamma not in (None, "auto"):
+        if not str(args.gamma).isdigit():
+            ap.error(f"--gamma {args.gamma!r}: use an integer or 'auto'")
+        args.gamma = int(args.gamma)
+    for name in ("max_new_tokens", "repeats", "threads", "sweep_prompts", "turn_prompts"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    args.sweep_k = tuple(int(k) for k in args.sweep_k.split(",") if k)
+    args.draft_precisions = [p for p in args.draft_precisions.split(",") if p]
+    bad = [p for p in args.draft_precisions if p not in ("int4", "fp32")]
+    if bad:
+        ap.error(f"--draft-precisions {bad}: use int4 and/or fp32")
+    for flag in ("specedge", "specedge_target"):
+        for item in getattr(args, flag):
+            name, _, bundle = item.partition("=")
+            if not name or not bundle or not (Path(bundle) / "manifest.json").is_file():
+                ap.error(f"--{flag.replace('_', '-')} {item!r}: give NAME=BUNDLE, BUNDLE a "
+                         "directory with manifest.json (`specexport build --out BUNDLE`)")
+    stems = [args.out / f"pair-{args.precision}{ext}" for ext in (".json", ".md")]
+    if not args.replace and any(p.exists() for p in stems):
+        ap.error(f"{stems[0]} exists: pass --replace to overwrite it, or another --out")
+    return args
+
+
+# -- systems ------------------------------------------------------------------------------------
+
+def size(path: Path) -> int:
+    path = Path(path)
+    return model_files.dir_bytes(path) if path.is_dir() else path.stat().st_size
+
+
+def bundle_target_bytes(bundle: Path) -> int:
+    manifest = json.loads((Path(bundle) / "manifest.json").read_text())
+    return model_files.onnx_weight_bytes(Path(bundle) / manifest["target"]["graphs"]["decoder"]
+                                         ["file"])
+
+
+def worker_cmd(spec: dict, python: Path | None = None) -> list[str]:
+    return [str(python or sys.executable), str(HERE / "worker.py"), json.dumps(spec)]
+
+
+def ov_cmd(args, model: Path, mode: str, eos_ids, draft: Path | None = None) -> list[str]:
+    tokens, ngram = args.ov_lookup.split(",")
+    cmd = [str(args.openvino_python), str(HERE / "ov_worker.py"), "--model", str(model),
+           "--mode", mode, "--threads", str(args.threads), "--lookup-tokens", tokens,
+           "--ngram", ngram, "--draft-tokens", str(args.draft_k),
+           "--eos-ids", ",".join(map(str, eos_ids))]
+    cmd += ["--f32"] if args.precision == "fp32" else []
+    cmd += ["--ignore-eos"] if args.eos == "continue" else []
+    cmd += ["--draft", str(draft)] if draft else []
+    return cmd
+
+
+def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
+    """-> ([System], {name: skip reason}). Peer model files are built here when missing
+    (model_files.py; minutes each, the first time)."""
+    stop, p = args.eos == "stop", args.precision
+    common = {"threads": args.threads, "stop_at_eos": stop}
+    sweep = args.sweep_k
+    systems, skipped = [], {}
+    hf_t, hf_d = model_files.hf_dir(target), model_files.hf_dir(draft)
+    if p == "fp32":
+        hf = {**common, "kind": "hf", "model": str(hf_t), "eos_ids": eos_ids}
+        st = size(hf_t / "model.safetensors")
+        systems += [
+            System("hf", [worker_cmd(hf)], ["-"], "hf", None, st, st, what="PyTorch eager"),
+            System("hf-draft", [worker_cmd({**hf, "assistant": str(hf_d)})], ["0.5B fp32"],
+                   "hf", "hf", st, st + size(hf_d), (None, *sweep),
+                   what="assistant_model (the draft at fp32)"),
+            System("hf-lookup", [worker_cmd({**hf, "lookup": args.prompt_lookup})], ["-"], "hf",
+                   "hf", st, st, what=f"prompt_lookup_num_tokens {args.prompt_lookup}")]
+    else:
+        skipped.update({n: "no comparable int4 CPU path in transformers (the fp32 table has "
+                        "its rows)" for n in ("hf", "hf-draft", "hf-lookup")})
+    genai_t = model_files.ortgenai_dir(p, target)
+    genai = {**common, "kind": "ortgenai", "model": str(genai_t), "eos_id": eos_ids[0]}
+    gt = model_files.onnx_weight_bytes(genai_t / "model.onnx")
+    size_, k, chained = args.genai_ngram.split(",")
+    ngram = {"ngram_size": int(size_), "max_draft_tokens": int(k),
+             "ngram_chained_lookup": chained == "chained"}
+    drafts = {dp: model_files.ortgenai_dir(dp, draft) for dp in args.draft_precisions}
+    systems += [
+        System("ortgenai", [worker_cmd(genai)], ["-"], "ortgenai", None, gt, gt,
+               what=f"its builder's -p {p}"),
+        System("ortgenai-ngram", [worker_cmd({**genai, "spec": ngram})], ["-"], "ortgenai",
+               "ortgenai", gt, gt, what=f"n-gram {args.genai_ngram}"),
+        System("ortgenai-draft",
+               [worker_cmd({**genai, "draft": str(d), "spec": {"max_draft_tokens": args.draft_k}})
+                for d in drafts.values()], [f"0.5B {dp}" for dp in drafts], "ortgenai",
+               "ortgenai", gt, gt + max(map(size, drafts.values())), sweep,
+               what="draft model (model.draft in genai_config)")]
+    why = peers.openvino_missing(args.openvino_python)
+    if why:
+        skipped.update({n: why for n in ("openvino", "openvino-lookup", "openvino-draft")})
+    else:
+        ov_t = model_files.openvino_dir(args.openvino_python, p, target)
+        ov_drafts = {dp: model_files.openvino_dir(args.openvino_python, dp, draft)
+                     for dp in args.draft_precisions}
+        ot = size(ov_t / "openvino_model.bin")
+        how = "true f32" if p == "fp32" else "CPU defaults (bf16, u8 KV)"
+        systems += [
+            System("openvino", [ov_cmd(args, ov_t, "plain", eos_ids)], ["-"], "openvino", None,
+                   ot, ot, what=how),
+            System("openvino-lookup", [ov_cmd(args, ov_t, "lookup", eos_ids)], ["-"],
+                   "openvino", "openvino", ot, ot, what=f"prompt lookup {args.ov_lookup}"),
+            System("openvino-draft", [ov_cmd(args, ov_t, "draft", eos_ids, d)
+                                      for d in ov_drafts.values()],
+                   [f"0.5B {dp}" for dp in ov_drafts], "openvino", "openvino", ot,
+                   ot + max(map(size, ov_drafts.values())), sweep,
+                   what="draft_model (the draft at its CPU defaults)")]
+    gguf = args.llamacpp_gguf or (target if p == "int4" else None)
+    why = peers.llamacpp_missing() or (None if gguf else
+                                       "no fp32 GGUF given (--llamacpp-gguf); the int4 table "
+                                       "has llama.cpp on the GGUF itself")
+    if why:
+        skipped.update({n: why for n in ("llamacpp", "llamacpp-lookup")})
+    else:
+        llama = {**common, "kind": "llamacpp", "gguf": str(gguf), "eos_ids": eos_ids}
+        g = size(gguf)
+        systems += [
+            System("llamacpp", [worker_cmd(llama)], ["-"], "llamacpp", None, g, g,
+                   what=f"llama-cpp-python on {Path(gguf).name}"),
+            System("llamacpp-lookup", [worker_cmd({**llama, "lookup": args.llamacpp_lookup})],
+                   ["-"], "llamacpp", "llamacpp", g, g,
+                   what=f"LlamaPromptLookupDecoding {args.llamacpp_lookup}")]
+    ours_plain = args.specedge_target[0].partition("=")[0] if args.specedge_target else None
+    for flag, use_draft in ((args.specedge_target, False), (args.specedge, True)):
+        for item in flag:
+            name, _, bundle = item.partition("=")
+            spec = {**common, "kind": "specedge", "bundle": bundle, "use_draft": use_draft,
+                    "gamma": args.gamma}
+            systems.append(System(name, [worker_cmd(spec, args.specedge_python)], ["-"], "ours",
+                                  ours_plain if use_draft else None, bundle_target_bytes(bundle),
+                                  size(bundle), what=f"bundle {bundle}" +
+                                  ("" if use_draft else ", use_draft=False")))
+    wanted = [s for s in systems if s.name not in args.skip and
+              (not args.only or s.name in args.only)]
+    skipped.update({s.name: "--skip" if s.name in args.skip else "not in --only"
+                    for s in systems if s not in wanted})
+    for s in wanted:
+        if s.plain and s.plain not in {w.name for w in wanted}:
+            s.plain = None
+    return wanted, skipped
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    """One system's worker process; its stderr goes to a log file."""
+
+    def __init__(self, cmd: list[str], log: Path):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log.open("a"), text=True)
+        self.ready = self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            tail = self.log.read_text(errors="replace")[-1500:]
+            raise WorkerError(f"worker exited with {self.proc.returncode}: {tail}")
+        return json.loads(line)
+
+    def run(self, ids, n, options) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": list(ids), "n": n, "options": options}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for_memory(need: int, limit_s: float = 900) -> bool:
+    """Wait until `need` bytes (plus 15%) are available, up to limit_s: starting a worker that
+    does not fit would have the kernel kill something."""
+    t0 = time.monotonic()
+    while mem_available() < need * 1.15:
+        if time.monotonic() - t0 > limit_s:
+            return False
+        time.sleep(5)
+    return True
+
+
+class Pool:
+    """Workers by system name; `resident` keeps them between turns."""
+
+    def __init__(self, resident: bool, logs: Path, warmup_ids, n_warmup: int):
+        self.resident, self.logs, self.workers = resident, logs, {}
+        self.warmup_ids, self.n_warmup = warmup_ids, n_warmup
+        self.loads, self.peak, self.versions = {}, {}, {}  # per system
+
+    def start(self, s: System, cmd_index: int = 0) -> Worker:
+        if s.name in self.workers:
+            return self.workers[s.name]
+        if not wait_for_memory(s.footprint):
+            raise WorkerError(f"{mem_available() / 2**30:.1f} GiB available after 15 minutes, "
+                              f"{s.footprint / 2**30:.1f} GiB of model files to load")
+        w = Worker(s.cmds[cmd_index], self.logs / f"{s.name}.log")
+        self.loads.setdefault(s.name, []).append(w.ready["load_s"])
+        self.note_rss(s.name, w.ready)
+        self.versions[s.name] = w.ready.get("versions", {})
+        w.run(self.warmup_ids, self.n_warmup, s.options)  # allocations, kernel choice
+        self.workers[s.name] = w
+        return w
+
+    def note_rss(self, name: str, answer: dict) -> None:
+        self.peak[name] = max(self.peak.get(name, 0), answer.get("peak_rss", 0))
+
+    def end_turn(self, name: str) -> None:
+        if not self.resident:
+            self.stop(name)
+
+    def stop(self, name: str) -> None:
+        w = self.workers.pop(name, None)
+        if w is not None:
+            w.close()
+
+    def close(self) -> None:
+        for name in list(self.workers):
+            self.stop(name)
+
+
+# -- sweep and race -----------------------------------------------------------------------------
+
+def sweep(systems, prompts, args, pool: Pool) -> list[dict]:
+    """Each draft-model mode: every draft variant × k on the sweep prompts, once each; the
+    variant and k with the most tokens per second of wall time go into the race."""
+    kinds = ["code", "chat", "grounded"]
+    chosen = [next(p for p in prompts if p["kind"] == k) for k in kinds
+              if any(p["kind"] == k for p in prompts)][:args.sweep_prompts]
+    rows = []
+    for s in systems:
+        if not s.sweep_k:
+            continue
+        best = None
+        for i, label in enumerate(s.labels):
+            pool.stop(s.name)
+            w = pool.start(s, i)
+            for k in s.sweep_k:
+                tokens = wall = 0
+                for p in chosen:
+                    a = w.run(p["ids"], args.max_new_tokens, {"k": k} if k else {})
+                    pool.note_rss(s.name, a)
+                    tokens, wall = tokens + len(a["tokens"]), wall + a["wall_s"]
+                rows.append({"system": s.name, "draft": label, "k": k, "new_tokens": tokens,
+                             "wall_s": wall, "tokens_per_s": tokens / wall})
+                print(f"  sweep {s.name} {label} k={k}: {tokens / wall:.2f} tok/s",
+                      file=sys.stderr, flush=True)
+                if best is None or tokens / wall > best[0]:
+                    best = (tokens / wall, i, k)
+            pool.stop(s.name)
+        _, i, k = best
+        for r in rows:
+            if r["system"] == s.name:
+                r["chosen"] = r["draft"] == s.labels[i] and r["k"] == k
+        s.cmds, s.labels, s.options = [s.cmds[i]], [s.labels[i]], ({"k": k} if k else {})
+    pool.peak.clear()  # the race's own peaks: the sweep ran other variants
+    return rows
+
+
+def race(systems, prompts, args, pool: Pool, failed: dict) -> tuple[list, list]:
+    """Blocks of --turn-prompts prompts; in each block every system takes one turn, in an order
+    that rotates from block to block, and runs the block's prompts × repeats in it."""
+    runs, loads = [], []
+    step = args.turn_prompts
+    for b, first in enumerate(range(0, len(prompts), step)):
+        block = list(enumerate(prompts))[first:first + step]
+        live = [s for s in systems if s.name not in failed]
+        order = live[b % len(live):] + live[:b % len(live)] if live else []
+        for s in order:
+            try:
+                w = pool.start(s)
+                for i, p in block:
+                    for rep in range(args.repeats):
+                        a = w.run(p["ids"], args.max_new_tokens, s.options)
+                        pool.note_rss(s.name, a)
+                        runs.append({"prompt": i, "kind": p["kind"], "repeat": rep,
+                                     "system": s.name, "new_tokens": len(a["tokens"]),
+                                     "wall_s": a["wall_s"],
+                                     "tokens_per_s": len(a["tokens"]) / a["wall_s"],
+                                     "info": a["info"], "tokens": a["tokens"]})
+                pool.end_turn(s.name)
+            except (WorkerError, json.JSONDecodeError, BrokenPipeError) as e:
+                pool.stop(s.name)
+                failed[s.name] = f"failed in block {b}: {str(e)[-600:]}"
+                print(f"  {s.name} FAILED: {failed[s.name]}", file=sys.stderr, flush=True)
+        loads.append({"after_prompt": block[-1][0], "loadavg": os.getloadavg(),
+                      "mem_available": mem_available()})
+        print(f"  prompts {block[0][0] + 1}-{block[-1][0] + 1}/{len(prompts)} done (load "
+              f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+    return runs, loads
+
+
+# -- setup --------------------------------------------------------------------------------------
+
+def prepare_prompts(hf_target: Path, args) -> tuple[list[dict], list[int], list[int]]:
+    """Prompt texts → chat-templated token ids, once, with the target's own tokenizer and
+    template; every system gets these ids. -> (prompts, warm-up ids, EOS ids)."""
+    from transformers import AutoTokenizer
+
+    from spec_runtime.bench import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(hf_target)
+    prompts = load_prompts(args.prompts)
+    prompts = interleave(prompts, args.limit)
+
+    def ids(text):
+        out = tok.apply_chat_template([{"role": "user", "content": text}],
+                                      add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    for p in prompts:
+        p["ids"] = [int(t) for t in ids(p["text"])]
+    config = json.loads((hf_target / "generation_config.json").read_text())
+    eos = config.get("eos_token_id", tok.eos_token_id)
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    return prompts, [int(t) for t in ids(WARMUP)], eos
+
+
+def interleave(prompts: list[dict], limit: int | None = None) -> list[dict]:
+    """The first `limit` prompts of each kind, kinds taking turns (code, grounded, chat, code,
+    ...): drift of the machine spreads over every kind, and a block of --turn-prompts holds
+    several kinds."""
+    by_kind: dict[str, list] = {}
+    for p in prompts:
+        by_kind.setdefault(p["kind"], []).append(p)
+    depth = min(limit or len(prompts), max(map(len, by_kind.values())))
+    return [q[i] for i in range(depth) for q in by_kind.values() if i < len(q)]
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"loadavg {os.getloadavg()}"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    target = args.target_gguf or real_models.fetch("qwen-1.5b")
+    draft = args.draft_gguf or real_models.fetch("qwen-0.5b")
+    started, up_before = time.time(), uptime()
+    prompts, warmup, eos_ids = prepare_prompts(model_files.hf_dir(target), args)
+    print(f"{len(prompts)} prompts; setting up systems (model files built when missing) ...",
+          file=sys.stderr, flush=True)
+    systems, skipped = build_systems(args, target, draft, eos_ids)
+    fit = sum(s.footprint for s in systems) < 0.7 * mem_available()
+    resident = args.resident == "all" or (args.resident == "auto" and fit)
+    logs = args.out / f"pair-{args.precision}-logs"
+    pool = Pool(resident, logs, warmup, min(args.max_new_tokens, 16))
+    bw_before = machine.copy_bandwidth()
+    failed: dict = {}
+    try:
+        sweep_rows = sweep(systems, prompts, args, pool)
+        runs, loads = race(systems, prompts, args, pool, failed)
+    finally:
+        pool.close()
+    bw_after = machine.copy_bandwidth()
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "target_gguf": str(target), "draft_gguf": str(draft), "eos_ids": eos_ids,
+        "machine": machine.info(args.threads),
+        "uptime_before": up_before, "uptime_after": uptime(), "loads": loads,
+        "wall_minutes": (time.time() - started) / 60,
+        "bandwidth": {"before": bw_before, "after": bw_after,
+                      "GBps": max(bw_before["GBps"], bw_after["GBps"])},
+        "resident": resident,
+        "systems": {s.name: {"family": s.family, "what": s.what, "draft": s.labels[0],
+                             "options": s.options, "plain": s.plain, "cmd": s.cmds[0],
+                             "weight_bytes": s.weight_bytes, "footprint": s.footprint,
+                             "load_s": pool.loads.get(s.name, []),
+                             "versions": pool.versions.get(s.name),
+                             "peak_rss": pool.peak.get(s.name)} for s in systems},
+        "skipped": {**skipped, **failed},
+        "sweep": sweep_rows,
+        "runs": runs,
+        "prompts": [{"kind": p["kind"], "text": p["text"], "ids": p["ids"]} for p in prompts],
+    }
+    pair_report.write(report, args)
+
+
+if __name__ == "__main__":
+    main()
