@@ -180,8 +180,6 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
         if draft is not None:
             rec.round(k, n_acc, g, beta_sum, examined)
             draft.rewind(req.n_seq + n_acc)
-            if draft.needs:
-                draft.observe(_needed(draft.needs, logits[: n_acc + 1], req.stats))
 
         # 5. Emit, stopping at EOS or max_new_tokens; row i of the target's distributions is
         #    the position of the round's token i, whether a draft's or its own.
@@ -191,18 +189,12 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
         yield emitted
 
 
-def _needed(needs: frozenset[str], logits: np.ndarray, stats: DecodeStats) -> dict:
-    """What a draft declared it reads: the target's logits of the verified positions, and the
-    request's statistics (α, c, row cost measured so far)."""
-    available = {"logits": logits, "stats": stats}
-    return {name: available[name] for name in needs}
-
-
 def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):
     """Step 3 of a round: (the round's tokens, Σ β = Σ min(p_target, p_draft) over the positions
     examined, how many were examined, the target's rows the tokens were chosen from: penalized
     logits when greedy, warped probabilities otherwise); β feeds the α estimate. Row i of
-    `logits` follows `context` + drafts[:i], which is what penalties read."""
+    `logits` follows `context` + drafts[:i], which is what penalties read. `p_draft` None: q is
+    one-hot at each draft token (a lookup draft), and min(p_target, q) sums to p_target(x)."""
     k = len(drafts)
     if params.greedy:
         if params.reads_context:
@@ -212,11 +204,11 @@ def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):
         # one-hot p, q: β is 1 or 0
         return new, float(min(len(new) - 1, examined)), examined, logits
     p_target = warp(logits, params, context, drafts)
-    if k == 0:
-        new = accept_drafts(drafts, np.empty((0, p_target.shape[-1])), p_target, rng)
-        return new, 0.0, 0, p_target
     new = accept_drafts(drafts, p_draft, p_target, rng)
     examined = min(len(new), k)
-    v = min(p_target.shape[-1], p_draft.shape[-1])
-    beta = float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum())
+    if p_draft is None:
+        beta = float(p_target[np.arange(examined), drafts[:examined]].sum())
+    else:
+        v = min(p_target.shape[-1], p_draft.shape[-1])
+        beta = float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum())
     return new, beta, examined, p_target

@@ -293,7 +293,7 @@ def _pad_vocab(a: np.ndarray, vocab: int) -> np.ndarray:
 
 def accept_drafts(
     draft_tokens: np.ndarray,
-    p_draft: np.ndarray,
+    p_draft: np.ndarray | None,
     p_target: np.ndarray,
     rng: np.random.Generator,
 ) -> list[int]:
@@ -303,12 +303,20 @@ def accept_drafts(
     draft followed by exactly one token: drawn from norm(max(0, p_target - p_draft)) at the first
     rejection, or from p_target[γ] when all γ are accepted. Each returned token is distributed as
     if sampled from p_target given the tokens before it (the paper's Theorem 3.5).
+
+    p_draft None: every draft token was proposed with certainty, q one-hot at it (a lookup
+    draft; vLLM passes draft_probs=None for its n-gram proposer the same way). The test then
+    reads p_target(x) alone: accept with probability p_target(x), and on rejection the residual
+    max(0, p_target - q) is p_target with x removed, renormalised: `_accept_one_hot`, the same
+    tokens as the dense rows would give for the same random draws, without building them.
     """
     gamma = len(draft_tokens)
     p_target = np.asarray(p_target)
-    p_draft = np.asarray(p_draft)
     if p_target.ndim != 2 or p_target.shape[0] != gamma + 1:
         raise ValueError(f"p_target has shape {p_target.shape}; it needs γ+1 = {gamma + 1} rows")
+    if p_draft is None:
+        return _accept_one_hot(draft_tokens, p_target, rng)
+    p_draft = np.asarray(p_draft)
     if p_draft.ndim != 2 or p_draft.shape[0] != gamma:
         raise ValueError(f"p_draft has shape {p_draft.shape}; it needs γ = {gamma} rows")
     vocab = max(p_target.shape[-1], p_draft.shape[-1])
@@ -329,6 +337,30 @@ def accept_drafts(
         out.append(sample(residual, rng))
         return out
     out.append(sample(p_target[gamma], rng))
+    return out
+
+
+def _accept_one_hot(draft_tokens: np.ndarray, p_target: np.ndarray,
+                    rng: np.random.Generator) -> list[int]:
+    """`accept_drafts` for q one-hot at each draft token x. With q(x) = 1 the test r·q(x) <
+    p(x) is r < p(x), and max(0, p - q) is p with p(x) set to 0 (p(x) <= 1), value for value:
+    the same random draws pick the same tokens as the dense one-hot rows. A token past the
+    target's vocabulary has p(x) = 0: always rejected, the residual p itself."""
+    vocab = p_target.shape[-1]
+    out: list[int] = []
+    for i, x in enumerate(int(t) for t in draft_tokens):
+        p_x = p_target[i, x] if x < vocab else 0.0
+        if rng.random() < p_x:
+            out.append(x)
+            continue
+        residual = p_target[i].copy()
+        if x < vocab:
+            residual[x] = 0.0
+        if residual.sum() <= RESIDUAL_EPS:  # p was (up to rounding) one-hot at x itself
+            residual = p_target[i]
+        out.append(sample(residual, rng))
+        return out
+    out.append(sample(p_target[len(draft_tokens)], rng))
     return out
 
 
