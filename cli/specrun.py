@@ -59,7 +59,7 @@ def bundle_option(fn):
 
 def device_options(fn):
     """--device, --draft-device and --threads, shared by the commands that load a bundle."""
-    from spec_runtime.kv_cache import DEVICES
+    from spec_runtime.devices import DEVICES
 
     devices = click.Choice(sorted(DEVICES))
     fn = click.option("--threads", type=click.IntRange(min=1), default=None,

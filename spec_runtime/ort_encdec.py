@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import CacheCapacityError, InputError
-from .kv_cache import Device
+from .devices import DEVICES, Device
 from .manifest import GraphEntry
 from .ort_engine import OrtEngine, open_session
 
@@ -27,7 +27,7 @@ class OrtEncDecEngine(OrtEngine):
 
     def __init__(self, session, graph: GraphEntry, encoder, encoder_graph: GraphEntry, *,
                  vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
-                 device: Device | str = "cpu", store=None):
+                 device: Device = DEVICES["cpu"], store=None):
         super().__init__(session, graph, vocab_size=vocab_size, max_len=max_len,
                          prefill_chunk=prefill_chunk, device=device, store=store)
         self.encoder = encoder
@@ -45,7 +45,7 @@ class OrtEncDecEngine(OrtEngine):
     @classmethod
     def open(cls, decoder_path, graph: GraphEntry, encoder_path, encoder_graph: GraphEntry, *,
              vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
-             device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
+             device: Device = DEVICES["cpu"], threads: int | None = None, spinning: bool = True,
              where: str = "graph", metadata: dict | None = None,
              encoder_metadata: dict | None = None, provider_options: dict | None = None,
              encoder_provider_options: dict | None = None) -> "OrtEncDecEngine":

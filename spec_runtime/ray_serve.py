@@ -55,6 +55,7 @@ import os
 import sys
 from pathlib import Path
 
+from .devices import device as device_entry
 from .errors import InputError, install_extra
 from .openai_api import default_model_name
 from .server import RETRY_AFTER_S, check_count, create_app
@@ -65,7 +66,6 @@ APP_NAME = "specedge"  # the Serve application's and the deployment's name
 REPLICA_HEADER = "x-specedge-replica"
 HEALTH_CHECK_PERIOD_S = 10.0  # Ray's defaults, stated here
 HEALTH_CHECK_TIMEOUT_S = 30.0
-GPU_DEVICES = ("cuda", "tensorrt")
 
 
 def _ray():
@@ -97,11 +97,6 @@ def _bundle(bundle_dir) -> tuple[str, object]:
     return str(path), manifest
 
 
-def _device(name: str, value) -> None:
-    from .kv_cache import DEVICES
-
-    if value not in DEVICES:
-        raise InputError(f"{name} {value!r} is not supported: use one of {sorted(DEVICES)}")
 
 
 def build_application(bundle_dir, **options):
@@ -131,9 +126,9 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     if num_cpus is not None:
         num_cpus = _number("num_cpus", num_cpus, 0)
     health_check_period_s = _number("health_check_period_s", health_check_period_s, 0.1)
-    _device("device", device)
+    gpu = device_entry(device).gpu
     if draft_device is not None:
-        _device("draft_device", draft_device)
+        gpu = device_entry(draft_device, "draft_device").gpu or gpu
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise InputError("api_key is invalid: use a non-empty string, or leave it out")
     bundle, manifest = _bundle(bundle_dir)
@@ -158,7 +153,7 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     actor_options = {}
     if num_cpus is not None:
         actor_options["num_cpus"] = num_cpus
-    if device in GPU_DEVICES or draft_device in GPU_DEVICES:
+    if gpu:
         actor_options["num_gpus"] = 1
     options = {}
     if "backpressure_config" in inspect.signature(serve.deployment).parameters:

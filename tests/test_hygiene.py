@@ -207,3 +207,54 @@ def test_a_request_while_a_stream_is_open_in_the_same_thread_raises_instead_of_h
         gen.generate("b c", max_new_tokens=2)
     stream.close()  # releases the generator
     assert len(gen.generate("b c", max_new_tokens=2).tokens) == 2
+
+
+def _runtime_imports(path) -> set[str]:
+    """The spec_runtime modules a file imports (a name imported from the package itself counts
+    as the package, unless it is a module of it)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "spec_runtime"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.split(".")[0] == "spec_runtime":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if _is_module(sub) else node.module)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# What the exporter uses of the runtime, and why (DESIGN.md, "Two packages, one direction"): the
+# contract, the manifest and the errors, written once for both sides; where bundles live and the
+# tokenizer's recorded identity (bundle); the devices and the builds that serve them (devices);
+# and, for its parity runs and measurements, the runtime's own engines and decoding through
+# their public entry points (engines.open_graph, engines.tensorrt_on, drafts, Generator), so
+# that a graph is checked exactly the way a loaded bundle runs it.
+EXPORTER_USES = {"spec_runtime", "spec_runtime.contract", "spec_runtime.manifest",
+                 "spec_runtime.errors", "spec_runtime.gqa_window", "spec_runtime.bundle",
+                 "spec_runtime.devices", "spec_runtime.engines", "spec_runtime.drafts"}
+
+
+def test_the_exporter_uses_only_the_runtime_modules_named_for_it():
+    from pathlib import Path
+
+    import spec_export
+
+    used = {}
+    for path in Path(spec_export.__file__).parent.glob("*.py"):
+        for module in _runtime_imports(path):
+            used.setdefault(module, []).append(path.name)
+    assert "spec_runtime.contract" in used  # the scan sees the imports it should
+    beyond = {m: files for m, files in used.items() if m not in EXPORTER_USES}
+    assert beyond == {}, beyond
