@@ -494,7 +494,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"bundle {bundle_dir} is {gen.manifest.precision}, --precision "
                          f"{args.precision} needs a {want} bundle: pass --bundle")
     if args.gamma is not None:
-        gen.gamma_policy(args.gamma)  # a bad γ fails now, not after minutes of peers
+        gen.check_gamma(args.gamma)  # a bad γ fails now, not after minutes of peers
     prompts = prepare_prompts(gen, args)
     target_file = bundle_dir / gen.manifest.target.graphs["decoder"].file
     weight_bytes = peers.onnx_weight_bytes(target_file)

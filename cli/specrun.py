@@ -146,7 +146,7 @@ def sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty, presen
 def check_gamma(gen, gamma) -> None:
     """--gamma against the loaded bundle's max_gamma, in the command line's words."""
     try:
-        gen.gamma_policy(gamma)
+        gen.check_gamma(gamma)
     except InputError as e:
         raise BadInput(cli_words(str(e))) from None
 
@@ -226,8 +226,9 @@ def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, to
                             threads=threads)
     check_gamma(gen, kwargs["gamma"])
     if stream:
+        pieces = gen.stream(text, **kwargs)
         try:
-            for piece in gen.stream(text, **kwargs):
+            for piece in pieces:
                 if as_json:
                     click.echo(json.dumps({"text": piece}))
                 else:
@@ -236,13 +237,13 @@ def generate(prompt, prompt_file, bundle, max_new_tokens, temperature, top_k, to
             if not as_json:
                 click.echo()  # "interrupted" goes on a line of its own
             raise
+        last = pieces.result
         if as_json:
-            last = gen.last_result
             click.echo(json.dumps({"done": True, "text": last.text, "tokens": last.tokens,
                                    "finish_reason": last.finish_reason, "stats": last.stats}))
         else:
             click.echo()
-            click.echo(stats_line(gen.last_stats), err=True)
+            click.echo(stats_line(last.stats), err=True)
         return
     result = gen.generate(text, **kwargs)
     if as_json:

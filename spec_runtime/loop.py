@@ -1,8 +1,8 @@
 """The draft-then-verify loop (Leviathan et al. 2023, Algorithm 1) over position-driven engines.
 
-`Request` is one generation's state, apart from the loaded model: the sequence, how much of it
-the target's cache holds, the sampling setting, the random generator, the γ policy and the
-statistics. Invariant: `target_valid` (and a model draft's own count) is the number of leading
+`RequestState` is one generation's state, apart from the loaded model: the Request it runs (its
+sampling setting, limits and γ, checked when it was made), the sequence, how much of it the
+target's cache holds, the random generator, the γ policy and the statistics. Invariant: `target_valid` (and a model draft's own count) is the number of leading
 positions of the sequence whose KV is in that engine's cache. A round feeds the target every
 token it has not seen plus the γ draft tokens, in one call, and gets γ+1 logit rows back. After
 verification the cache is valid up to the old length plus the accepted drafts; the slots
@@ -12,14 +12,14 @@ position, never a copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from .drafts import Draft
 from .engine import Engine
-from .errors import CacheCapacityError
+from .request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
 from .stats import DecodeStats, Recorder, best_gamma
 
@@ -79,36 +79,33 @@ def token_logprobs(rows: np.ndarray, greedy: bool, tokens, top: int) -> list[Tok
     return out
 
 
-class Request:
-    """One generation: what it asks for and where it stands. With `logprobs` (the number of
-    most likely alternatives to report, 0 for none) every emitted token's TokenLogprob is
-    appended to `token_logprobs`."""
+class RequestState:
+    """One request in the loop: the Request as it was made (request.py), and where it stands.
+    With `request.logprobs` (the number of most likely alternatives to report, 0 for none)
+    every emitted token's TokenLogprob is appended to `token_logprobs`."""
 
-    def __init__(self, prompt: np.ndarray, params: SamplingParams, max_new_tokens: int,
-                 gamma: GammaPolicy | None, eos_token_ids: frozenset[int],
-                 rng: np.random.Generator, recorder: Recorder, logprobs: int | None = None,
-                 token_logprobs: list | None = None):
-        n = len(prompt)
-        # presence and frequency penalties count generated tokens: the context from here on
-        self.params = replace(params, penalty_start=n) if params.reads_context else params
-        self.max_new_tokens = max_new_tokens
-        self.gamma = gamma
-        self.eos = np.fromiter(eos_token_ids, dtype=np.int64)
-        self.rng = rng
+    def __init__(self, request: Request, recorder: Recorder, token_logprobs: list | None = None):
+        self.request = request
+        self.params = request.params
+        self.max_new_tokens = request.max_new_tokens
+        self.logprobs = request.logprobs
+        self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma)
+        self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
+        self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder
         self.stats = recorder.stats
+        n = len(request.prefix)
         # room for every new token, and for the γ + 1 a last round may produce before the cut
-        self.seq = np.empty(n + max_new_tokens + (gamma.max_gamma if gamma else 0) + 1, np.int64)
-        self.seq[:n] = prompt
+        self.seq = np.empty(n + self.max_new_tokens + request.max_gamma + 1, np.int64)
+        self.seq[:n] = request.prefix
         self.n_seq = n
         self.target_valid = 0
-        self.stats.prompt_tokens = n
-        self.logprobs = logprobs
+        self.stats.prompt_tokens = len(request.prompt)  # an encoder-decoder's: its source
         self.token_logprobs = token_logprobs if token_logprobs is not None else []
 
     @property
     def tokens(self) -> np.ndarray:
-        """The prompt and every token emitted so far (a view, valid until the next round)."""
+        """The prefix and every token emitted so far (a view, valid until the next round)."""
         return self.seq[: self.n_seq]
 
     @property
@@ -132,22 +129,11 @@ class Request:
         return new
 
 
-def check_capacity(engines: list[Engine], prompt_len: int, max_new_tokens: int) -> None:
-    # The last generated token is never fed back, so N + M - 1 positions are written.
-    needed = prompt_len + max_new_tokens - 1
-    for engine in engines:
-        if needed > engine.max_len:
-            raise CacheCapacityError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs {needed} "
-                f"cache positions but the bundle's max_len is {engine.max_len}: lower "
-                f"max_new_tokens or the prompt, or re-export with `specexport build --max-len`"
-            )
-
-
 _NO_DRAFTS = np.empty(0, np.int64)
 
 
-def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterator[np.ndarray]:
+def generate_tokens(target: Engine, draft: Draft | None,
+                    req: RequestState) -> Iterator[np.ndarray]:
     """Yield the new tokens of each round. `draft=None` is target-only decoding on the same
     engine: one target call per token, the baseline every speedup is measured against."""
     rec = req.recorder

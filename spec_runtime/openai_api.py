@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CacheCapacityError, InputError
-from .generator import MAX_TOP_LOGPROBS
+from .request import MAX_TOP_LOGPROBS
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -83,11 +83,12 @@ class Job:
     max_tokens: int | None
     stream: bool
     include_usage: bool
-    kwargs: dict = field(default_factory=dict)  # Generator.stream's sampling/γ/draft arguments
+    kwargs: dict = field(default_factory=dict)  # GenerationOptions' sampling/γ/draft values
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
     stop: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None  # max_tokens left out: this, else the context's room
     prompt_field: str = "prompt"  # the request field that holds the prompt
+    request: Any = None  # the request.Request made from all this, once, before a slot is taken
 
 
 def parse_common(body: Any, model_name: str) -> dict:

@@ -68,11 +68,8 @@ class OrtEncDecEngine(OrtEngine):
             max_source_len=self.max_source_len, prefill_chunk=self.prefill_chunk,
             device=self.device, store=self._store))
 
-    def encode_source(self, source_ids) -> None:
-        """Run the encoder on one request's source ids; its cross K/V serve every forward until
-        the next encode_source."""
-        ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
-        n = len(ids)
+    def check_source(self, n: int) -> None:
+        """CacheCapacityError unless a source of n tokens fits the encoder."""
         if n > self.max_source_len:
             raise CacheCapacityError(
                 f"the source has {n} tokens but the bundle's max_source_len is "
@@ -81,6 +78,13 @@ class OrtEncDecEngine(OrtEngine):
             )
         if n == 0:
             raise InputError("the source is empty: give at least one token")
+
+    def encode_source(self, source_ids) -> None:
+        """Run the encoder on one request's source ids; its cross K/V serve every forward until
+        the next encode_source."""
+        ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        self.check_source(n)
         self._source[:] = 0  # padding id is irrelevant: the mask hides it
         self._source[0, :n] = ids
         self._source_mask[:] = 0

@@ -39,7 +39,6 @@ from typing import Any
 from .errors import InputError
 from .openai_api import (
     FINISH,
-    SAMPLING_FIELDS,
     APIError,
     Job,
     chat_logprobs,
@@ -52,6 +51,7 @@ from .openai_api import (
     parse_completion,
     usage,
 )
+from .request import GenerationOptions
 
 log = logging.getLogger("spec_runtime.server")
 
@@ -414,23 +414,20 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     def check(job: Job) -> None:
-        """What can be checked before a slot is taken (any generator will do: they share one
-        bundle): sampling values, γ, and the prompt and max_tokens against the cache."""
+        """Make the job's Request before a slot is taken (any generator will do: they share one
+        bundle; the Request runs on whichever slot it gets): its values, γ, and the prompt and
+        max_tokens against the cache, checked once."""
         try:
-            gen.constrained(gen.sampling_params(job.kwargs.get("seed"), **{
-                k: v for k, v in job.kwargs.items() if k in SAMPLING_FIELDS and k != "seed"}),
-                job.kwargs.get("response_format"))
-            gen.gamma_policy(job.kwargs.get("gamma"))
-            if gen.encoder_decoder:
-                n = 1
-            else:  # tokenized once, here: the decode loop then takes these ids as they are
-                job.prompt, job.chat = gen.prompt_ids(job.prompt, job.chat).tolist(), False
-                n = len(job.prompt)
-            use_draft = job.kwargs.get("use_draft", True)
+            prompt, chat = job.prompt, job.chat
+            if not gen.encoder_decoder:  # tokenized once, here: max_tokens' default needs it
+                prompt, chat = gen.prompt_ids(job.prompt, job.chat), False
             if job.max_tokens is None:
-                room = gen.capacity(use_draft) - n + 1
+                n = 1 if gen.encoder_decoder else len(prompt)
+                room = gen.capacity(job.kwargs.get("use_draft", True)) - n + 1
                 job.max_tokens = max(1, min(room, job.default_max_tokens or MAX_CHAT_TOKENS))
-            gen.check_capacity(n, job.max_tokens, use_draft)
+            job.request = gen.request(prompt, GenerationOptions(
+                max_new_tokens=job.max_tokens, stop=job.stop, chat=chat, logprobs=job.logprobs,
+                **job.kwargs))
         except InputError as e:
             raise input_error(e, job.prompt_field) from None
 
@@ -596,16 +593,15 @@ class Decode:
     def _work(self) -> None:
         job = self.job
         try:
-            for piece in self.gen.stream(job.prompt, max_new_tokens=job.max_tokens,
-                                         stop=job.stop, chat=job.chat, cancel=self.cancel_event,
-                                         logprobs=job.logprobs, **job.kwargs):
+            stream = self.gen.stream(job.request, cancel=self.cancel_event)
+            for piece in stream:
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
-                live, entries = self.gen.live_logprobs, None
+                live, entries = stream.logprobs, None
                 if live is not None:  # the tokens decoded since the last piece
                     entries, self.logprobs_sent = live[self.logprobs_sent:], len(live)
                 self._post(self.events.put_nowait, ("piece", (piece, entries)))
-            result = self.gen.last_result
+            result = stream.result
             if result.finish_reason == "cancelled":
                 end = ("error", self._error or APIError(
                     499, "the request was cancelled", code="cancelled"))
