@@ -78,7 +78,7 @@ def parse_args(argv=None):
     ap.add_argument("--bundle", type=Path, help="specedge bundle (default: `specrun where`)")
     ap.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     ap.add_argument("--prompts-kind", choices=["grounded", "chat", "all"], default="all")
-    ap.add_argument("--prompts", type=Path, help="prompt file for spec_runtime.bench.load_prompts")
+    ap.add_argument("--prompts", type=Path, help="prompt file for spec_runtime.apps.bench.load_prompts")
     ap.add_argument("--limit", type=int, help="first N prompts of each kind")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and prompt")
@@ -128,7 +128,7 @@ def parse_args(argv=None):
 def prepare_prompts(gen, args) -> list[dict]:
     """Prompt texts → chat-templated token ids, once, with the bundle's tokenizer; every system
     gets these ids."""
-    from spec_runtime.bench import load_prompts
+    from spec_runtime.apps.bench import load_prompts
 
     prompts = load_prompts(args.prompts, "all" if args.prompts else args.prompts_kind)
     if args.limit:

@@ -275,7 +275,7 @@ def chat(bundle, max_new_tokens, temperature, top_k, top_p, min_p, repetition_pe
     over, /stats for the conversation's totals, /exit (or Ctrl-D) to leave; Ctrl-C stops an
     answer."""
     import spec_runtime
-    from spec_runtime.chat_session import ChatSession
+    from spec_runtime.apps.chat_session import ChatSession
 
     kwargs = dict(max_new_tokens=max_new_tokens, gamma=_gamma(gamma), use_draft=not no_draft,
                   **sampling_kwargs(temperature, top_k, top_p, min_p, repetition_penalty,
@@ -398,8 +398,8 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
-    from spec_runtime.bench import QUICK_PROMPTS, format_table, load_prompts, run_bench
-    from spec_runtime.bench import plot as plot_report
+    from spec_runtime.apps.bench import QUICK_PROMPTS, format_table, load_prompts, run_bench
+    from spec_runtime.apps.bench import plot as plot_report
     from spec_runtime.sampling import SamplingParams
 
     SamplingParams(temperature=temperature)
@@ -454,7 +454,7 @@ def check(bundle, tokens, samples, seconds, temperature, top_k, top_p, min_p, re
     two-sample chi-square of speculative vs target-only continuations, and greedy parity.
     Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
     import spec_runtime
-    from spec_runtime.check import DEFAULT_SAMPLES, format_report, run_check
+    from spec_runtime.apps.check import DEFAULT_SAMPLES, format_report, run_check
     from spec_runtime.sampling import SamplingParams
 
     setting = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -583,7 +583,7 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
            use_ray, replicas, ray_address, device, draft_device, threads):
     pid = os.getpid()
     if use_ray:
-        from spec_runtime.ray_serve import run as run_ray  # imports ray itself, when it runs
+        from spec_runtime.apps.ray_serve import run as run_ray  # imports ray itself, when it runs
 
         def ready_ray(info):
             n = info["replicas"]
@@ -597,7 +597,8 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
                     draft_device=draft_device, drain_seconds=drain_seconds,
                     ray_address=ray_address, on_ready=ready_ray)
         return
-    from spec_runtime.server import create_app, run_uvicorn
+    from spec_runtime.apps.run_server import run_uvicorn
+    from spec_runtime.apps.server import create_app
 
     app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
                      draft_device=draft_device, model_name=model_name,
@@ -624,7 +625,7 @@ def list_bundles(dirs, as_json):
     """List the bundles on this machine: the default one ($SPECEDGE_BUNDLE, else `specrun
     where`) and the others beside it, or those in DIRS (bundles, or folders holding them), with
     their target, precision, draft, cache length and size. Reads manifests only."""
-    from spec_runtime.listing import find_bundles, format_bundles
+    from spec_runtime.apps.listing import find_bundles, format_bundles
 
     rows = find_bundles(dirs)
     click.echo(json.dumps(rows, indent=2) if as_json else format_bundles(rows))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +31,8 @@ SCRIPT = textwrap.dedent(
     sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
 
     import spec_runtime
-    for mod in pkgutil.iter_modules(spec_runtime.__path__):
-        importlib.import_module("spec_runtime." + mod.name)
+    for mod in pkgutil.walk_packages(spec_runtime.__path__, "spec_runtime."):  # apps too
+        importlib.import_module(mod.name)
     after_import = threading.active_count()
     if bundle != "-":
         gen = spec_runtime.load(bundle)
@@ -108,26 +109,49 @@ def test_load_and_generate_write_nothing_under_home(llama_pair, tmp_path, monkey
 
 
 # `specrun serve` and its Ray Serve form: application code that starts worker threads and
-# handles SIGTERM; `import spec_runtime` never imports them (tested below)
-SERVER_MODULES = {"server.py", "ray_serve.py"}
+# handles SIGTERM, in spec_runtime/apps/; `import spec_runtime` never imports them (tested below)
+SERVER_MODULES = {"slots.py", "run_server.py", "ray_serve.py"}
+RUNTIME = Path(spec_runtime.__file__).parent
 
 
 def test_importing_the_runtime_imports_no_server_module():
-    import subprocess
-    import sys
-
     code = ("import sys, spec_runtime; spec_runtime.load; print(sorted(m for m in sys.modules if "
-            "m.startswith(('spec_runtime.server', 'spec_runtime.ray_serve', 'fastapi', "
-            "'uvicorn', 'ray'))))")
+            "m.startswith(('spec_runtime.apps', 'fastapi', 'uvicorn', 'ray', "
+            "'prometheus_client'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_numeric_core_never_imports_its_apps():
+    """One direction: spec_runtime/apps/ (server, Ray Serve, bench, check, chat, list) uses the
+    core; no module of the core imports an app, not even inside a function."""
+    core = sorted(RUNTIME.glob("*.py"))
+    assert len(core) > 10 and (RUNTIME / "apps" / "server.py").is_file()
+    for path in core:
+        imported = _runtime_imports(path) | _relative_imports(path)
+        apps = sorted(m for m in imported if m.startswith(("spec_runtime.apps", "apps")))
+        assert apps == [], (path.name, apps)
+
+
+def _relative_imports(path) -> set[str]:
+    """What a core module imports relatively (`from .x import`, `from . import x`), named
+    from the package down."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module)
+            else:
+                found |= {a.name for a in node.names}
+    return found
+
+
 def test_runtime_logs_through_logging_not_print():
     import ast
-    from pathlib import Path
 
-    for path in Path(spec_runtime.__file__).parent.glob("*.py"):
+    for path in RUNTIME.rglob("*.py"):
         tree = ast.parse(path.read_text())
         calls = [n.func.id for n in ast.walk(tree)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]

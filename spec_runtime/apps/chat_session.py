@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .errors import InputError
-from .request import GenerationOptions
+from ..errors import InputError
+from ..request import GenerationOptions
 
 
 class ChatSession:

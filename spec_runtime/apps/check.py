@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 
-from .errors import InputError
-from .rows import RowCheck
-from .request import GenerationOptions
+from ..errors import InputError
+from ..rows import RowCheck
+from ..request import GenerationOptions
 from .twosample import compare
 
 LEVEL = 1e-3  # p-value below which the sampling test rejects
