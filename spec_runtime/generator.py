@@ -14,7 +14,8 @@ for both. One generator runs one request at a time (its engines hold one request
     request(prompt, options) ─► Request         prompt_ids, sampling_params, constrained,
       │                                         check_gamma, check_capacity: once
       ▼
-    _rounds: the engines held, loop.RequestState(request) ─► loop.generate_tokens
+    text.texts (stop strings) over _rounds: the engines held,
+    loop.RequestState(request) ─► loop.generate_tokens
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .request import (MAX_NEW_TOKENS, SAMPLING_ARGS, GenerationOptions, Generati
                       TextStream, check_capacity)
 from .sampling import SamplingParams
 from .stats import DecodeStats, Recorder
-from .text import BYTES_PROMPT, IncrementalText, check_text, token_list
+from .text import BYTES_PROMPT, check_text, texts, token_list
 
 
 class Generator:
@@ -284,38 +285,6 @@ class Generator:
             finally:
                 self._owner = None
 
-    def _texts(self, request: Request, live: bool = True, cancel=None,
-               token_logprobs: list | None = None
-               ) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
-        """The one implementation of text and stop strings behind generate() and stream():
-        yields (new text safe to show, the text so far, stats) per round. A stop string ends
-        the request at the token that completes it; tokens and stats then count up to it.
-        Without `live` (generate) and without stop strings the text is decoded once, at the
-        end."""
-        stop = request.stop
-        text = IncrementalText(self.detokenize, stop)
-        shown = 0
-        rounds = self._rounds(request, cancel, token_logprobs)
-        try:
-            for new, stats in rounds:
-                if not live and not stop:
-                    text.tokens.extend(int(t) for t in new)
-                    continue
-                if text.extend(new):
-                    stats.new_tokens = len(text.tokens)
-                    stats.finish_reason = "stop"
-                    if token_logprobs is not None:  # none past the stop string's token
-                        del token_logprobs[len(text.tokens):]
-                ready = text.ready()
-                yield text.text[shown:ready], text, stats
-                shown = max(shown, ready)
-                if stats.finish_reason == "stop":
-                    return
-        finally:
-            rounds.close()  # releases the engines now, not when the generator is collected
-        final = text.finish()
-        yield final[shown:], text, stats
-
     def generate(
         self,
         prompt: str | Sequence[int] | list[dict] | Request,
@@ -364,8 +333,9 @@ class Generator:
                 tokens.extend(int(t) for t in new)
             return _result(tokens, None, stats, token_logprobs)
         text = stats = None
-        for _, text, stats in self._texts(request, live=False, cancel=cancel,
-                                          token_logprobs=token_logprobs):
+        rounds = self._rounds(request, cancel, token_logprobs)
+        for _, text, stats in texts(rounds, self.detokenize, request.stop, live=False,
+                                    token_logprobs=token_logprobs):
             pass
         return _result(text.tokens, text.finish(), stats, token_logprobs)
 
@@ -390,17 +360,19 @@ class Generator:
         return TextStream(request, lambda out: self._pieces(request, cancel, out))
 
     def _pieces(self, request: Request, cancel, out: TextStream) -> Iterator[str]:
+        """The stream's pieces; sets out.result when they end, however they end."""
         text = stats = None
         pieces = []
-        texts = self._texts(request, cancel=cancel, token_logprobs=out.logprobs)
+        per_round = texts(self._rounds(request, cancel, out.logprobs), self.detokenize,
+                          request.stop, token_logprobs=out.logprobs)
         try:
-            for piece, text, stats in texts:
+            for piece, text, stats in per_round:
                 if piece:
                     pieces.append(piece)
                     yield piece
         except (GeneratorExit, KeyboardInterrupt):  # stopped by its caller (close(), Ctrl-C):
             # the result is what it did so far
-            texts.close()
+            per_round.close()
             if stats is not None:
                 stats.finish_reason = stats.finish_reason or "cancelled"
                 out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs)

@@ -1,8 +1,9 @@
 """The applications over the runtime: what `specrun` runs beyond one generation.
 
-    server.py, slots.py, metrics.py,   `specrun serve`: the OpenAI HTTP API (app and routes;
-    openai_api.py                      the decode slots and their worker threads; Prometheus
-                                       metrics; the API's request and response shapes)
+    server.py, plumbing.py, slots.py,  `specrun serve`: the OpenAI HTTP API (app and routes,
+    metrics.py, openai_api.py,         the HTTP plumbing under them; the decode slots and their
+    run_server.py                      worker threads; Prometheus metrics; the API's request
+                                       and response shapes; uvicorn and the drain)
     ray_serve.py                       `specrun serve --ray`: the same app in Ray Serve replicas
     bench.py                           `specrun bench`: speculative vs target-only, alternating
     check.py, twosample.py             `specrun check`: the exactness test on a bundle's graphs

@@ -30,17 +30,16 @@ The app is plain ASGI (FastAPI on Starlette): uvicorn runs it (run_server.py), a
 the same app in each replica (ray_serve.py).
 """
 
-
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
-from typing import Any
 
 from ..errors import InputError
 from ..request import GenerationOptions
+from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnected,
+                       read_json)
 from .metrics import Metrics
 from .openai_api import (APIError, Job, StreamEvents, completion_body, default_model_name,
                          input_error, parse_chat, parse_completion)
@@ -48,14 +47,11 @@ from .slots import Decode, Overloaded, Slots
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20  # a request body; a prompt of the largest cache is a few tens of KB
 DEFAULT_QUEUE = 16
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-CLIENT_GONE = 499  # nginx's "client closed request": counted, never sent to anyone
-POLL_S = 0.1  # how often a waiting or decoding request looks for its client's disconnect
 
 
 def check_count(name: str, value, low: int) -> int:
@@ -65,36 +61,8 @@ def check_count(name: str, value, low: int) -> int:
     return value
 
 
-def client_gone() -> APIError:
-    return APIError(CLIENT_GONE, "the client closed the connection", code="client_closed")
-
-
 def shutting_down(message: str, **headers) -> APIError:
     return APIError(503, message, type="server_error", code="shutting_down", headers=headers)
-
-
-async def disconnected(request) -> None:
-    """Return when the client of `request` has gone (its body already read)."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(POLL_S)
-
-
-class Gate:
-    """Checks every HTTP request before its route (`check(scope)` answers it, or lets it
-    through with None), as plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide
-    the client's disconnect from the route (request.is_disconnected() never turns true behind
-    it), and a request whose client left would hold its slot to the end."""
-
-    def __init__(self, app, check):
-        self.app, self.check = app, check
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            response = self.check(scope)
-            if response is not None:
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -185,29 +153,6 @@ def _routes(app, server: "Server") -> None:
     async def _chat_completions(request: Request):
         job = parse_chat(await read_json(request), server.model_name)
         return await server.run(request, job, "/v1/chat/completions")
-
-
-async def read_json(request) -> Any:
-    from starlette.requests import ClientDisconnect
-
-    body, size = bytearray(), 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
-                               code="request_too_large")
-            body += chunk
-    except ClientDisconnect:
-        raise client_gone() from None
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}",
-                       code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, "the request body nests its values too deeply to be a request",
-                       code="invalid_json") from None
 
 
 class Server:
