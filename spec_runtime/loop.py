@@ -2,8 +2,9 @@
 
 `RequestState` is one generation's state, apart from the loaded model: the Request it runs (its
 sampling setting, limits and γ, checked when it was made), the sequence, how much of it the
-target's cache holds, the random generator, the γ policy and the statistics. Invariant: `target_valid` (and a model draft's own count) is the number of leading
-positions of the sequence whose KV is in that engine's cache. A round feeds the target every
+target's cache holds, the random generator, the γ policy and the statistics. Invariant:
+`target_valid` (and a model draft's own count) is the number of leading positions of the
+sequence whose KV is in that engine's cache. A round feeds the target every
 token it has not seen plus the γ draft tokens, in one call, and gets γ+1 logit rows back. After
 verification the cache is valid up to the old length plus the accepted drafts; the slots
 written for rejected drafts are stale and are overwritten by the next call. Rollback is a

@@ -93,8 +93,9 @@ def check_logprobs(logprobs) -> None:
 @dataclass(frozen=True, eq=False)
 class Request:
     """One generation bound to a loaded bundle, as Generator.request made and checked it: what
-    the loop runs. Read-only; a request may run more than once (the same seed, the same
-    sample) and on any fork of the generator that made it."""
+    the loop runs. Read-only; a request may run again (the same seed, the same sample) and on
+    any fork of the generator that made it, one run at a time where it has a response_format
+    (its grammar's matcher follows the run)."""
 
     options: GenerationOptions  # as the caller gave them
     prompt: np.ndarray  # int64 [n]: the ids fed (chat template applied); an encoder's source
