@@ -184,8 +184,8 @@ class DraftPlan:
                 if c is not chosen:  # graphs this build wrote into its own directory
                     _remove(tmp / c.entry.graphs["decoder"].file)
         elif self.kind == "auto":
-            self.why = self.why or (f"{_label(chosen)} + prompt lookup: the one draft model "
-                                    f"available")
+            one = f"{_label(chosen)} + prompt lookup: the one draft model available"
+            self.why = f"{one} (no self draft: {self.why})" if self.why else one
         entry = DraftEntry("hybrid", chosen.entry,
                            {**options, "draft_cost": costs[chosen.name]})
         if measured:

@@ -84,3 +84,28 @@ def test_bench_reports_the_speedup_the_call_costs_imply():
     assert row["predicted_speedup"] == pytest.approx(2.5)
     assert row["target_step_ms"] == pytest.approx(4) and row["draft_step_ms"] == pytest.approx(1)
     assert row["loop_overhead"] == 0.0 and row["tokens_per_target_call"] == 5.0
+
+
+def test_greedy_runs_count_speculative_output_equal_to_target_only(monkeypatch):
+    """Greedy bench runs compare the two modes' tokens: all equal on an exact generator; a
+    verifier that accepts every draft token (not the target's argmax) is counted out."""
+    from test_runtime_text import word_tokenizer
+    from toy_models import ToyEngine
+
+    from spec_runtime import Generator, ModelDraft, loop
+
+    prompts = [{"kind": "grounded", "text": "red green blue"}, {"kind": "chat", "text": "red"}]
+    gen = Generator(ToyEngine(vocab=6, seed=0), ModelDraft(ToyEngine(vocab=6, seed=1)),
+                    tokenizer=word_tokenizer())
+    rows = run_bench(gen, prompts, [3], max_new_tokens=20)["rows"]
+    assert [(r["kind"], r["identical"], r["runs"]) for r in rows] == \
+        [("grounded", 1, 1), ("chat", 1, 1), ("all", 2, 2)]
+    assert run_bench(gen, prompts, [3], max_new_tokens=8, temperature=1.0)["rows"][0][
+        "identical"] is None  # sampled: the two modes draw other random numbers
+
+    def accept_all(draft_tokens, logits):  # every draft, then the target's last row
+        return [int(t) for t in draft_tokens] + [int(logits[-1].argmax())]
+
+    monkeypatch.setattr(loop, "accept_drafts_greedy", accept_all)
+    rows = run_bench(gen, prompts, [3], max_new_tokens=20)["rows"]
+    assert rows[-1]["identical"] < 2

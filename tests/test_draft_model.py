@@ -93,3 +93,16 @@ def test_what_a_draft_model_request_cannot_be(pair, tmp_path):
                                         str(tmp_path / "y"), "--quiet"])
     assert r.exit_code == 2 and "tokenizers differ at token id" in r.output
     assert "Traceback" not in r.output and not (tmp_path / "y").exists()
+
+
+def test_auto_on_an_int4_target_drafts_with_the_draft_model(pair, tmp_path):
+    """An int4 target has nothing lower of its own to draft with: auto takes the draft model,
+    and says why the self draft was not among the candidates."""
+    root, t, d, _ = pair
+    bundle = build_bundle(str(t), "auto", tmp_path / "b", draft_model=str(d), max_len=96,
+                          precision="int4", progress=False)
+    draft = manifest(bundle)["draft"]
+    assert draft["kind"] == "hybrid" and draft["gguf_file"] == d.name
+    assert "auto_measured" not in draft and draft["min_ngram"] == 2  # int4: 2-token matches
+    assert "one draft model available" in draft["auto_reason"]
+    assert "no self draft: int4 target" in draft["auto_reason"]

@@ -98,6 +98,9 @@ def _summarise(gamma, kind, pairs) -> dict:
         "target_step_ms": step * 1e3,
         "verify_call_ms": verify * 1e3,
         "draft_step_ms": draft_step * 1e3,
+        # greedy runs whose speculative tokens equal the target-only tokens (None: sampled)
+        "identical": sum(s["identical"] for s in spec) if all("identical" in s for s in spec)
+        else None,
     }
 
 
@@ -117,13 +120,15 @@ def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.
         pairs: dict[str, list] = {}
         for i, prompt in enumerate(prompts):
             for rep in range(repeats):
-                out = {}
+                out, tokens = {}, {}
                 order = (False, True) if (i + rep) % 2 == 0 else (True, False)
                 for use_draft in order:
                     r = gen.generate(prompt["text"], gamma=gamma, use_draft=use_draft, seed=rep,
                                      **kw)
                     assert r.stats["new_tokens"] == len(r.tokens)
-                    out[use_draft] = r.stats
+                    out[use_draft], tokens[use_draft] = r.stats, r.tokens
+                if temperature == 0:  # greedy: speculative output must be target-only output
+                    out[True] = dict(out[True], identical=tokens[True] == tokens[False])
                 pairs.setdefault(prompt["kind"], []).append((out[False], out[True]))
                 if progress:
                     progress(1)
@@ -149,15 +154,17 @@ def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.
 
 def format_table(report: dict) -> str:
     head = (f"{'γ':>5} {'kind':>8} {'spec tok/s':>10} {'base tok/s':>10} {'speedup':>8} "
-            f"{'pred':>6} {'α':>5} {'c':>6} {'verify/step':>11} {'tok/call':>8} {'overhead':>8}")
+            f"{'pred':>6} {'α':>5} {'c':>6} {'verify/step':>11} {'tok/call':>8} {'overhead':>8} "
+            f"{'= base':>6}")
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
+        same = "-" if r.get("identical") is None else f"{r['identical']}/{r['runs']}"
         lines.append(
             f"{str(r['gamma']):>5} {r['kind']:>8} {r['speculative_tokens_per_s']['median']:>10.1f} "
             f"{r['target_only_tokens_per_s']['median']:>10.1f} {r['speedup']['median']:>7.2f}x "
             f"{r['predicted_speedup']:>5.2f}x {r['alpha']:>5.2f} {r['c']:>6.3f} "
             f"{r['verify_cost_ratio']:>11.2f} {r['tokens_per_target_call']:>8.2f} "
-            f"{100 * r['loop_overhead']:>7.1f}%"
+            f"{100 * r['loop_overhead']:>7.1f}% {same:>6}"
         )
     best = ", ".join(f"{k}: γ={v['gamma']} ({v['speedup']:.2f}x)"
                      for k, v in report["best_gamma"].items())
