@@ -80,7 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--bundle", type=Path, help="specedge bundle (default: `specrun where`)")
     ap.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     ap.add_argument("--prompts-kind", choices=["grounded", "chat", "all"], default="all")
-    ap.add_argument("--prompts", type=Path, help="prompt file for spec_runtime.bench.load_prompts")
+    ap.add_argument("--prompts", type=Path, help="prompt file for spec_runtime.apps.bench.load_prompts")
     ap.add_argument("--limit", type=int, help="first N prompts of each kind")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and prompt")
@@ -130,7 +130,7 @@ def parse_args(argv=None):
 def prepare_prompts(gen, args) -> list[dict]:
     """Prompt texts → chat-templated token ids, once, with the bundle's tokenizer; every system
     gets these ids."""
-    from spec_runtime.bench import load_prompts
+    from spec_runtime.apps.bench import load_prompts
 
     prompts = load_prompts(args.prompts, "all" if args.prompts else args.prompts_kind)
     if args.limit:
@@ -504,7 +504,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"bundle {bundle_dir} is {gen.manifest.precision}, --precision "
                          f"{args.precision} needs a {want} bundle: pass --bundle")
     if args.gamma is not None:
-        gen.gamma_policy(args.gamma)  # a bad γ fails now, not after minutes of peers
+        gen.check_gamma(args.gamma)  # a bad γ fails now, not after minutes of peers
     prompts = prepare_prompts(gen, args)
     target_file = bundle_dir / gen.manifest.target.graphs["decoder"].file
     weight_bytes = model_files.onnx_weight_bytes(target_file)

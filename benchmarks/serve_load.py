@@ -34,7 +34,7 @@ median of the per-pair ratios, rounds 2p and 2p+1, in the JSON).
 Which code the server runs: `--launch module` runs `python -m specedge.cli.specrun` (the
 installed package), `--launch tree` runs this working tree's `cli/specrun.py` (`from
 cli.specrun import main`, with the repository as the working directory), `--launch app` runs the
-working tree's `spec_runtime.server.create_app` under `run_uvicorn` directly (no `--ray`).
+working tree's `spec_runtime.apps.server.create_app` under `run_uvicorn` directly (no `--ray`).
 `auto` (the default) takes `module` when the installed `specedge.cli.specrun` and
 `spec_runtime` both resolve inside this repository, else `tree`.
 
@@ -71,7 +71,8 @@ HOST = "127.0.0.1"  # the only address this script talks to
 MODES = {"base": False, "spec": True}  # mode -> use_draft
 MODE_NAMES = {"base": "target-only", "spec": "speculative"}
 TREE_MAIN = "from cli.specrun import main; main(prog_name='specrun')"
-APP_MAIN = ("import sys; from spec_runtime.server import create_app, run_uvicorn; "
+APP_MAIN = ("import sys; from spec_runtime.apps.server import create_app; "
+            "from spec_runtime.apps.run_server import run_uvicorn; "
             "b, s, q, p = sys.argv[1:5]; "
             "run_uvicorn(create_app(b, slots=int(s), queue=int(q)), port=int(p), "
             "log_level='warning')")
@@ -478,7 +479,7 @@ def main() -> None:
               f"(> {machine.BUSY_LOAD}): other work shares the cores, the figures will be low "
               f"and noisy; run it on a quiet machine", file=sys.stderr)
 
-    from spec_runtime import bench
+    from spec_runtime.apps import bench
 
     if args.bundle is None:
         from spec_runtime.bundle import default_bundle_dir

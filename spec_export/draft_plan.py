@@ -293,14 +293,12 @@ def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate],
     AUTO_PROMPTS (AUTO_TOKENS each, after a warm-up), alternating prompt by prompt, through the
     runtime's own engines and decode loop: {candidate: {"tok_s", "speedup", ...}}. Exact
     either way (the output is the target's); only the speed differs."""
-    from spec_runtime import rows
+    from spec_runtime import Generator
     from spec_runtime.drafts import HybridDraft, ModelDraft, NgramDraft
-    from spec_runtime.generator import Generator
 
     from .parity import open_decoder
 
-    target = open_decoder(tmp / t_entry.graphs["decoder"].file)
-    rows.choose_one_row(target)
+    target = open_decoder(tmp / t_entry.graphs["decoder"].file, one_row="auto")
     vocab = target.vocab_size
     gens = {"target": Generator(target, None, eos_token_ids=eos)}
     for c in candidates:

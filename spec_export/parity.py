@@ -1,6 +1,6 @@
 """Parity of an exported decoder graph against the Hugging Face PyTorch model.
 
-The graph runs through the runtime's own engine (spec_runtime.ort_engine.OrtEngine: the same
+The graph runs through the runtime's own engine (spec_runtime.engines.open_graph: the same
 session options, cache store and IOBinding a deployed bundle uses), driven the way the decode
 loop drives it: chunked prefill, steps, verify calls, rollback by moving the position (rejected
 slots keep their stale K/V and must be masked), logits only for the last `num_logits` rows. The
@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from spec_runtime.engines import open_graph
 from spec_runtime.manifest import GraphEntry
-from spec_runtime.ort_engine import OrtEngine
 
 
 def graph_entry(path) -> GraphEntry:
@@ -41,14 +41,14 @@ def graph_dims(graph: GraphEntry) -> tuple[int, int]:
             shapes["logits"][-1])
 
 
-def open_decoder(path, threads: int | None = None, seed: int = 0) -> OrtEngine:
-    """The runtime's engine over a decoder graph file, its cache filled with garbage."""
+def open_decoder(path, threads: int | None = None, seed: int = 0, one_row: str = "as-is"):
+    """The runtime's engine over a decoder graph file, its cache filled with garbage; its
+    1-token calls in `one_row` form ("auto": the form the runtime measures at load)."""
     graph = graph_entry(path)
     max_len, vocab = graph_dims(graph)
-    engine = OrtEngine.open(path, graph, vocab_size=vocab, max_len=max_len, prefill_chunk=max_len,
-                            threads=threads, where=f"exported {Path(path).name}")
-    engine.cache.fill_random(np.random.default_rng(seed))
-    return engine
+    return open_graph(path, graph, vocab_size=vocab, max_len=max_len, prefill_chunk=max_len,
+                      threads=threads, where=f"exported {Path(path).name}", garbage_seed=seed,
+                      one_row=one_row)
 
 
 def hf_reference(hf_model) -> Callable[[list[int], int], np.ndarray]:

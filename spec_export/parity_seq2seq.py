@@ -1,6 +1,6 @@
 """Parity of exported encoder and decoder graphs against a Hugging Face encoder-decoder LM.
 
-Both graphs run through the runtime's own engine (spec_runtime.ort_encdec.OrtEncDecEngine). The
+Both graphs run through the runtime's own engine (spec_runtime.engines.open_graph). The
 encoder runs once on the right-padded source; its cross K/V (real rows only: padded rows are
 masked by every consumer) are compared with those Hugging Face caches. The decoder is then
 driven as the decode loop drives it, through parity.drive_calls: a self-attention cache that
@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from spec_runtime.ort_encdec import OrtEncDecEngine
+from spec_runtime.engines import open_graph
 
 from .parity import drive_calls, graph_dims, graph_entry
 
@@ -54,10 +54,9 @@ def check_parity_seq2seq(
     decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
     max_len, vocab = graph_dims(decoder)
     S = encoder.inputs[0]["shape"][1]
-    engine = OrtEncDecEngine.open(decoder_path, decoder, encoder_path, encoder, vocab_size=vocab,
-                                  max_len=max_len, max_source_len=S, prefill_chunk=max_len,
-                                  threads=threads, where="exported")
-    engine.cache.fill_random(np.random.default_rng(seed))
+    engine = open_graph(decoder_path, decoder, encoder=(encoder_path, encoder), vocab_size=vocab,
+                        max_len=max_len, max_source_len=S, prefill_chunk=max_len,
+                        threads=threads, where="exported", garbage_seed=seed)
     engine.encode_source(source_ids)
     src = torch.tensor([source_ids])
     n_src = len(source_ids)

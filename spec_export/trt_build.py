@@ -17,23 +17,21 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from spec_runtime.bundle import DEVICE_BUILDS, default_bundle_dir
+from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.contract import tensorrt_profile
-from spec_runtime import device_memory
+from spec_runtime.devices import DEVICE_BUILDS
+from spec_runtime.engines import tensorrt_on
 from spec_runtime.errors import BuildError, BundleError
 from spec_runtime.manifest import read_manifest, write_manifest
-from spec_runtime.trt_engine import import_tensorrt
 
 log = logging.getLogger(__name__)
 DEFAULT_WORKSPACE_MB = 4096
 
 
 def build_engines(bundle_dir=None, *, fp16: bool | None = None,
-                  workspace_mb: int = DEFAULT_WORKSPACE_MB, device_id: int = 0,
-                  trt=None, identity: dict | None = None) -> dict:
+                  workspace_mb: int = DEFAULT_WORKSPACE_MB, device_id: int = 0) -> dict:
     """Build and record the engines; returns the manifest's new engines.tensorrt record.
-    `fp16` defaults to the bundle's precision. `trt`/`identity` stand in for TensorRT and the
-    GPU in tests."""
+    `fp16` defaults to the bundle's precision."""
     bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
     if isinstance(workspace_mb, bool) or not isinstance(workspace_mb, int) or workspace_mb < 64:
         raise BuildError(f"--workspace {workspace_mb!r} is invalid: use an integer >= 64 (MB)")
@@ -47,9 +45,7 @@ def build_engines(bundle_dir=None, *, fp16: bool | None = None,
             raise BundleError(f"the bundle's {role} graph ({model.precision}, {graph.kernels} "
                               f"kernels) is not one TensorRT can run: build one with "
                               f"{DEVICE_BUILDS['tensorrt']}")
-    trt = trt or import_tensorrt()
-    device_memory.select_device(device_id)  # TensorRT builds for the current device
-    identity = identity or device_memory.gpu_identity(device_id)
+    trt, identity = tensorrt_on(device_id, current=True)  # TensorRT builds for the current GPU
     if fp16 is None:
         fp16 = any(model.precision == "fp16" for _, model in manifest.models())
     files = {}
@@ -64,7 +60,7 @@ def build_engines(bundle_dir=None, *, fp16: bool | None = None,
         tmp.write_bytes(data)
         os.replace(tmp, bundle_dir / name)
         files[f"{role}/decoder"] = name
-    record = {"tensorrt_version": str(trt.__version__), **identity, "fp16": bool(fp16),
+    record = {**identity, "fp16": bool(fp16),
               "workspace_mb": workspace_mb, "graphs": files}
     write_manifest(bundle_dir, replace(manifest, engines={**manifest.engines, "tensorrt": record}))
     return record

@@ -7,7 +7,8 @@ torch or transformers, and does nothing at import time beyond defining names.
 from .drafts import DRAFTS, Draft, ModelDraft, NgramDraft
 from .engine import Engine
 from .errors import BundleError, CacheCapacityError, InputError, NonFiniteLogitsError
-from .generator import GenerationResult, Generator
+from .generator import Generator
+from .request import GenerationOptions, GenerationResult, Request, TextStream
 from .sampling import SamplingParams, accept_drafts, sample, warp
 from .stats import expected_speedup, expected_tokens_per_round
 
@@ -17,13 +18,16 @@ __all__ = [
     "CacheCapacityError",
     "Draft",
     "Engine",
+    "GenerationOptions",
     "GenerationResult",
     "Generator",
     "InputError",
     "ModelDraft",
     "NgramDraft",
     "NonFiniteLogitsError",
+    "Request",
     "SamplingParams",
+    "TextStream",
     "accept_drafts",
     "expected_speedup",
     "expected_tokens_per_round",

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
 LOGITS, HIDDEN = "logits", "hidden"
 KV_CACHE_LAYOUTS = ("new-slots", "in-place")
@@ -38,7 +40,31 @@ PRECISIONS = ("fp32", "fp16", "int8", "int4")  # of a graph's weights
 # "portable": standard ONNX ops (any runtime, TensorRT included); "fused": ONNX Runtime's contrib
 # kernels (GroupQueryAttention, skip-RMSNorm, MatMulNBits)
 KERNELS = ("portable", "fused")
-DTYPES = ("float32", "float16", "bfloat16", "int64", "int32")
+
+
+@dataclass(frozen=True)
+class DType:
+    ort: str  # ONNX Runtime's name for it, as a session reports an input's type
+    itemsize: int  # bytes per element
+    numpy: type | None  # numpy's type; None for bfloat16, which numpy lacks
+
+
+# the dtypes a graph's inputs and outputs may have, by the manifest's name: the one table the
+# manifest checks, ONNX Runtime's session checks and the cache stores read
+DTYPES = {
+    "float32": DType("tensor(float)", 4, np.float32),
+    "float16": DType("tensor(float16)", 2, np.float16),
+    "bfloat16": DType("tensor(bfloat16)", 2, None),
+    "int64": DType("tensor(int64)", 8, np.int64),
+    "int32": DType("tensor(int32)", 4, np.int32),
+}
+_BY_ORT_NAME = {d.ort: name for name, d in DTYPES.items()}
+
+
+def dtype_of_ort(ort_type: str) -> str:
+    """The manifest's name of ONNX Runtime's type name ("tensor(float)" -> "float32"); a type
+    outside the table keeps ONNX Runtime's name, which no description matches."""
+    return _BY_ORT_NAME.get(ort_type, ort_type)
 # ONNX metadata_props of every graph in a bundle: which model, graph and precision it is, so
 # that a graph copied over another (its sha256 updated) is caught even when the shapes agree
 METADATA = ("specedge.role", "specedge.graph", "specedge.precision")

@@ -129,6 +129,16 @@ def memory(kind: str, device_id: int = 0):
     return HostMemory(device_id) if kind == "cpu" else CudaMemory(device_id)
 
 
+def write_slots(mem, cache: int, new: int, *, pos: int, n: int, heads: int, slots: int,
+                slot_bytes: int) -> None:
+    """The "new-slots" write, one strided copy: a call's n new slots [1, H, n, D] at address
+    `new` into the cache [1, H, S, D] at address `cache`, at slots pos..pos+n-1. That is H rows
+    of n·D values, n·D apart in the source and S·D in the cache; `slot_bytes` is one slot's
+    D values. Asynchronous on `mem`'s stream: the caller syncs once for all its tensors."""
+    width = n * slot_bytes
+    mem.copy_2d(cache + pos * slot_bytes, slots * slot_bytes, new, width, width, heads)
+
+
 def select_device(device_id: int = 0):
     """Make `device_id` this thread's current CUDA device (where TensorRT builds and
     deserializes engines); returns the runtime module. InputError when there is no such

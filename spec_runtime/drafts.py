@@ -3,17 +3,19 @@
 A draft kind is a class implementing `Draft` and one entry in `DRAFTS`, the registry that the
 manifest's `draft.kind` names (the way llama.cpp registers its draft types); the loop knows
 drafts only through the interface. A draft returns the proposed tokens and the distribution
-each was drawn from (p_draft), after the same `warp` the target's logits go through. Greedy
-verification compares tokens with the target's argmax and never reads p_draft, so a draft
-returns None for it when params.greedy. Each draft keeps its own notion of which positions of
-the sequence it has seen; the loop tells it how much survived verification (`rewind`).
+each was drawn from (p_draft), after the same `warp` the target's logits go through, or None
+where that distribution is one-hot at each token: greedy drafting (greedy verification compares
+tokens with the target's argmax and never reads p_draft), and lookup drafts, whose tokens are
+proposed with certainty (sampling.accept_drafts then needs only p_target at each token). Each
+draft keeps its own notion of which positions of the sequence it has seen; the loop tells it
+how much survived verification (`rewind`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -34,13 +36,14 @@ class DraftCounters:
 
 
 class Draft(Protocol):
-    kind: str
+    """What the loop and the generator use of a draft, and nothing else."""
+
+    kind: str  # the manifest's draft.kind, reported in the statistics
     vocab_size: int
-    # what the draft reads besides the sequence: "logits" (the target's, for the positions just
-    # verified) and "stats" (the request's DecodeStats); the loop hands them to observe() after
-    # each verification, and only to drafts that ask
-    needs: frozenset[str]
     counters: DraftCounters
+    # the engines it holds (and so the KV caches): the generator checks a request's capacity
+    # against them and runs an encoder-decoder's encoders on them; none for prompt lookup
+    engines: Sequence[Engine]
 
     def reset(self) -> None:
         """Forget the last request (and its counters)."""
@@ -49,14 +52,12 @@ class Draft(Protocol):
                 rng: np.random.Generator,
                 most: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """seq int64 [L] (the prompt and every token emitted so far) -> draft tokens int64 [k]
-        and p_draft float64 [k, V] (None when params.greedy): γ tokens as a rule, fewer if it
-        has nothing better, up to `most` (what the round can use) if it is confident."""
+        and p_draft float64 [k, V], or None when each token's distribution is one-hot at it
+        (params.greedy; a lookup): γ tokens as a rule, fewer if it has nothing better, up to
+        `most` (what the round can use) if it is confident."""
 
     def rewind(self, n_valid: int) -> None:
         """seq[:n_valid] survived verification; whatever the draft saw beyond is gone."""
-
-    def observe(self, outputs: dict) -> None:
-        """What `needs` names, after each verification."""
 
     def fork(self) -> "Draft":
         """Another draft of the same kind over the same weights, with state of its own (its
@@ -75,7 +76,6 @@ class ModelDraft:
     """
 
     kind = "model"
-    needs: frozenset[str] = frozenset()
 
     def __init__(self, engine: Engine, clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
@@ -148,9 +148,6 @@ class ModelDraft:
     def rewind(self, n_valid: int) -> None:
         self.valid = min(self.valid, n_valid)
 
-    def observe(self, outputs: dict[str, np.ndarray]) -> None:
-        pass
-
 
 class NgramDraft:
     """Prompt lookup: propose what followed the most recent earlier occurrence of the longest
@@ -158,11 +155,11 @@ class NgramDraft:
 
     Its p_draft is one-hot at each proposed token, which keeps verification exact: a token is
     accepted with probability p_target(x), and on rejection the residual is p_target with x
-    removed, renormalised.
+    removed, renormalised. It returns None for it (no [γ, V] rows): sampling.accept_drafts
+    needs only p_target(x).
     """
 
     kind = "ngram"
-    needs: frozenset[str] = frozenset()
     MAX_NGRAM = 64
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1,
@@ -216,28 +213,21 @@ class NgramDraft:
                 return seq[start : start + gamma], n
         return seq[:0], 0
 
-    def propose(self, seq, gamma, params, rng, most=None, tokens=None):
-        """`tokens`: a continuation already looked up (by a HybridDraft), proposed as is."""
+    def propose(self, seq, gamma, params, rng, most=None):
         t0 = self.clock()
-        if tokens is None:
-            tokens = self.lookup(seq, gamma)
-        tokens = tokens.astype(np.int64)
-        p_draft = None  # greedy: not read; a [γ, V] float64 array per round otherwise
-        if not params.greedy:
-            p_draft = np.zeros((len(tokens), self.vocab_size), dtype=np.float64)
-            p_draft[np.arange(len(tokens)), tokens] = 1.0
-        elapsed = self.clock() - t0
+        tokens = self.lookup(seq, gamma).astype(np.int64)
+        self.count(self.clock() - t0)
+        return tokens, None  # one-hot at each token, greedy or not
+
+    def count(self, elapsed: float) -> None:
+        """One proposal that took `elapsed` seconds (a HybridDraft counts its lookups here)."""
         c = self.counters
         c.step_time_s += elapsed
         c.time_s += elapsed
         c.calls += 1
         c.step_calls += 1
-        return tokens, p_draft
 
     def rewind(self, n_valid: int) -> None:
-        pass
-
-    def observe(self, outputs: dict[str, np.ndarray]) -> None:
         pass
 
 
@@ -258,7 +248,6 @@ class HybridDraft:
     """
 
     kind = "hybrid"
-    needs: frozenset[str] = frozenset()
     LONG_MATCH = 2  # (3 made the default bundle 5% slower on grounded prompts, `specrun bench`)
     def __init__(self, model: ModelDraft, ngram: NgramDraft, draft_cost: float = 0.5):
         if isinstance(draft_cost, bool) or not isinstance(draft_cost, (int, float)) \
@@ -300,11 +289,13 @@ class HybridDraft:
 
     def propose(self, seq, gamma, params, rng, most: int | None = None):
         most = max(gamma, most or gamma)
+        t0 = self.ngram.clock()
         found, n = self.ngram.match(seq, most)
         tally = f"n{min(n, self.LONG_MATCH)}"
         k = len(found) if n >= self.LONG_MATCH else min(len(found), gamma)
         if k and self._speedup(tally, k, 0.0) >= self._speedup("model", gamma, self.draft_cost):
-            tokens, p_draft = self.ngram.propose(seq, k, params, rng, tokens=found[:k])
+            tokens, p_draft = found[:k].astype(np.int64), None  # a lookup: one-hot q
+            self.ngram.count(self.ngram.clock() - t0)
             self.counters.rounds["ngram"] += 1
         else:
             tokens, p_draft = self.model.propose(seq, gamma, params, rng)
@@ -321,19 +312,11 @@ class HybridDraft:
             self._last = None
         self.model.rewind(n_valid)
 
-    def observe(self, outputs: dict) -> None:
-        pass
 
-
-def draft_engines(draft) -> list[Engine]:
+def draft_engines(draft: Draft | None) -> list[Engine]:
     """The engines (and so the caches) a draft holds: a model draft's one, a hybrid's model's,
-    none for prompt lookup; a draft kind of another package may say so with `engines`."""
-    if draft is None:
-        return []
-    engines = getattr(draft, "engines", None)
-    if engines is not None:
-        return list(engines)
-    return [draft.engine] if hasattr(draft, "engine") else []
+    none for prompt lookup or without a draft."""
+    return [] if draft is None else list(draft.engines)
 
 
 def fork_engine(engine: Engine) -> Engine:

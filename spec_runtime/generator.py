@@ -1,53 +1,41 @@
 """The public generator: prompt in, tokens, text and statistics out.
 
 `Generator` holds the loaded model: a target engine, an optional draft, an optional
-`tokenizers.Tokenizer`, and what the bundle says about them. It validates a request, builds its
-per-request state (loop.Request) and runs the loop on it; text (chat template, incremental
-detokenization, stop strings, streaming) is handled here, once, for both `generate` and
-`stream`. One generator runs one request at a time (its engines hold one request's cache);
-`spec_runtime.load` wires a bundle to one.
+`tokenizers.Tokenizer`, and what the bundle says about them. A request is made and checked
+once (`request`: request.py's GenerationOptions bound to this bundle and a prompt), then run:
+`generate` returns its GenerationResult, `stream` a TextStream of its text that carries its own
+result. Text (chat template, incremental detokenization, stop strings) is handled here, once,
+for both. One generator runs one request at a time (its engines hold one request's cache);
+`fork` gives another over the same sessions. `spec_runtime.load` wires a bundle to one.
+
+    generate / stream(prompt, temperature=..., gamma=..., ...)
+      │  GenerationOptions(...)                 checked without the bundle
+      ▼
+    request(prompt, options) ─► Request         prompt_ids, sampling_params, constrained,
+      │                                         check_gamma, check_capacity: once
+      ▼
+    text.texts (stop strings) over _rounds: the engines held,
+    loop.RequestState(request) ─► loop.generate_tokens
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .drafts import draft_engines, fork_engine
 from .errors import InputError
-from .loop import GammaPolicy, Request, TokenLogprob, check_capacity, generate_tokens
+from .loop import RequestState, generate_tokens
+from .request import (MAX_NEW_TOKENS, SAMPLING_ARGS, GenerationOptions, GenerationResult, Request,
+                      TextStream, check_capacity)
 from .sampling import SamplingParams
 from .stats import DecodeStats, Recorder
-from .text import BYTES_PROMPT, IncrementalText, check_text, stop_strings, token_list
-
-MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
-
-# the sampling arguments of generate() and stream(), SamplingParams' fields but the seed
-SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "logit_bias")
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # the new token ids (an EOS that ended generation included)
-    text: str | None  # decoded new text, special tokens skipped; None without a tokenizer
-    stats: dict
-    finish_reason: str  # "eos", "length" or "stop"
-    # with logprobs=N: one per token, the target's own log-probability of it and its N most
-    # likely alternatives, exactly as target-only decoding computes them
-    logprobs: list[TokenLogprob] | None = None
-
-
-def check_logprobs(logprobs) -> None:
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(
-            logprobs, (int, np.integer)) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-        raise InputError(f"logprobs={logprobs!r} is invalid: use an integer in "
-                         f"[0, {MAX_TOP_LOGPROBS}] (the alternatives reported per token), or "
-                         f"None")
+from .text import BYTES_PROMPT, check_text, texts, token_list
 
 
 class Generator:
@@ -91,14 +79,23 @@ class Generator:
         # ids past the target's vocabulary are padding, never input (a draft with a smaller
         # vocabulary reads such ids as 0: drafts.ModelDraft)
         self.vocab_size = target.vocab_size
+        self._grammar = None  # constraint.Grammar, made at the first response_format
+        self._hold_nothing()
+
+    def _hold_nothing(self) -> None:
+        """A generator's own state, apart from the bundle's: who holds its engines."""
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
         self._owner: int | None = None  # thread id of the request holding the lock
-        self.last_stats: dict | None = None  # stats of the latest finished generate/stream
-        self.last_result: GenerationResult | None = None  # and its whole result
-        # the running request's TokenLogprobs so far, when it asked for them (a stream's reader
-        # takes the new ones after each piece); None otherwise
-        self.live_logprobs: list[TokenLogprob] | None = None
-        self._grammar = None  # constraint.Grammar, made at the first response_format
+
+    def fork(self) -> "Generator":
+        """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
+        copy of the weights), tokenizer and settings, a KV cache and request state of its own,
+        so that a second request decodes beside this one's (`specrun serve --slots N`)."""
+        forked = copy.copy(self)  # the bundle's settings, tokenizer and compiled grammar
+        forked.target = fork_engine(self.target)
+        forked.draft = self.draft.fork() if self.draft is not None else None
+        forked._hold_nothing()
+        return forked
 
     # -- text -------------------------------------------------------------------------------
 
@@ -144,55 +141,40 @@ class Generator:
                 check_text(m["content"], f"message {i}")
         return render_chat(self.chat_template, list(messages), self.special_tokens)
 
-    # -- requests ---------------------------------------------------------------------------
+    # -- requests: made and checked once ----------------------------------------------------
 
-    # -- requests side by side ----------------------------------------------------------------
+    def request(self, prompt, options: GenerationOptions | None = None, **values) -> Request:
+        """`prompt` and `options` (or GenerationOptions(**values)) bound to this bundle: the
+        one place a request is checked against it, in this order: the sampling values with the
+        bundle's defaults, response_format, γ, the prompt's ids, the cache's capacity. The
+        Request runs as it is on this generator or any of its forks."""
+        if options is None:
+            options = GenerationOptions(**values)
+        elif values:
+            raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+        if options.stop and self.tokenizer is None:
+            raise InputError("stop strings need a tokenizer: this generator has none")
+        params = self.constrained(self.sampling_params(options.seed, **options.sampling()),
+                                  options.response_format)
+        gamma = self.check_gamma(options.gamma)
+        ids = self.prompt_ids(prompt, options.chat)
+        prefix = ids if not self.encoder_decoder else \
+            np.asarray([self.decoder_start_token_id], dtype=np.int64)
+        if params.reads_context:  # presence and frequency penalties count generated tokens
+            params = replace(params, penalty_start=len(prefix))
+        check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens,
+                       len(ids) if self.encoder_decoder else None)
+        return Request(options, ids, prefix, params, gamma, self.default_gamma, self.max_gamma,
+                       self.eos_token_ids)
 
-    def fork(self) -> "Generator":
-        """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
-        copy of the weights) and tokenizer, a KV cache and request state of its own, so that a
-        second request decodes beside this one's (`specrun serve --slots N`)."""
-        target = fork_engine(self.target)
-        draft = self.draft.fork() if self.draft is not None else None
-        forked = Generator(target, draft, tokenizer=self.tokenizer,
-                         eos_token_ids=self.eos_token_ids, default_gamma=self.default_gamma,
-                         max_gamma=self.max_gamma, chat_template=self.chat_template,
-                         special_tokens=self.special_tokens, encoder_decoder=self.encoder_decoder,
-                         decoder_start_token_id=self.decoder_start_token_id,
-                         manifest=self.manifest, bundle_dir=self.bundle_dir,
-                         generation_defaults=self.generation_defaults,
-                         row_check=self.row_check, clock=self.clock)
-        forked._grammar = self._grammar  # the compiled tokenizer, when there is one already
-        return forked
-
-    def _engines(self, use_draft: bool = True) -> list:
-        draft = self.draft if use_draft else None
-        return [self.target] + draft_engines(draft)
-
-    def capacity(self, use_draft: bool = True) -> int:
-        """Cache positions a request may use: prompt + new tokens - 1 (decoder-only; an
-        encoder-decoder's decoder starts from one token)."""
-        return min(e.max_len for e in self._engines(use_draft))
-
-    def check_capacity(self, prompt_len: int, max_new_tokens: int,
-                       use_draft: bool = True) -> None:
-        """CacheCapacityError unless `prompt_len` prompt ids (as prompt_ids gives them) and
-        `max_new_tokens` fit the caches."""
-        check_capacity(self._engines(use_draft), 1 if self.encoder_decoder else prompt_len,
-                       max_new_tokens)
-
-    def gamma_policy(self, gamma) -> GammaPolicy:
-        """The policy for `gamma` (an integer in [1, max_gamma], "auto", or None for the
-        bundle's default); InputError for anything else."""
-        if gamma is None:
-            gamma = self.default_gamma
-        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer))
-                                or not 1 <= gamma <= self.max_gamma):
-            raise InputError(
-                f"gamma={gamma!r} is invalid: use an integer in [1, {self.max_gamma}] (the bundle's "
-                f"max_gamma), 'auto', or leave it out for the bundle's default ({self.default_gamma})"
-            )
-        return GammaPolicy(gamma, start=self.default_gamma, max_gamma=self.max_gamma)
+    def _request_of(self, prompt, options: GenerationOptions) -> Request:
+        """generate/stream's request: `prompt` itself when it is one (then with no options of
+        the call's own), else `prompt` bound with `options`."""
+        if not isinstance(prompt, Request):
+            return self.request(prompt, options)
+        if options != GenerationOptions():
+            raise TypeError("a Request carries its own options: pass it alone (cancel aside)")
+        return prompt
 
     def prompt_ids(self, prompt, chat: bool | None = None) -> np.ndarray:
         """The ids a request feeds. `prompt` is text, a list of {"role", "content"} messages (a
@@ -233,16 +215,6 @@ class Generator:
                                  f"[0, {self.vocab_size})")
         return params
 
-    def _begin(self, ids: np.ndarray, draft) -> np.ndarray:
-        """Start a request on the engines: an encoder-decoder runs its encoders on `ids` and
-        decodes from the start token; a decoder-only model continues `ids`."""
-        if not self.encoder_decoder:
-            return ids
-        self.target.encode_source(ids)
-        for engine in draft_engines(draft):
-            engine.encode_source(ids)
-        return np.asarray([self.decoder_start_token_id], dtype=np.int64)
-
     def constrained(self, params: SamplingParams, response_format) -> SamplingParams:
         """`params` with the constraint of OpenAI's `response_format` (constraint.py; None or
         {"type": "text"}: unchanged); InputError for a format or schema it cannot compile."""
@@ -257,18 +229,42 @@ class Generator:
             self._grammar = Grammar(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return replace(params, constraint=self._grammar.constraint(grammar))
 
-    def _rounds(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
-                chat, cancel=None, logprobs=None) -> Iterator[tuple[np.ndarray, DecodeStats]]:
-        """Validate a request, then hold the engines and yield each round's tokens; stop after
-        the round in which `cancel` (a threading.Event) is set, with finish_reason
-        "cancelled"."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens={max_new_tokens!r} is invalid: use an integer >= 1")
-        check_logprobs(logprobs)
-        policy = self.gamma_policy(gamma)
-        ids = self.prompt_ids(prompt, chat)
+    def check_gamma(self, gamma) -> int | str:
+        """The γ a request runs with: `gamma` (an integer in [1, max_gamma], or "auto"), or
+        the bundle's default for None; InputError for anything else."""
+        if gamma is None:
+            return self.default_gamma
+        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer))
+                                or not 1 <= gamma <= self.max_gamma):
+            raise InputError(
+                f"gamma={gamma!r} is invalid: use an integer in [1, {self.max_gamma}] (the bundle's "
+                f"max_gamma), 'auto', or leave it out for the bundle's default ({self.default_gamma})"
+            )
+        return gamma if gamma == "auto" else int(gamma)
+
+    def _engines(self, use_draft: bool = True) -> list:
         draft = self.draft if use_draft else None
+        return [self.target] + draft_engines(draft)
+
+    def capacity(self, use_draft: bool = True) -> int:
+        """Cache positions a request may use: prompt + new tokens - 1 (decoder-only; an
+        encoder-decoder's decoder starts from one token)."""
+        return min(e.max_len for e in self._engines(use_draft))
+
+    # -- running a request ----------------------------------------------------------------
+
+    def _encode(self, ids: np.ndarray, draft) -> None:
+        """An encoder-decoder's request starts by running the encoders on its source ids."""
+        if self.encoder_decoder:
+            self.target.encode_source(ids)
+            for engine in draft_engines(draft):
+                engine.encode_source(ids)
+
+    def _rounds(self, request: Request, cancel=None, token_logprobs: list | None = None
+                ) -> Iterator[tuple[np.ndarray, DecodeStats]]:
+        """Hold the engines and yield each round's tokens; stop after the round in which
+        `cancel` (a threading.Event) is set, with finish_reason "cancelled"."""
+        draft = self.draft if request.use_draft else None
         if self._owner == threading.get_ident():
             # waiting for the lock would wait for this very thread: a deadlock
             raise RuntimeError("this generator is still streaming an earlier request in this "
@@ -279,16 +275,9 @@ class Generator:
             try:
                 stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
                 recorder = Recorder(stats, self.clock)
-                prefix = self._begin(ids, draft)
-                check_capacity(self._engines(use_draft), len(prefix), int(max_new_tokens))
-                self.live_logprobs = [] if logprobs is not None else None
-                request = Request(prefix, params, int(max_new_tokens),
-                                  policy if draft is not None else None, self.eos_token_ids,
-                                  np.random.default_rng(params.seed), recorder,
-                                  logprobs=logprobs, token_logprobs=self.live_logprobs)
-                if self.encoder_decoder:  # the prompt is the source the encoders read, not
-                    stats.prompt_tokens = len(ids)  # the decoder's one start token
-                for new in generate_tokens(self.target, draft, request):
+                self._encode(request.prompt, draft)
+                state = RequestState(request, recorder, token_logprobs)
+                for new in generate_tokens(self.target, draft, state):
                     yield new, stats
                     if cancel is not None and cancel.is_set() and not stats.finish_reason:
                         stats.finish_reason = "cancelled"
@@ -296,43 +285,10 @@ class Generator:
             finally:
                 self._owner = None
 
-    def _texts(self, prompt, max_new_tokens, params: SamplingParams, gamma, use_draft,
-               stop, chat, live: bool = True, cancel=None,
-               logprobs=None) -> Iterator[tuple[str, IncrementalText, DecodeStats]]:
-        """The one implementation of text and stop strings behind generate() and stream():
-        yields (new text safe to show, the text so far, stats) per round. A stop string ends
-        the request at the token that completes it; tokens and stats then count up to it.
-        Without `live` (generate) and without stop strings the text is decoded once, at the
-        end."""
-        stop = stop_strings(stop)
-        text = IncrementalText(self.detokenize, stop)
-        shown = 0
-        rounds = self._rounds(prompt, max_new_tokens, params, gamma, use_draft, chat, cancel,
-                              logprobs)
-        try:
-            for new, stats in rounds:
-                if not live and not stop:
-                    text.tokens.extend(int(t) for t in new)
-                    continue
-                if text.extend(new):
-                    stats.new_tokens = len(text.tokens)
-                    stats.finish_reason = "stop"
-                    if self.live_logprobs is not None:  # none past the stop string's token
-                        del self.live_logprobs[len(text.tokens):]
-                ready = text.ready()
-                yield text.text[shown:ready], text, stats
-                shown = max(shown, ready)
-                if stats.finish_reason == "stop":
-                    return
-        finally:
-            rounds.close()  # releases the engines now, not when the generator is collected
-        final = text.finish()
-        yield final[shown:], text, stats
-
     def generate(
         self,
-        prompt: str | Sequence[int] | list[dict],
-        max_new_tokens: int = 128,
+        prompt: str | Sequence[int] | list[dict] | Request,
+        max_new_tokens: int = MAX_NEW_TOKENS,
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -352,7 +308,8 @@ class Generator:
         response_format: dict | None = None,
     ) -> GenerationResult:
         """Decode up to max_new_tokens new tokens from `prompt`: text, a list of
-        {"role", "content"} messages, or token ids. A sampling argument left None takes the
+        {"role", "content"} messages, token ids, or a Request made by `request` (then alone).
+        A sampling argument left None takes the
         bundle's generation default (the model's generation_config), else greedy / off (see
         SamplingParams for what each does). `chat` None applies the bundle's chat template to
         text when it has one. use_draft=False is target-only decoding on the same engines.
@@ -368,80 +325,73 @@ class Generator:
         {"schema": {...}}}, as OpenAI's API takes it) masks the logits of draft and target alike
         to what the grammar allows: the output is the target's distribution restricted to it,
         exactly, in both modes (constraint.py)."""
-        params = self.constrained(self.sampling_params(
-            seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias), response_format)
+        request = self._request_of(prompt, GenerationOptions.of(locals()))
+        token_logprobs = [] if request.logprobs is not None else None
         if self.tokenizer is None:  # token ids in, token ids out: no text, no stop strings
-            if stop_strings(stop):
-                raise InputError("stop strings need a tokenizer: this generator has none")
             tokens, stats = [], DecodeStats()
-            for new, stats in self._rounds(prompt, max_new_tokens, params, gamma, use_draft,
-                                           chat, cancel, logprobs):
+            for new, stats in self._rounds(request, cancel, token_logprobs):
                 tokens.extend(int(t) for t in new)
-            return self._result(tokens, None, stats)
+            return _result(tokens, None, stats, token_logprobs)
         text = stats = None
-        for _, text, stats in self._texts(prompt, max_new_tokens, params, gamma, use_draft,
-                                          stop, chat, live=False, cancel=cancel,
-                                          logprobs=logprobs):
+        rounds = self._rounds(request, cancel, token_logprobs)
+        for _, text, stats in texts(rounds, self.detokenize, request.stop, live=False,
+                                    token_logprobs=token_logprobs):
             pass
-        return self._result(text.tokens, text.finish(), stats)
+        return _result(text.tokens, text.finish(), stats, token_logprobs)
 
-    def stream(self, prompt, max_new_tokens: int = 128, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               gamma=None, use_draft: bool = True, stop: str | Sequence[str] | None = (),
+    def stream(self, prompt, max_new_tokens: int = MAX_NEW_TOKENS,
+               temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None, gamma=None,
+               use_draft: bool = True, stop: str | Sequence[str] | None = (),
                chat: bool | None = None, *, min_p: float | None = None,
                repetition_penalty: float | None = None, presence_penalty: float | None = None,
                frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None, cancel=None,
                logprobs: int | None = None, response_format: dict | None = None
-               ) -> Iterator[str]:
-        """Yield the new text piece by piece, as rounds complete: the same tokens, text and
-        stats as generate() with the same arguments. Holds back an incomplete UTF-8 character
-        and any tail that could still become a stop string. A stream closed early (close(), Ctrl-C)
-        leaves last_result with what it did so far, finish_reason "cancelled"."""
+               ) -> TextStream:
+        """A TextStream of the new text, piece by piece as rounds complete: the same tokens,
+        text and stats as generate() with the same arguments, in its `result` once it ends.
+        Holds back an incomplete UTF-8 character and any tail that could still become a stop
+        string. A stream closed early (close(), Ctrl-C) has a result with what it did so far,
+        finish_reason "cancelled"."""
         if self.tokenizer is None:
             raise InputError("stream() needs a tokenizer: use generate() for token ids")
-        params = self.constrained(self.sampling_params(
-            seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logit_bias=logit_bias), response_format)
-        check_logprobs(logprobs)
-        return self._stream(prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel,
-                            logprobs)
+        request = self._request_of(prompt, GenerationOptions.of(locals()))
+        return TextStream(request, lambda out: self._pieces(request, cancel, out))
 
-    def _stream(self, prompt, max_new_tokens, params, gamma, use_draft, stop, chat, cancel,
-                logprobs):
+    def _pieces(self, request: Request, cancel, out: TextStream) -> Iterator[str]:
+        """The stream's pieces; sets out.result when they end, however they end."""
         text = stats = None
         pieces = []
-        texts = self._texts(prompt, max_new_tokens, params, gamma, use_draft, stop, chat,
-                            cancel=cancel, logprobs=logprobs)
+        per_round = texts(self._rounds(request, cancel, out.logprobs), self.detokenize,
+                          request.stop, token_logprobs=out.logprobs)
         try:
-            for piece, text, stats in texts:
+            for piece, text, stats in per_round:
                 if piece:
                     pieces.append(piece)
                     yield piece
         except (GeneratorExit, KeyboardInterrupt):  # stopped by its caller (close(), Ctrl-C):
             # the result is what it did so far
-            texts.close()
+            per_round.close()
             if stats is not None:
                 stats.finish_reason = stats.finish_reason or "cancelled"
-                self._result(text.tokens, "".join(pieces), stats)
+                out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs)
             raise
-        self._result(text.tokens, "".join(pieces), stats)
-
-    def _result(self, tokens: list[int], text: str | None, stats: DecodeStats) -> GenerationResult:
-        self.last_stats = stats.to_dict()
-        logprobs = self.live_logprobs[: len(tokens)] if self.live_logprobs is not None else None
-        self.last_result = GenerationResult(list(tokens), text, self.last_stats,
-                                            stats.finish_reason, logprobs)
-        return self.last_result
+        out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs)
 
     def target_logits(self, prompt_ids, prefix: Sequence[int]) -> np.ndarray:
         """The target's logits float64 [V] for the next token after prompt + prefix (the prefix
         being generated tokens), from one fresh call: what `specrun check` compares with."""
         with self._lock:
             self.target.reset()
-            seq = np.concatenate([self._begin(np.asarray(prompt_ids, np.int64), None),
-                                  np.asarray(prefix, np.int64)])
+            ids = np.asarray(prompt_ids, np.int64)
+            self._encode(ids, None)
+            start = [self.decoder_start_token_id] if self.encoder_decoder else ids
+            seq = np.concatenate([np.asarray(start, np.int64), np.asarray(prefix, np.int64)])
             return np.asarray(self.target.forward(seq, 0, 1)[-1], np.float64)
+
+
+def _result(tokens: list[int], text: str | None, stats: DecodeStats,
+            token_logprobs: list | None) -> GenerationResult:
+    logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
+    return GenerationResult(list(tokens), text, stats.to_dict(), stats.finish_reason, logprobs)

@@ -1,49 +1,23 @@
-"""Devices and KV cache stores: the memory an engine's `past` inputs are bound to, allocated once
-per engine, on the device that runs the graph.
+"""KV cache stores: the memory an engine's `past` inputs are bound to, allocated once per engine,
+on the device that runs the graph (devices.py says which memory that is).
 
 A store binds each cache tensor to the engine's IOBinding (for an "in-place" graph as input and
 output at once) and, for a "new-slots" graph, binds the `present` outputs to scratch tensors of
 n slots and then writes them at the position. `HostCache` keeps numpy buffers (the CPU execution
 provider reads them in place). `DeviceCache` keeps ONNX Runtime OrtValues on the device itself
 (CUDA memory for the CUDA and TensorRT providers), so that a step never moves the cache between
-host and device; it writes new slots with one strided copy per tensor (device_memory.py). Both run on the
-CPU too (DeviceCache over CPU OrtValues), which is how its code path is tested without a GPU.
+host and device; it writes new slots with one strided copy per tensor
+(device_memory.write_slots). Both run on the CPU too (DeviceCache over CPU OrtValues), which is how its code path is tested without a GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .device_memory import memory
-from .errors import BundleError, InputError
-
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
-
-
-@dataclass(frozen=True)
-class Device:
-    """Where a model runs: the ONNX Runtime provider, and the memory its cache lives in."""
-
-    name: str  # what --device names
-    provider: str
-    memory: str  # ONNX Runtime's device type for OrtValues: "cpu" or "cuda"
-    device_id: int = 0
-
-
-DEVICES = {
-    "cpu": Device("cpu", "CPUExecutionProvider", "cpu"),
-    "cuda": Device("cuda", "CUDAExecutionProvider", "cuda"),
-    "tensorrt": Device("tensorrt", "TensorrtExecutionProvider", "cuda"),
-}
-
-
-def device(name: str) -> Device:
-    if name not in DEVICES:
-        raise InputError(f"device {name!r} is not supported: use one of {sorted(DEVICES)}")
-    return DEVICES[name]
-
+from .contract import DTYPES
+from .device_memory import memory, write_slots
+from .devices import DEVICES, Device
+from .errors import BundleError
 
 def _allocation(names, shape, dtype) -> str:
     gib = np.dtype(dtype).itemsize * len(names) * float(np.prod(shape)) / 2**30
@@ -60,7 +34,7 @@ class HostCache:
                  device: Device = DEVICES["cpu"]):
         self._ort = ort
         self.shape = tuple(shape)
-        self.dtype = NUMPY_DTYPES[dtype]
+        self.dtype = DTYPES[dtype].numpy
         try:
             self.buffers = {name: np.zeros(self.shape, dtype=self.dtype) for name in names}
         except MemoryError:
@@ -107,7 +81,7 @@ class DeviceCache:
                  device: Device = DEVICES["cpu"]):
         self._ort = ort
         self.shape = tuple(shape)
-        self.dtype = NUMPY_DTYPES[dtype]
+        self.dtype = DTYPES[dtype].numpy
         self.device = device
         self._memory = memory(device.memory, device.device_id)  # zeroing, strided copies
         try:
@@ -141,13 +115,11 @@ class DeviceCache:
         self._n = n
 
     def write_new_slots(self, pos: int) -> None:
-        # [1, H, n, D] into [1, H, S, D] at slot pos: H rows of n·D values, pitch S·D apart
         _, heads, slots, dim = self.shape
-        item = np.dtype(self.dtype).itemsize
-        width, pitch = self._n * dim * item, slots * dim * item
+        slot_bytes = dim * np.dtype(self.dtype).itemsize
         for past, new in self._scratch[self._n].items():
-            self._memory.copy_2d(self.values[past].data_ptr() + pos * dim * item, pitch,
-                                 new.data_ptr(), width, width, heads)
+            write_slots(self._memory, self.values[past].data_ptr(), new.data_ptr(), pos=pos,
+                        n=self._n, heads=heads, slots=slots, slot_bytes=slot_bytes)
         self._memory.sync()
 
     def fill_random(self, rng: np.random.Generator) -> None:

@@ -1,9 +1,10 @@
 """The draft-then-verify loop (Leviathan et al. 2023, Algorithm 1) over position-driven engines.
 
-`Request` is one generation's state, apart from the loaded model: the sequence, how much of it
-the target's cache holds, the sampling setting, the random generator, the γ policy and the
-statistics. Invariant: `target_valid` (and a model draft's own count) is the number of leading
-positions of the sequence whose KV is in that engine's cache. A round feeds the target every
+`RequestState` is one generation's state, apart from the loaded model: the Request it runs (its
+sampling setting, limits and γ, checked when it was made), the sequence, how much of it the
+target's cache holds, the random generator, the γ policy and the statistics. Invariant:
+`target_valid` (and a model draft's own count) is the number of leading positions of the
+sequence whose KV is in that engine's cache. A round feeds the target every
 token it has not seen plus the γ draft tokens, in one call, and gets γ+1 logit rows back. After
 verification the cache is valid up to the old length plus the accepted drafts; the slots
 written for rejected drafts are stale and are overwritten by the next call. Rollback is a
@@ -12,14 +13,14 @@ position, never a copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from .drafts import Draft
 from .engine import Engine
-from .errors import CacheCapacityError
+from .request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
 from .stats import DecodeStats, Recorder, best_gamma
 
@@ -79,36 +80,33 @@ def token_logprobs(rows: np.ndarray, greedy: bool, tokens, top: int) -> list[Tok
     return out
 
 
-class Request:
-    """One generation: what it asks for and where it stands. With `logprobs` (the number of
-    most likely alternatives to report, 0 for none) every emitted token's TokenLogprob is
-    appended to `token_logprobs`."""
+class RequestState:
+    """One request in the loop: the Request as it was made (request.py), and where it stands.
+    With `request.logprobs` (the number of most likely alternatives to report, 0 for none)
+    every emitted token's TokenLogprob is appended to `token_logprobs`."""
 
-    def __init__(self, prompt: np.ndarray, params: SamplingParams, max_new_tokens: int,
-                 gamma: GammaPolicy | None, eos_token_ids: frozenset[int],
-                 rng: np.random.Generator, recorder: Recorder, logprobs: int | None = None,
-                 token_logprobs: list | None = None):
-        n = len(prompt)
-        # presence and frequency penalties count generated tokens: the context from here on
-        self.params = replace(params, penalty_start=n) if params.reads_context else params
-        self.max_new_tokens = max_new_tokens
-        self.gamma = gamma
-        self.eos = np.fromiter(eos_token_ids, dtype=np.int64)
-        self.rng = rng
+    def __init__(self, request: Request, recorder: Recorder, token_logprobs: list | None = None):
+        self.request = request
+        self.params = request.params
+        self.max_new_tokens = request.max_new_tokens
+        self.logprobs = request.logprobs
+        self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma)
+        self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
+        self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder
         self.stats = recorder.stats
+        n = len(request.prefix)
         # room for every new token, and for the γ + 1 a last round may produce before the cut
-        self.seq = np.empty(n + max_new_tokens + (gamma.max_gamma if gamma else 0) + 1, np.int64)
-        self.seq[:n] = prompt
+        self.seq = np.empty(n + self.max_new_tokens + request.max_gamma + 1, np.int64)
+        self.seq[:n] = request.prefix
         self.n_seq = n
         self.target_valid = 0
-        self.stats.prompt_tokens = n
-        self.logprobs = logprobs
+        self.stats.prompt_tokens = len(request.prompt)  # an encoder-decoder's: its source
         self.token_logprobs = token_logprobs if token_logprobs is not None else []
 
     @property
     def tokens(self) -> np.ndarray:
-        """The prompt and every token emitted so far (a view, valid until the next round)."""
+        """The prefix and every token emitted so far (a view, valid until the next round)."""
         return self.seq[: self.n_seq]
 
     @property
@@ -132,22 +130,11 @@ class Request:
         return new
 
 
-def check_capacity(engines: list[Engine], prompt_len: int, max_new_tokens: int) -> None:
-    # The last generated token is never fed back, so N + M - 1 positions are written.
-    needed = prompt_len + max_new_tokens - 1
-    for engine in engines:
-        if needed > engine.max_len:
-            raise CacheCapacityError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs {needed} "
-                f"cache positions but the bundle's max_len is {engine.max_len}: lower "
-                f"max_new_tokens or the prompt, or re-export with `specexport build --max-len`"
-            )
-
-
 _NO_DRAFTS = np.empty(0, np.int64)
 
 
-def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterator[np.ndarray]:
+def generate_tokens(target: Engine, draft: Draft | None,
+                    req: RequestState) -> Iterator[np.ndarray]:
     """Yield the new tokens of each round. `draft=None` is target-only decoding on the same
     engine: one target call per token, the baseline every speedup is measured against."""
     rec = req.recorder
@@ -180,8 +167,6 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
         if draft is not None:
             rec.round(k, n_acc, g, beta_sum, examined)
             draft.rewind(req.n_seq + n_acc)
-            if draft.needs:
-                draft.observe(_needed(draft.needs, logits[: n_acc + 1], req.stats))
 
         # 5. Emit, stopping at EOS or max_new_tokens; row i of the target's distributions is
         #    the position of the round's token i, whether a draft's or its own.
@@ -191,18 +176,12 @@ def generate_tokens(target: Engine, draft: Draft | None, req: Request) -> Iterat
         yield emitted
 
 
-def _needed(needs: frozenset[str], logits: np.ndarray, stats: DecodeStats) -> dict:
-    """What a draft declared it reads: the target's logits of the verified positions, and the
-    request's statistics (α, c, row cost measured so far)."""
-    available = {"logits": logits, "stats": stats}
-    return {name: available[name] for name in needs}
-
-
 def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):
     """Step 3 of a round: (the round's tokens, Σ β = Σ min(p_target, p_draft) over the positions
     examined, how many were examined, the target's rows the tokens were chosen from: penalized
     logits when greedy, warped probabilities otherwise); β feeds the α estimate. Row i of
-    `logits` follows `context` + drafts[:i], which is what penalties read."""
+    `logits` follows `context` + drafts[:i], which is what penalties read. `p_draft` None: q is
+    one-hot at each draft token (a lookup draft), and min(p_target, q) sums to p_target(x)."""
     k = len(drafts)
     if params.greedy:
         if params.reads_context:
@@ -212,11 +191,11 @@ def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):
         # one-hot p, q: β is 1 or 0
         return new, float(min(len(new) - 1, examined)), examined, logits
     p_target = warp(logits, params, context, drafts)
-    if k == 0:
-        new = accept_drafts(drafts, np.empty((0, p_target.shape[-1])), p_target, rng)
-        return new, 0.0, 0, p_target
     new = accept_drafts(drafts, p_draft, p_target, rng)
     examined = min(len(new), k)
-    v = min(p_target.shape[-1], p_draft.shape[-1])
-    beta = float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum())
+    if p_draft is None:
+        beta = float(p_target[np.arange(examined), drafts[:examined]].sum())
+    else:
+        v = min(p_target.shape[-1], p_draft.shape[-1])
+        beta = float(np.minimum(p_target[:examined, :v], p_draft[:examined, :v]).sum())
     return new, beta, examined, p_target

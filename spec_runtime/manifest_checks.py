@@ -281,7 +281,7 @@ def _io_list(graph: dict, key: str, where: str) -> list[dict]:
             raise _bad(at, item, "it must be a {name, dtype, shape} object")
         _require(item, "name", str, at)
         if _require(item, "dtype", str, at) not in DTYPES:
-            raise _bad(f"{at}.dtype", item["dtype"], f"it must be one of {DTYPES}")
+            raise _bad(f"{at}.dtype", item["dtype"], f"it must be one of {tuple(DTYPES)}")
         for d in _require(item, "shape", list, at):
             if not (isinstance(d, str) or isinstance(d, int) and not isinstance(d, bool)
                     and d >= 1):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import CacheCapacityError, InputError
-from .kv_cache import Device
+from .devices import DEVICES, Device
 from .manifest import GraphEntry
 from .ort_engine import OrtEngine, open_session
 
@@ -27,7 +27,7 @@ class OrtEncDecEngine(OrtEngine):
 
     def __init__(self, session, graph: GraphEntry, encoder, encoder_graph: GraphEntry, *,
                  vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
-                 device: Device | str = "cpu", store=None):
+                 device: Device = DEVICES["cpu"], store=None):
         super().__init__(session, graph, vocab_size=vocab_size, max_len=max_len,
                          prefill_chunk=prefill_chunk, device=device, store=store)
         self.encoder = encoder
@@ -45,7 +45,7 @@ class OrtEncDecEngine(OrtEngine):
     @classmethod
     def open(cls, decoder_path, graph: GraphEntry, encoder_path, encoder_graph: GraphEntry, *,
              vocab_size: int, max_len: int, max_source_len: int, prefill_chunk: int,
-             device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
+             device: Device = DEVICES["cpu"], threads: int | None = None, spinning: bool = True,
              where: str = "graph", metadata: dict | None = None,
              encoder_metadata: dict | None = None, provider_options: dict | None = None,
              encoder_provider_options: dict | None = None) -> "OrtEncDecEngine":
@@ -68,11 +68,8 @@ class OrtEncDecEngine(OrtEngine):
             max_source_len=self.max_source_len, prefill_chunk=self.prefill_chunk,
             device=self.device, store=self._store))
 
-    def encode_source(self, source_ids) -> None:
-        """Run the encoder on one request's source ids; its cross K/V serve every forward until
-        the next encode_source."""
-        ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
-        n = len(ids)
+    def check_source(self, n: int) -> None:
+        """CacheCapacityError unless a source of n tokens fits the encoder."""
         if n > self.max_source_len:
             raise CacheCapacityError(
                 f"the source has {n} tokens but the bundle's max_source_len is "
@@ -81,6 +78,13 @@ class OrtEncDecEngine(OrtEngine):
             )
         if n == 0:
             raise InputError("the source is empty: give at least one token")
+
+    def encode_source(self, source_ids) -> None:
+        """Run the encoder on one request's source ids; its cross K/V serve every forward until
+        the next encode_source."""
+        ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        self.check_source(n)
         self._source[:] = 0  # padding id is irrelevant: the mask hides it
         self._source[0, :n] = ids
         self._source_mask[:] = 0

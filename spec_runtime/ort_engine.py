@@ -14,7 +14,8 @@ Every call runs through one IOBinding, set up once:
                             store then writes at the position
 
 so a step allocates nothing, and moves token ids in and logit rows out. The cache store is host
-memory today (kv_cache.HostCache); a device store binds the same way. `fork()` gives another
+memory on the CPU (kv_cache.HostCache) and device memory on a GPU (kv_cache.DeviceCache); both
+bind the same way. `fork()` gives another
 engine over the same session (the weights are loaded once) with a cache of its own, one per
 request in flight.
 
@@ -33,11 +34,11 @@ from pathlib import Path
 import numpy as np
 
 from . import gqa_window
-from .contract import METADATA, dims_of, kv_names, mismatch, tensorrt_profile
+from .contract import METADATA, dims_of, dtype_of_ort, kv_names, mismatch, tensorrt_profile
+from .devices import DEVICES, Device
 from .engine import ChunkedEngine
 from .errors import BundleError, InputError
-from .kv_cache import Device, cache_store
-from .kv_cache import device as kv_device
+from .kv_cache import cache_store
 from .manifest import REBUILD, GraphEntry, unreadable
 from .manifest_checks import regular_file
 
@@ -74,8 +75,6 @@ def physical_cores() -> int:
 
 
 TELEMETRY_ENV = "ORT_DISABLE_TELEMETRY"
-ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16",
-              "tensor(bfloat16)": "bfloat16", "tensor(int64)": "int64", "tensor(int32)": "int32"}
 
 
 def onnxruntime():
@@ -103,10 +102,9 @@ GPU_INSTALL = ("install onnxruntime-gpu in place of onnxruntime (`pip uninstall 
                "&& pip install onnxruntime-gpu`; on a Jetson, NVIDIA's wheel: README, GPUs)")
 
 
-def require_provider(device: Device | str) -> Device:
+def require_provider(dev: Device) -> Device:
     """The device, if this onnxruntime build has its provider; InputError naming what to
     install otherwise."""
-    dev = kv_device(device) if isinstance(device, str) else device
     available = onnxruntime().get_available_providers()
     if dev.provider not in available:
         raise InputError(f"device {dev.name!r} needs ONNX Runtime's {dev.provider}, which this "
@@ -115,7 +113,7 @@ def require_provider(device: Device | str) -> Device:
     return dev
 
 
-def make_session(path, device: Device | str = "cpu", threads: int | None = None,
+def make_session(path, device: Device = DEVICES["cpu"], threads: int | None = None,
                  spinning: bool = True, provider_options: dict | None = None):
     """An InferenceSession of `path` on `device`: its provider first (with `provider_options`),
     then the ones that take the nodes it cannot run (TensorRT → CUDA → CPU). Thread settings
@@ -152,7 +150,7 @@ def session_options(ort, device: Device, threads: int | None = None, spinning: b
     if device.provider == "CPUExecutionProvider":
         opts.intra_op_num_threads = threads or physical_cores()
         opts.inter_op_num_threads = 1
-        if not spinning:  # see bundle.open_engine: sessions that take turns stop spinning
+        if not spinning:  # see engines.open_engine: sessions that take turns stop spinning
             opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
 
@@ -181,8 +179,8 @@ def provider_options(device: Device, inputs: list[dict], *, precision: str, max_
 
 
 def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None = None,
-                 device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
-                 provider_options: dict | None = None):
+                 device: Device = DEVICES["cpu"], threads: int | None = None,
+                 spinning: bool = True, provider_options: dict | None = None):
     """make_session, then check that ONNX Runtime sees the graph the manifest describes as
     `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own specedge
     metadata, where it has any (bundles built before it was written have none), names the
@@ -209,7 +207,7 @@ def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None =
 
 
 def _io(args) -> list[dict]:
-    return [{"name": a.name, "dtype": ORT_DTYPES.get(a.type, a.type), "shape": list(a.shape)}
+    return [{"name": a.name, "dtype": dtype_of_ort(a.type), "shape": list(a.shape)}
             for a in args]
 
 
@@ -217,14 +215,14 @@ class OrtEngine(ChunkedEngine):
     """Implements spec_runtime.engine.Engine over one contract graph. Open one with `open`."""
 
     def __init__(self, session, graph: GraphEntry, *, vocab_size: int, max_len: int,
-                 prefill_chunk: int, device: Device | str = "cpu", store=None):
+                 prefill_chunk: int, device: Device = DEVICES["cpu"], store=None):
         """`graph` is the manifest's entry, already checked against the contract and against
         what the session reports (open_session); `store` is the cache store class (default:
         the device's, kv_cache.cache_store)."""
         ort = onnxruntime()
         self.session = session
         self.graph = graph
-        self.device = kv_device(device) if isinstance(device, str) else device
+        self.device = device
         self.vocab_size = int(vocab_size)
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
@@ -250,8 +248,8 @@ class OrtEngine(ChunkedEngine):
 
     @classmethod
     def open(cls, path, graph: GraphEntry, *, vocab_size: int, max_len: int, prefill_chunk: int,
-             device: Device | str = "cpu", threads: int | None = None, spinning: bool = True,
-             where: str = "graph", metadata: dict | None = None,
+             device: Device = DEVICES["cpu"], threads: int | None = None,
+             spinning: bool = True, where: str = "graph", metadata: dict | None = None,
              provider_options: dict | None = None) -> "OrtEngine":
         session = open_session(path, graph, where=where, metadata=metadata, device=device,
                                threads=threads, spinning=spinning,

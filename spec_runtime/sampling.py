@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -84,47 +84,9 @@ class SamplingParams:
     constraint: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        # numpy scalars (np.float32(0.5), np.int64(3)) are numbers like any other; stored as
-        # Python numbers, so that a message or a comparison never shows a numpy type
-        t = self.temperature
-        if not _real(t) or not math.isfinite(t) or t < 0:
-            raise InputError(f"temperature={_show(t)} is invalid: use a finite number >= 0 "
-                             f"(0 = greedy)")
-        k = self.top_k
-        if not _integer(k) or k < 0:
-            raise InputError(f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no top-k)")
-        p = self.top_p
-        if not _real(p) or not (0.0 < p <= 1.0):
-            raise InputError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
-        m = self.min_p
-        if not _real(m) or not (0.0 <= m <= 1.0):
-            raise InputError(f"min_p={_show(m)} is invalid: use a number in [0, 1] (0 = no min-p)")
-        r = self.repetition_penalty
-        if not _real(r) or not math.isfinite(r) or r <= 0:
-            raise InputError(f"repetition_penalty={_show(r)} is invalid: use a number > 0 "
-                             f"(1 = none; 1.1-1.3 is typical)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _real(v) or not -2.0 <= v <= 2.0:
-                raise InputError(f"{name}={_show(v)} is invalid: use a number in [-2, 2] "
-                                 f"(0 = none)")
-            object.__setattr__(self, name, float(v))
-        s = self.seed
-        if s is not None and (not _integer(s) or s < 0):
-            raise InputError(f"seed={_show(s)} is invalid: use a non-negative integer, or leave "
-                             f"it out for a random seed")
-        start = self.penalty_start
-        if not _integer(start) or start < 0:
-            raise InputError(f"penalty_start={_show(start)} is invalid: use an integer >= 0")
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_k", int(k))
-        object.__setattr__(self, "top_p", float(p))
-        object.__setattr__(self, "min_p", float(m))
-        object.__setattr__(self, "repetition_penalty", float(r))
-        object.__setattr__(self, "penalty_start", int(start))
-        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if s is not None:
-            object.__setattr__(self, "seed", int(s))
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "constraint"}
+        for name, value in check_sampling(values).items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +99,64 @@ class SamplingParams:
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 \
             or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
             or self.constraint is not None
+
+
+def check_sampling(values: dict) -> dict:
+    """SamplingParams' fields in `values` (any subset; a None seed is no seed), checked in the
+    order of the fields and returned as Python numbers (numpy scalars such as np.float32(0.5)
+    are numbers like any other, but a message or a comparison should never show a numpy type,
+    and logit_bias becomes sorted pairs); InputError naming the first bad value and the range
+    it must be in. What SamplingParams and a request's options (request.GenerationOptions)
+    check, each once."""
+    out = dict(values)
+    if "temperature" in values:
+        t = values["temperature"]
+        if not _real(t) or not math.isfinite(t) or t < 0:
+            raise InputError(f"temperature={_show(t)} is invalid: use a finite number >= 0 "
+                             f"(0 = greedy)")
+        out["temperature"] = float(t)
+    if "top_k" in values:
+        k = values["top_k"]
+        if not _integer(k) or k < 0:
+            raise InputError(f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no top-k)")
+        out["top_k"] = int(k)
+    if "top_p" in values:
+        p = values["top_p"]
+        if not _real(p) or not (0.0 < p <= 1.0):
+            raise InputError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
+        out["top_p"] = float(p)
+    if "min_p" in values:
+        m = values["min_p"]
+        if not _real(m) or not (0.0 <= m <= 1.0):
+            raise InputError(f"min_p={_show(m)} is invalid: use a number in [0, 1] (0 = no min-p)")
+        out["min_p"] = float(m)
+    if "repetition_penalty" in values:
+        r = values["repetition_penalty"]
+        if not _real(r) or not math.isfinite(r) or r <= 0:
+            raise InputError(f"repetition_penalty={_show(r)} is invalid: use a number > 0 "
+                             f"(1 = none; 1.1-1.3 is typical)")
+        out["repetition_penalty"] = float(r)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in values:
+            v = values[name]
+            if not _real(v) or not -2.0 <= v <= 2.0:
+                raise InputError(f"{name}={_show(v)} is invalid: use a number in [-2, 2] "
+                                 f"(0 = none)")
+            out[name] = float(v)
+    if values.get("seed") is not None:
+        s = values["seed"]
+        if not _integer(s) or s < 0:
+            raise InputError(f"seed={_show(s)} is invalid: use a non-negative integer, or leave "
+                             f"it out for a random seed")
+        out["seed"] = int(s)
+    if "penalty_start" in values:
+        start = values["penalty_start"]
+        if not _integer(start) or start < 0:
+            raise InputError(f"penalty_start={_show(start)} is invalid: use an integer >= 0")
+        out["penalty_start"] = int(start)
+    if "logit_bias" in values:
+        out["logit_bias"] = _logit_bias(values["logit_bias"])
+    return out
 
 
 def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
@@ -293,7 +313,7 @@ def _pad_vocab(a: np.ndarray, vocab: int) -> np.ndarray:
 
 def accept_drafts(
     draft_tokens: np.ndarray,
-    p_draft: np.ndarray,
+    p_draft: np.ndarray | None,
     p_target: np.ndarray,
     rng: np.random.Generator,
 ) -> list[int]:
@@ -303,12 +323,20 @@ def accept_drafts(
     draft followed by exactly one token: drawn from norm(max(0, p_target - p_draft)) at the first
     rejection, or from p_target[γ] when all γ are accepted. Each returned token is distributed as
     if sampled from p_target given the tokens before it (the paper's Theorem 3.5).
+
+    p_draft None: every draft token was proposed with certainty, q one-hot at it (a lookup
+    draft; vLLM passes draft_probs=None for its n-gram proposer the same way). The test then
+    reads p_target(x) alone: accept with probability p_target(x), and on rejection the residual
+    max(0, p_target - q) is p_target with x removed, renormalised: `_accept_one_hot`, the same
+    tokens as the dense rows would give for the same random draws, without building them.
     """
     gamma = len(draft_tokens)
     p_target = np.asarray(p_target)
-    p_draft = np.asarray(p_draft)
     if p_target.ndim != 2 or p_target.shape[0] != gamma + 1:
         raise ValueError(f"p_target has shape {p_target.shape}; it needs γ+1 = {gamma + 1} rows")
+    if p_draft is None:
+        return _accept_one_hot(draft_tokens, p_target, rng)
+    p_draft = np.asarray(p_draft)
     if p_draft.ndim != 2 or p_draft.shape[0] != gamma:
         raise ValueError(f"p_draft has shape {p_draft.shape}; it needs γ = {gamma} rows")
     vocab = max(p_target.shape[-1], p_draft.shape[-1])
@@ -329,6 +357,30 @@ def accept_drafts(
         out.append(sample(residual, rng))
         return out
     out.append(sample(p_target[gamma], rng))
+    return out
+
+
+def _accept_one_hot(draft_tokens: np.ndarray, p_target: np.ndarray,
+                    rng: np.random.Generator) -> list[int]:
+    """`accept_drafts` for q one-hot at each draft token x. With q(x) = 1 the test r·q(x) <
+    p(x) is r < p(x), and max(0, p - q) is p with p(x) set to 0 (p(x) <= 1), value for value:
+    the same random draws pick the same tokens as the dense one-hot rows. A token past the
+    target's vocabulary has p(x) = 0: always rejected, the residual p itself."""
+    vocab = p_target.shape[-1]
+    out: list[int] = []
+    for i, x in enumerate(int(t) for t in draft_tokens):
+        p_x = p_target[i, x] if x < vocab else 0.0
+        if rng.random() < p_x:
+            out.append(x)
+            continue
+        residual = p_target[i].copy()
+        if x < vocab:
+            residual[x] = 0.0
+        if residual.sum() <= RESIDUAL_EPS:  # p was (up to rounding) one-hot at x itself
+            residual = p_target[i]
+        out.append(sample(residual, rng))
+        return out
+    out.append(sample(p_target[len(draft_tokens)], rng))
     return out
 
 

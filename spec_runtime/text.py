@@ -116,3 +116,34 @@ class IncrementalText:
         if self.stop_at is not None:
             return self.stop_at
         return max(0, len(self.text) - self.hold)
+
+
+def texts(rounds, detokenize, stop: tuple[str, ...], live: bool = True,
+          token_logprobs: list | None = None):
+    """The one implementation of text and stop strings behind Generator.generate and stream,
+    over `rounds` (each round's new tokens and the request's DecodeStats, while the engines are
+    held): yields (new text safe to show, the IncrementalText so far, stats) per round. A stop
+    string ends the request at the token that completes it; tokens, stats and
+    `token_logprobs` then count up to it. Without `live` (generate) and without stop strings
+    the text is decoded once, at the end."""
+    text = IncrementalText(detokenize, stop)
+    shown, stats = 0, None
+    try:
+        for new, stats in rounds:
+            if not live and not stop:
+                text.tokens.extend(int(t) for t in new)
+                continue
+            if text.extend(new):
+                stats.new_tokens = len(text.tokens)
+                stats.finish_reason = "stop"
+                if token_logprobs is not None:  # none past the stop string's token
+                    del token_logprobs[len(text.tokens):]
+            ready = text.ready()
+            yield text.text[shown:ready], text, stats
+            shown = max(shown, ready)
+            if stats.finish_reason == "stop":
+                return
+    finally:
+        rounds.close()  # releases the engines now, not when the generator is collected
+    final = text.finish()
+    yield final[shown:], text, stats

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import dims_of, kv_names
-from .device_memory import CudaMemory
+from .contract import DTYPES, dims_of, kv_names
+from .device_memory import CudaMemory, write_slots
 from .engine import ChunkedEngine
 from .errors import BundleError, InputError
 from .manifest import GraphEntry
 
-ITEMSIZE = {"float32": 4, "float16": 2}
 TENSORRT_INSTALL = ("install TensorRT's Python package: on a Jetson it comes with JetPack "
                     "(python3-libnvinfer), elsewhere `pip install tensorrt`")
 
@@ -83,7 +82,7 @@ class TrtEngine(ChunkedEngine):
         self.present_names = kv_names("present", dims.n_layers)
         first = next(i for i in graph.inputs if i["name"] == self.past_names[0])
         _, self.heads, self.slots, self.head_dim = first["shape"]
-        self.item = ITEMSIZE[first["dtype"]]
+        self.item = DTYPES[first["dtype"]].itemsize
         cache_bytes = self.heads * self.slots * self.head_dim * self.item
         scratch_bytes = self.heads * max_tokens * self.head_dim * self.item
         self.cache = {name: mem.alloc(cache_bytes) for name in self.past_names}
@@ -132,11 +131,9 @@ class TrtEngine(ChunkedEngine):
                 mem.to_device(device, host)
         if not self.context.execute_async_v3(mem.stream):
             raise RuntimeError("TensorRT's execute_async_v3 failed")
-        # [1, H, n, D] scratch into [1, H, S, D] at slot pos: H rows of n·D values
-        width, pitch = n * self.head_dim * self.item, self.slots * self.head_dim * self.item
         for past in self.past_names:
-            mem.copy_2d(self.cache[past] + pos * self.head_dim * self.item, pitch,
-                        self.scratch[past], width, width, self.heads)
+            write_slots(mem, self.cache[past], self.scratch[past], pos=pos, n=n,
+                        heads=self.heads, slots=self.slots, slot_bytes=self.head_dim * self.item)
         out = self._host_logits[:num_logits]
         mem.to_host(out, self._logits)
         mem.sync()

@@ -135,8 +135,8 @@ class StrictBinding:
 def install(monkeypatch):
     """(stand-in Device, fake CUDA runtime): DEVICES["cuda"] is a "cuda" device run by the CPU
     provider with its cache in fake device memory; its sessions bind as on a GPU."""
-    from spec_runtime import kv_cache, ort_engine
-    from spec_runtime.kv_cache import DEVICES, Device
+    from spec_runtime import devices, ort_engine
+    from spec_runtime.devices import DEVICES, Device
 
     cuda = fake_cuda.install(monkeypatch)
     stand_in = Device("cuda", "CPUExecutionProvider", "cuda")
@@ -146,7 +146,7 @@ def install(monkeypatch):
 
     def make_session(path, device="cpu", *args, **kwargs):
         session = real_make(path, device, *args, **kwargs)
-        dev = kv_cache.device(device) if isinstance(device, str) else device
+        dev = devices.device(device)
         return StrictSession(session, ort, cuda) if dev == stand_in else session
 
     monkeypatch.setattr(ort_engine, "onnxruntime", lambda: ort)

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from spec_runtime.bench import load_prompts, run_bench
+from spec_runtime.apps.bench import load_prompts, run_bench
 from specedge.cli.specrun import main as specrun
 
 

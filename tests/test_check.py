@@ -14,7 +14,8 @@ from toy_models import ToyEngine
 
 import spec_runtime
 import spec_runtime.loop
-from spec_runtime import Generator, ModelDraft, check, twosample
+from spec_runtime import Generator, ModelDraft
+from spec_runtime.apps import check, twosample
 from spec_runtime.sampling import sample
 from specedge.cli.specrun import main as specrun
 

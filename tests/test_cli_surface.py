@@ -150,7 +150,7 @@ def test_bench_shows_progress_when_stderr_is_not_a_terminal(llama_pair, tmp_path
 def test_a_stopped_answer_counts_as_an_answer_and_a_turn(llama_pair):
     """`/stats` after Ctrl-C: an answer stopped early (close() after a piece, or Ctrl-C inside
     a target call) joins the conversation and the totals alike, with what it did so far."""
-    from spec_runtime.chat_session import ChatSession
+    from spec_runtime.apps.chat_session import ChatSession
 
     gen = spec_runtime.load(llama_pair[2])
     gen.eos_token_ids = frozenset()  # a random model may end any answer at once

@@ -11,7 +11,8 @@ import pytest
 
 import spec_runtime
 from spec_runtime.errors import BundleError
-from spec_runtime.kv_cache import DEVICES, DeviceCache, HostCache
+from spec_runtime.devices import DEVICES
+from spec_runtime.kv_cache import DeviceCache, HostCache
 from spec_runtime.ort_engine import provider_options
 from helpers import assert_input_error, call_schedule, run
 from specedge.cli.specrun import main as specrun

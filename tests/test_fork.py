@@ -83,10 +83,11 @@ def test_cancel_ends_a_request_after_the_round_in_flight(llama_pair):
     gen.eos_token_ids = frozenset()
     cancel = threading.Event()
     pieces = []
-    for piece in gen.stream("abc abc abc", max_new_tokens=60, chat=False, cancel=cancel):
+    stream = gen.stream("abc abc abc", max_new_tokens=60, chat=False, cancel=cancel)
+    for piece in stream:
         pieces.append(piece)
         cancel.set()  # after the first round
-    r = gen.last_result
+    r = stream.result
     assert r.finish_reason == "cancelled" and 1 <= len(r.tokens) <= 5  # one round: <= γ + 1
     assert r.text == "".join(pieces)
     full = gen.generate("abc abc abc", max_new_tokens=60, chat=False)  # the engines are free

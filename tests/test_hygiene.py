@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +31,8 @@ SCRIPT = textwrap.dedent(
     sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
 
     import spec_runtime
-    for mod in pkgutil.iter_modules(spec_runtime.__path__):
-        importlib.import_module("spec_runtime." + mod.name)
+    for mod in pkgutil.walk_packages(spec_runtime.__path__, "spec_runtime."):  # apps too
+        importlib.import_module(mod.name)
     after_import = threading.active_count()
     if bundle != "-":
         gen = spec_runtime.load(bundle)
@@ -108,26 +109,49 @@ def test_load_and_generate_write_nothing_under_home(llama_pair, tmp_path, monkey
 
 
 # `specrun serve` and its Ray Serve form: application code that starts worker threads and
-# handles SIGTERM; `import spec_runtime` never imports them (tested below)
-SERVER_MODULES = {"server.py", "ray_serve.py"}
+# handles SIGTERM, in spec_runtime/apps/; `import spec_runtime` never imports them (tested below)
+SERVER_MODULES = {"slots.py", "run_server.py", "ray_serve.py"}
+RUNTIME = Path(spec_runtime.__file__).parent
 
 
 def test_importing_the_runtime_imports_no_server_module():
-    import subprocess
-    import sys
-
     code = ("import sys, spec_runtime; spec_runtime.load; print(sorted(m for m in sys.modules if "
-            "m.startswith(('spec_runtime.server', 'spec_runtime.ray_serve', 'fastapi', "
-            "'uvicorn', 'ray'))))")
+            "m.startswith(('spec_runtime.apps', 'fastapi', 'uvicorn', 'ray', "
+            "'prometheus_client'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_numeric_core_never_imports_its_apps():
+    """One direction: spec_runtime/apps/ (server, Ray Serve, bench, check, chat, list) uses the
+    core; no module of the core imports an app, not even inside a function."""
+    core = sorted(RUNTIME.glob("*.py"))
+    assert len(core) > 10 and (RUNTIME / "apps" / "server.py").is_file()
+    for path in core:
+        imported = _runtime_imports(path) | _relative_imports(path)
+        apps = sorted(m for m in imported if m.startswith(("spec_runtime.apps", "apps")))
+        assert apps == [], (path.name, apps)
+
+
+def _relative_imports(path) -> set[str]:
+    """What a core module imports relatively (`from .x import`, `from . import x`), named
+    from the package down."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module)
+            else:
+                found |= {a.name for a in node.names}
+    return found
+
+
 def test_runtime_logs_through_logging_not_print():
     import ast
-    from pathlib import Path
 
-    for path in Path(spec_runtime.__file__).parent.glob("*.py"):
+    for path in RUNTIME.rglob("*.py"):
         tree = ast.parse(path.read_text())
         calls = [n.func.id for n in ast.walk(tree)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
@@ -207,3 +231,54 @@ def test_a_request_while_a_stream_is_open_in_the_same_thread_raises_instead_of_h
         gen.generate("b c", max_new_tokens=2)
     stream.close()  # releases the generator
     assert len(gen.generate("b c", max_new_tokens=2).tokens) == 2
+
+
+def _runtime_imports(path) -> set[str]:
+    """The spec_runtime modules a file imports (a name imported from the package itself counts
+    as the package, unless it is a module of it)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "spec_runtime"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.split(".")[0] == "spec_runtime":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if _is_module(sub) else node.module)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# What the exporter uses of the runtime, and why (DESIGN.md, "Two packages, one direction"): the
+# contract, the manifest and the errors, written once for both sides; where bundles live and the
+# tokenizer's recorded identity (bundle); the devices and the builds that serve them (devices);
+# and, for its parity runs and measurements, the runtime's own engines and decoding through
+# their public entry points (engines.open_graph, engines.tensorrt_on, drafts, Generator), so
+# that a graph is checked exactly the way a loaded bundle runs it.
+EXPORTER_USES = {"spec_runtime", "spec_runtime.contract", "spec_runtime.manifest",
+                 "spec_runtime.errors", "spec_runtime.gqa_window", "spec_runtime.bundle",
+                 "spec_runtime.devices", "spec_runtime.engines", "spec_runtime.drafts"}
+
+
+def test_the_exporter_uses_only_the_runtime_modules_named_for_it():
+    from pathlib import Path
+
+    import spec_export
+
+    used = {}
+    for path in Path(spec_export.__file__).parent.glob("*.py"):
+        for module in _runtime_imports(path):
+            used.setdefault(module, []).append(path.name)
+    assert "spec_runtime.contract" in used  # the scan sees the imports it should
+    beyond = {m: files for m, files in used.items() if m not in EXPORTER_USES}
+    assert beyond == {}, beyond

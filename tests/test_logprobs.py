@@ -78,8 +78,9 @@ def test_logprobs_follow_the_tokens_cut_at_a_stop_string_and_in_a_stream(gen):
     assert cut.finish_reason == "stop" and len(cut.logprobs) == len(cut.tokens) < N
     assert cut.logprobs == full.logprobs[: len(cut.tokens)]
     assert all(e.top == [] for e in cut.logprobs)
-    "".join(gen.stream(PROMPT, max_new_tokens=N, chat=False, logprobs=0, stop=stop))
-    assert gen.last_result.logprobs == cut.logprobs
+    stream = gen.stream(PROMPT, max_new_tokens=N, chat=False, logprobs=0, stop=stop)
+    "".join(stream)
+    assert stream.result.logprobs == cut.logprobs
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, True, "3"])

@@ -10,7 +10,7 @@ import pytest
 
 import spec_runtime
 from spec_runtime import NonFiniteLogitsError, SamplingParams
-from spec_runtime.loop import GammaPolicy, Request, generate_tokens
+from spec_runtime.loop import RequestState, generate_tokens
 from spec_runtime.manifest import BundleError, sha256_file
 from spec_runtime.stats import DecodeStats, Recorder
 from specedge.cli.specrun import main as specrun
@@ -133,21 +133,25 @@ class PoisonAfter:
         return logits
 
 
+# every sampling control off, whatever the bundle's generation defaults say
+GREEDY_OFF = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 @pytest.mark.parametrize("where", ["target", "draft"])
 def test_non_finite_logits_mid_generation_emit_nothing_from_them(llama_pair, value, where):
     """Rounds before the poisoned call are emitted as usual; the poisoned round raises and
     emits nothing."""
     gen = spec_runtime.load(llama_pair[2])
-    prompt = gen.tokenize("the cat sat")
-    params = SamplingParams(temperature=1.0, seed=1)
+    gen.eos_token_ids = frozenset()
+    request = gen.request(gen.tokenize("the cat sat"), max_new_tokens=30, gamma=3,
+                          **dict(GREEDY_OFF, temperature=1.0), seed=1)
 
     def rounds(target, draft):
         out = []
         try:
-            request = Request(prompt, params, 30, GammaPolicy(3, 3, 8), frozenset(),
-                              np.random.default_rng(1), Recorder(DecodeStats()))
-            for new in generate_tokens(target, draft, request):
+            state = RequestState(request, Recorder(DecodeStats()))
+            for new in generate_tokens(target, draft, state):
                 out.append(new.tolist())
         except NonFiniteLogitsError:
             return out, True

@@ -96,9 +96,9 @@ def test_stream_and_generate_agree_on_tokens_and_stats_after_a_stop():
     free = gen.generate("red green", max_new_tokens=30, temperature=1.0, seed=2)
     word = WORDS[free.tokens[5]]
     r = gen.generate("red green", max_new_tokens=30, temperature=1.0, seed=2, stop=word)
-    text = "".join(gen.stream("red green", max_new_tokens=30, temperature=1.0, seed=2,
-                              stop=word))
-    streamed = gen.last_stats
+    stream = gen.stream("red green", max_new_tokens=30, temperature=1.0, seed=2, stop=word)
+    text = "".join(stream)
+    streamed = stream.result.stats
     assert text == r.text
     timing = {"wall_time_s", "prefill_time_s", "target_time_s", "draft_time_s",
               "draft_step_time_s", "tokens_per_s", "c", "row_cost", "loop_overhead",

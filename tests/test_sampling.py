@@ -238,6 +238,56 @@ def test_the_chi_square_check_detects_a_wrong_verifier():
     assert chi_square_p(counts, p_target) < P_MIN
 
 
+def lookup_first_tokens(p_target, token, gamma, seed):
+    """First emitted tokens when a lookup draft proposes `token` γ times with certainty (q
+    one-hot, handed over as None)."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(len(p_target), dtype=np.int64)
+    pt = np.tile(p_target, (gamma + 1, 1))
+    drafts = np.full(gamma, token)
+    for _ in range(DRAWS):
+        counts[accept_drafts(drafts, None, pt, rng)[0]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("name", ["random-0", "random-3", "one-hot-target", "top-k",
+                                  "target-zero-where-draft-not"])
+@pytest.mark.parametrize("token", [0, 5])
+def test_first_token_after_a_lookup_is_distributed_as_p_target(name, token):
+    """The one-hot path (p_draft None) is Algorithm 1 with q one-hot at the looked-up token:
+    its first token must be distributed as p_target, also where p_target(token) is 0."""
+    p_target = PAIRS[name][0]
+    counts = lookup_first_tokens(p_target, token, gamma=2, seed=11)
+    p = chi_square_p(counts, p_target)
+    print(f"{name}, token {token}: p-value={p:.4f} p_target(token)={p_target[token]:.3f}")
+    assert p > P_MIN
+
+
+def test_one_hot_drafts_without_rows_pick_what_the_dense_one_hot_rows_pick():
+    """p_draft None reads only p_target(x) and builds no [γ, V] rows; for the same random
+    draws it must emit exactly the tokens that the dense one-hot rows give (the path the
+    chi-square tests above establish), including the rounding-noise fallback."""
+    rng = np.random.default_rng(3)
+    for trial in range(2000):
+        gamma, v = int(rng.integers(0, 6)), int(rng.integers(2, 9))
+        p_target = rng.dirichlet(np.full(v, 0.3), size=gamma + 1)
+        if trial % 7 == 0 and gamma:  # a target sure of the draft token: the residual is ~0
+            p_target[0] = np.eye(v)[0]
+        drafts = np.where(rng.random(gamma) < 0.6, p_target[:gamma].argmax(-1),
+                          rng.integers(0, v, gamma))
+        dense = accept_drafts(drafts, np.eye(v)[drafts].reshape(gamma, v), p_target,
+                              np.random.default_rng(trial))
+        assert accept_drafts(drafts, None, p_target, np.random.default_rng(trial)) == dense
+
+
+def test_a_looked_up_token_is_accepted_with_probability_p_target_and_else_removed():
+    p_target = np.array([[0.2, 0.5, 0.3], [0.0, 1.0, 0.0]])
+    # coin 0.49 < p(1) = 0.5: accepted, then the bonus from row 1
+    assert accept_drafts(np.array([1]), None, p_target, Coins(0.49, 0.0)) == [1, 1]
+    # coin 0.5 rejects; the residual is [0.2, 0, 0.3]: 0.5 x 0.5 = 0.25 falls past 0.2 -> 2
+    assert accept_drafts(np.array([1]), None, p_target, Coins(0.5, 0.5)) == [2]
+
+
 def test_greedy_verify_equals_verify_on_one_hot_distributions():
     """The temperature-0 fast path must emit exactly what Algorithm 1 emits for one-hot p, q."""
     from spec_runtime.sampling import accept_drafts_greedy

@@ -1,4 +1,4 @@
-"""`specrun serve --ray` (spec_runtime/ray_serve.py): the OpenAI server as a Ray Serve application
+"""`specrun serve --ray` (spec_runtime/apps/ray_serve.py): the OpenAI server as a Ray Serve application
 on a real two-node Ray cluster made with Ray's own test utilities (ray.cluster_utils.Cluster:
 two raylets on this machine, each a node of one CPU), two replicas of the tiny llama bundle, one
 per node, behind Ray's HTTP proxy on 127.0.0.1; and run(), the CLI's entry, in a process of its
@@ -32,7 +32,7 @@ import pytest
 
 import spec_runtime
 from spec_runtime.errors import InputError
-from spec_runtime.ray_serve import (  # imports no ray itself
+from spec_runtime.apps.ray_serve import (  # imports no ray itself
     APP_NAME,
     REPLICA_HEADER,
     _check_health,
@@ -56,7 +56,7 @@ TIMEOUT = 30  # one request, client side: a request that hangs fails the test
 # -- without a cluster ----------------------------------------------------------------------------
 
 def test_runtime_never_imports_ray():
-    code = ("import sys, spec_runtime, spec_runtime.server; "
+    code = ("import sys, spec_runtime, spec_runtime.apps.server; "
             "assert 'ray' not in sys.modules, 'spec_runtime imported ray'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -95,7 +95,7 @@ def test_missing_bundle_and_bad_arguments(tmp_path, llama_pair):
 
 
 def test_app_builder_takes_serve_run_arguments(llama_pair):
-    """`serve run spec_runtime.ray_serve:app_builder bundle=... replicas=2` passes strings."""
+    """`serve run spec_runtime.apps.ray_serve:app_builder bundle=... replicas=2` passes strings."""
     app = app_builder({"bundle": str(llama_pair[2]), "replicas": "2", "slots": "2",
                        "queue": "3", "drain_seconds": "5"})
     assert isinstance(app, serve.Application)
@@ -146,7 +146,7 @@ def setup():  # in each Ray worker: a Serve replica's gRPC server on 127.0.0.1, 
 
 RUN = """
 import sys
-from spec_runtime.ray_serve import run
+from spec_runtime.apps.ray_serve import run
 run(sys.argv[1], replicas=1, port=int(sys.argv[2]), drain_seconds=5,
     on_ready=lambda info: print("READY", info["url"], file=sys.stderr, flush=True))
 print("RETURNED", file=sys.stderr, flush=True)

@@ -143,7 +143,7 @@ def test_paths_a_client_invents_share_one_metrics_label(tiny):
 def test_the_prompt_is_checked_off_the_event_loop(llama_pair):
     """While one request's chat template and tokenizer run (held here until released), the
     server still answers: they run on a worker thread."""
-    from spec_runtime.server import create_app
+    from spec_runtime.apps.server import create_app
 
     gen = spec_runtime.load(llama_pair[2])
     release, entered = threading.Event(), threading.Event()

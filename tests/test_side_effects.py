@@ -81,7 +81,7 @@ def test_a_stale_pid_file_is_replaced_and_an_unwritable_one_refused(llama_pair, 
     dead.wait()
     stale = tmp_path / "stale.pid"
     stale.write_text(f"{dead.pid}\n")
-    from specedge.cli.specrun import pid_file_of
+    from specedge.cli.serve import pid_file_of
 
     with pid_file_of(stale):
         assert stale.read_text() == f"{os.getpid()}\n"

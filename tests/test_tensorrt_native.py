@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import fake_cuda
 import fake_tensorrt
 import spec_runtime
-from spec_runtime import kv_cache, trt_engine
+from spec_runtime import devices, trt_engine
 from spec_runtime.errors import BundleError
 from spec_export.trt_build import build_engines
 from specedge.cli.specexport import main as specexport
@@ -130,8 +130,8 @@ def test_engines_are_built_and_run_on_the_gpu_given(portable_copy, monkeypatch):
     assert (record["gpu"], record["compute_capability"]) == ("Fake GPU B", "9.0")
     header = json.loads((portable_copy / "target.decoder.trt").read_bytes().split(b"\n", 2)[1])
     assert header["device"] == 1
-    monkeypatch.setitem(kv_cache.DEVICES, "tensorrt",
-                        replace(kv_cache.DEVICES["tensorrt"], device_id=1))
+    monkeypatch.setitem(devices.DEVICES, "tensorrt",
+                        replace(devices.DEVICES["tensorrt"], device_id=1))
     cuda.current = 0  # a fresh process: GPU 0 current
     native = spec_runtime.load(portable_copy, device="tensorrt")
     assert native.target.engine.device == 1

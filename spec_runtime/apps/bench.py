@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InputError
-from .stats import expected_speedup, expected_tokens_per_round
+from ..errors import InputError
+from ..stats import expected_speedup, expected_tokens_per_round
 
 KINDS = ("grounded", "chat")
 

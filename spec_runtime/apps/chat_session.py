@@ -10,20 +10,22 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .errors import InputError
+from ..errors import InputError
+from ..request import GenerationOptions
 
 
 class ChatSession:
-    def __init__(self, gen, system: str | None = None, **kwargs):
-        """`kwargs` are Generator.stream's arguments for every answer (max_new_tokens, the
-        sampling controls, gamma, use_draft)."""
+    def __init__(self, gen, system: str | None = None,
+                 options: GenerationOptions | None = None, **values):
+        """`options` (or GenerationOptions(**values): max_new_tokens, the sampling controls,
+        gamma, use_draft) serve every answer: each turn is a request of its own, made from the
+        conversation and them."""
         if not gen.chat_template:
             raise InputError("this bundle has no chat template, so it cannot hold a "
                              "conversation: use `specrun generate`")
         self.gen = gen
         self.system = system
-        self.kwargs = dict(kwargs)
-        self.kwargs.setdefault("max_new_tokens", 128)
+        self.options = options if options is not None else GenerationOptions(**values)
         self.reset()
 
     def reset(self) -> None:
@@ -42,8 +44,7 @@ class ChatSession:
 
     def _capacity(self) -> int:
         # a prompt of n tokens and m new ones write n + m - 1 cache positions
-        use_draft = self.kwargs.get("use_draft", True)
-        return self.gen.capacity(use_draft) - self.kwargs["max_new_tokens"] + 1
+        return self.gen.capacity(self.options.use_draft) - self.options.max_new_tokens + 1
 
     def fit(self, user: str) -> list[str]:
         """Drop the oldest turns until the conversation and `user` fit the cache beside the
@@ -59,8 +60,7 @@ class ChatSession:
         """Stream the answer to `user`; it joins the conversation when it ends, also when the
         caller stops it early (close()), as far as it got."""
         pieces: list[str] = []
-        before = self.gen.last_result
-        stream = self.gen.stream(self.messages(user), **self.kwargs)
+        stream = self.gen.stream(self.gen.request(self.messages(user), self.options))
         completed = False
         try:
             for piece in stream:
@@ -73,8 +73,8 @@ class ChatSession:
             # stopped early is, and counts as an answer with what it did so far
             if completed or pieces:
                 self.turns.append((user, "".join(pieces)))
-                if self.gen.last_result is not before:  # the stream recorded its result
-                    self._count(self.gen.last_stats)
+                if stream.result is not None:  # it started: its result says what it did
+                    self._count(stream.result.stats)
 
     def _count(self, stats: dict) -> None:
         self.last_stats = stats

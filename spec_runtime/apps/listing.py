@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bundle import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir
-from .errors import InputError
-from .manifest import MANIFEST, Manifest, read_manifest
+from ..bundle import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir
+from ..errors import InputError
+from ..manifest import MANIFEST, Manifest, read_manifest
 
 
 def _model(entry) -> str:

@@ -1,14 +1,14 @@
 """The OpenAI API's side of `specrun serve`: request bodies parsed into `Job`s, and errors and
 response bodies in the API's shapes. Plain dicts in and out: no web framework here
-(spec_runtime/server.py serves them)."""
+(server.py serves them)."""
 
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CacheCapacityError, InputError
-from .generator import MAX_TOP_LOGPROBS
+from ..errors import CacheCapacityError, InputError
+from ..request import MAX_TOP_LOGPROBS
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -83,11 +83,12 @@ class Job:
     max_tokens: int | None
     stream: bool
     include_usage: bool
-    kwargs: dict = field(default_factory=dict)  # Generator.stream's sampling/γ/draft arguments
+    kwargs: dict = field(default_factory=dict)  # GenerationOptions' sampling/γ/draft values
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
     stop: list[str] = field(default_factory=list)
     default_max_tokens: int | None = None  # max_tokens left out: this, else the context's room
     prompt_field: str = "prompt"  # the request field that holds the prompt
+    request: Any = None  # the request.Request made from all this, once, before a slot is taken
 
 
 def parse_common(body: Any, model_name: str) -> dict:
@@ -296,6 +297,64 @@ def completion_body(result, rid: str, chat: bool, model_name: str, token_text=No
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": [choice],
             "usage": usage(result), "specedge": extension(result.stats)}
+
+
+class StreamEvents:
+    """The server-sent events of one streamed response, in the API's shapes: a chunk per piece
+    of text (with its tokens' logprobs), then the chunk that ends the choice with the stats,
+    OpenAI's usage chunk when asked for, and [DONE]; or an error event and [DONE]."""
+
+    def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text):
+        self.rid, self.chat, self.model_name, self.job = rid, chat, model_name, job
+        self.token_text = token_text
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.created = int(time.time())
+        self.offset = 0  # of the next token in the completion's text (the legacy text_offset)
+
+    def _logprobs(self, entries):
+        if entries is None or not entries and self.job.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.token_text)
+        out = completion_logprobs(entries, self.token_text, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _event(self, body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunk(self, piece: str | None, reason=None, delta=None, entries=None, **extra) -> str:
+        if self.chat:
+            delta = delta or ({} if piece is None else {"content": piece})
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(entries),
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": self._logprobs(entries),
+                      "finish_reason": reason}
+        return self._event({"id": self.rid, "object": self.object, "created": self.created,
+                            "model": self.model_name, "choices": [choice], **extra})
+
+    def first(self) -> list[str]:
+        """OpenAI's first chat chunk names the role; a completion has none."""
+        return [self.chunk(None, delta={"role": "assistant", "content": ""})] if self.chat else []
+
+    def end(self, result, logprobs_sent: int) -> list[str]:
+        """The stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
+        comes last before [DONE] (choices empty), else the chunk that ends the choice."""
+        reason = FINISH.get(result.finish_reason, result.finish_reason)
+        stats = {"specedge": extension(result.stats)}
+        rest = result.logprobs[logprobs_sent:] if result.logprobs is not None else None
+        usage_wanted = self.job.include_usage
+        out = [self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats))]
+        if usage_wanted:
+            body = {"id": self.rid, "object": self.object, "created": self.created,
+                    "model": self.model_name, "choices": [], "usage": usage(result), **stats}
+            out.append(f"data: {json.dumps(body)}\n\n")
+        return out + ["data: [DONE]\n\n"]
+
+    @staticmethod
+    def error(err: APIError) -> list[str]:
+        return [f"data: {json.dumps(err.body())}\n\n", "data: [DONE]\n\n"]
 
 
 def default_model_name(manifest) -> str:

@@ -1,6 +1,6 @@
 """`specrun serve --ray`: the OpenAI HTTP API of `specrun serve` as a Ray Serve application.
 
-Each replica is one `create_app` (spec_runtime/server.py) over the bundle: its own loaded
+Each replica is one `create_app` (server.py) over the bundle: its own loaded
 bundle and `slots` decode slots, on one device. Ray does the rest, with its own machinery:
 
 - routing: Ray's HTTP proxy hands each request to a replica with a free slot (a replica holds at
@@ -22,7 +22,7 @@ bundle and `slots` decode slots, on one device. Ray does the rest, with its own 
 With Ray's own CLI (arguments as key=value, the names of build_application's parameters, the
 bundle as `bundle`):
 
-    serve run spec_runtime.ray_serve:app_builder bundle=/srv/specedge/bundle replicas=2
+    serve run spec_runtime.apps.ray_serve:app_builder bundle=/srv/specedge/bundle replicas=2
 
 or a config file for `serve run config.yaml` / `serve deploy config.yaml`:
 
@@ -30,7 +30,7 @@ or a config file for `serve run config.yaml` / `serve deploy config.yaml`:
     applications:
       - name: specedge
         route_prefix: /
-        import_path: spec_runtime.ray_serve:app_builder
+        import_path: spec_runtime.apps.ray_serve:app_builder
         args: {bundle: /srv/specedge/bundle, replicas: 2, slots: 2, api_key: KEY}
 
 A replica loads the bundle from its own node's disk: copy the bundle to the same absolute path
@@ -55,17 +55,17 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import InputError, install_extra
+from ..devices import device as device_entry
+from ..errors import InputError, install_extra
 from .openai_api import default_model_name
 from .server import RETRY_AFTER_S, check_count, create_app
 
-log = logging.getLogger("spec_runtime.ray_serve")
+log = logging.getLogger(__name__)
 
 APP_NAME = "specedge"  # the Serve application's and the deployment's name
 REPLICA_HEADER = "x-specedge-replica"
 HEALTH_CHECK_PERIOD_S = 10.0  # Ray's defaults, stated here
 HEALTH_CHECK_TIMEOUT_S = 30.0
-GPU_DEVICES = ("cuda", "tensorrt")
 
 
 def _ray():
@@ -88,8 +88,8 @@ def _number(name: str, value, low: float) -> float:
 def _bundle(bundle_dir) -> tuple[str, object]:
     """The bundle's absolute path (replicas on other nodes open the same path) and its
     manifest, read here so that a missing or damaged bundle fails before Ray starts."""
-    from .bundle import default_bundle_dir
-    from .manifest import read_manifest
+    from ..bundle import default_bundle_dir
+    from ..manifest import read_manifest
 
     path = Path(bundle_dir).expanduser() if bundle_dir is not None else default_bundle_dir()
     path = path.resolve()
@@ -97,11 +97,6 @@ def _bundle(bundle_dir) -> tuple[str, object]:
     return str(path), manifest
 
 
-def _device(name: str, value) -> None:
-    from .kv_cache import DEVICES
-
-    if value not in DEVICES:
-        raise InputError(f"{name} {value!r} is not supported: use one of {sorted(DEVICES)}")
 
 
 def build_application(bundle_dir, **options):
@@ -131,9 +126,9 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     if num_cpus is not None:
         num_cpus = _number("num_cpus", num_cpus, 0)
     health_check_period_s = _number("health_check_period_s", health_check_period_s, 0.1)
-    _device("device", device)
+    gpu = device_entry(device).gpu
     if draft_device is not None:
-        _device("draft_device", draft_device)
+        gpu = device_entry(draft_device, "draft_device").gpu or gpu
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise InputError("api_key is invalid: use a non-empty string, or leave it out")
     bundle, manifest = _bundle(bundle_dir)
@@ -158,7 +153,7 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     actor_options = {}
     if num_cpus is not None:
         actor_options["num_cpus"] = num_cpus
-    if device in GPU_DEVICES or draft_device in GPU_DEVICES:
+    if gpu:
         actor_options["num_gpus"] = 1
     options = {}
     if "backpressure_config" in inspect.signature(serve.deployment).parameters:
@@ -180,7 +175,7 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
 
 
 def app_builder(args: dict):
-    """Ray Serve's application builder: `serve run spec_runtime.ray_serve:app_builder
+    """Ray Serve's application builder: `serve run spec_runtime.apps.ray_serve:app_builder
     bundle=PATH replicas=2`, or `import_path` and `args` in a Serve config file. The keys are
     build_application's parameters, with the bundle as `bundle`."""
     args = dict(args or {})

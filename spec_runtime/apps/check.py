@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 
-from .errors import InputError
-from .rows import RowCheck
-from .sampling import SamplingParams
+from ..errors import InputError
+from ..rows import RowCheck
+from ..request import GenerationOptions
 from .twosample import compare
 
 LEVEL = 1e-3  # p-value below which the sampling test rejects
@@ -101,16 +101,17 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     setting = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                    frequency_penalty=frequency_penalty)
-    SamplingParams(**setting)  # validate everything before spending minutes
+    # every value, γ and the cache's room checked before minutes of sampling
+    options = GenerationOptions(max_new_tokens=max(tokens, greedy_tokens), gamma=gamma,
+                                **setting)
     if temperature == 0:
         raise InputError("--temperature 0 is greedy, which the greedy parity test covers: "
                          "check sampling at a temperature > 0")
-    gen.gamma_policy(gamma)
     start = clock()
     deadline = start + seconds if seconds is not None else float("inf")
     ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
     for p in ids:
-        gen.check_capacity(len(p), max(tokens, greedy_tokens))
+        gen.request(p, options)
     warnings: list[str] = []
 
     # 1. greedy parity

@@ -1,0 +1,62 @@
+"""The server's Prometheus metrics: requests by endpoint and status, errors by type, tokens read
+and generated, draft tokens proposed and accepted, time to first token and request duration,
+and the slots' state (GET /metrics)."""
+
+import time
+
+from .slots import Slots
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several apps in one process,
+    as in the tests and in Ray Serve's replicas, do not collide)."""
+
+    def __init__(self, slots: Slots):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specedge_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("specedge_errors", "requests answered with an error, by type",
+                              ["type"], registry=r)
+        self.prompt_tokens = Counter("specedge_prompt_tokens", "prompt tokens read", registry=r)
+        self.generated = Counter("specedge_generated_tokens", "tokens generated", registry=r)
+        self.proposed = Counter("specedge_draft_tokens_proposed", "draft tokens proposed",
+                                registry=r)
+        self.accepted = Counter("specedge_draft_tokens_accepted", "draft tokens accepted",
+                                registry=r)
+        self.acceptance = Gauge("specedge_acceptance_rate",
+                                "accepted / proposed draft tokens since the server started",
+                                registry=r)
+        self.acceptance.set_function(
+            lambda: self.accepted._value.get() / max(self.proposed._value.get(), 1))
+        self.tokens_per_s = Histogram(
+            "specedge_request_tokens_per_second", "a request's new tokens / its decode time",
+            buckets=(5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 1000), registry=r)
+        self.ttft = Histogram("specedge_time_to_first_token_seconds",
+                              "from the request's arrival to its first token", registry=r)
+        self.latency = Histogram("specedge_request_duration_seconds",
+                                 "from the request's arrival to its last token", registry=r)
+        queue = Gauge("specedge_queue_depth", "requests waiting for a slot", registry=r)
+        queue.set_function(lambda: slots.waiting)
+        busy = Gauge("specedge_slots_busy", "slots decoding a request", registry=r)
+        busy.set_function(lambda: slots.busy)
+        total = Gauge("specedge_slots", "slots (requests decoded at once)", registry=r)
+        total.set(len(slots.generators))
+
+    def finished(self, stats: dict, started: float, first: float | None) -> None:
+        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+        self.generated.inc(stats.get("new_tokens", 0))
+        self.proposed.inc(stats.get("proposed", 0))
+        self.accepted.inc(stats.get("accepted", 0))
+        if stats.get("tokens_per_s"):
+            self.tokens_per_s.observe(stats["tokens_per_s"])
+        now = time.monotonic()
+        if first is not None:
+            self.ttft.observe(first - started)
+        self.latency.observe(now - started)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

@@ -1,0 +1,63 @@
+"""The HTTP plumbing under the server's routes: the gate every request passes before its
+route, the body reader with its size limit, and watching for a client that has gone."""
+
+import asyncio
+import json
+from typing import Any
+
+from .openai_api import APIError
+
+MAX_BODY_BYTES = 1 << 20  # a request body; a prompt of the largest cache is a few tens of KB
+CLIENT_GONE = 499  # nginx's "client closed request": counted, never sent to anyone
+POLL_S = 0.1  # how often a waiting or decoding request looks for its client's disconnect
+
+
+def client_gone() -> APIError:
+    return APIError(CLIENT_GONE, "the client closed the connection", code="client_closed")
+
+
+async def disconnected(request) -> None:
+    """Return when the client of `request` has gone (its body already read)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(POLL_S)
+
+
+class Gate:
+    """Checks every HTTP request before its route (`check(scope)` answers it, or lets it
+    through with None), as plain ASGI middleware: Starlette's BaseHTTPMiddleware would hide
+    the client's disconnect from the route (request.is_disconnected() never turns true behind
+    it), and a request whose client left would hold its slot to the end."""
+
+    def __init__(self, app, check):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            response = self.check(scope)
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request) -> Any:
+    from starlette.requests import ClientDisconnect
+
+    body, size = bytearray(), 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
+                               code="request_too_large")
+            body += chunk
+    except ClientDisconnect:
+        raise client_gone() from None
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}",
+                       code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests its values too deeply to be a request",
+                       code="invalid_json") from None

@@ -1,0 +1,375 @@
+"""`specrun serve`: the OpenAI HTTP API over one bundle, on one device.
+
+    POST /v1/completions        text (or token ids) in, a continuation out
+    POST /v1/chat/completions   messages through the bundle's chat template
+    GET  /v1/models             the one model this server serves
+    GET  /health                200 while the server takes requests
+    GET  /metrics               Prometheus text format
+
+Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
+max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
+presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
+specedge's own as documented extensions (top_k, min_p, repetition_penalty, gamma, use_draft);
+openai_api.py parses them and shapes the responses. Each response carries the request's
+speculative statistics in a `specedge` field (on the last chunk of a stream).
+
+Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
+ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
+The rest wait in a queue of at most `queue` requests; beyond it the server answers 429 with
+Retry-After. A request decodes on a worker thread; a client that disconnects, or a request that
+is cancelled, sets the request's cancel event and the decode loop stops after the round it is in,
+freeing the slot. On SIGTERM the server stops accepting connections, answers new requests on
+open connections with 503, lets the requests it holds finish for up to `drain_seconds`, then
+cancels the rest (each gets an error, in its JSON or as a last stream event) and exits.
+
+    body ─ parse_completion / parse_chat ─► Job ─ Server.check ─► Request (Generator.request:
+    checked once, before a slot is taken) ─ a free slot ─► Decode (slots.py: a worker thread
+    streams the Request on that slot's Generator) ─► pieces ─► JSON body or server-sent events
+
+The app is plain ASGI (FastAPI on Starlette): uvicorn runs it (run_server.py), and Ray Serve runs
+the same app in each replica (ray_serve.py).
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+from ..errors import InputError
+from ..request import GenerationOptions
+from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnected,
+                       read_json)
+from .metrics import Metrics
+from .openai_api import (APIError, Job, StreamEvents, completion_body, default_model_name,
+                         input_error, parse_chat, parse_completion)
+from .slots import Decode, Overloaded, Slots
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUEUE = 16
+RETRY_AFTER_S = 1
+DRAIN_SECONDS = 30.0
+MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def check_count(name: str, value, low: int) -> int:
+    """`value`, an integer >= `low`, or an InputError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InputError(f"{name} {value!r} is invalid: use an integer >= {low}")
+    return value
+
+
+def shutting_down(message: str, **headers) -> APIError:
+    return APIError(503, message, type="server_error", code="shutting_down", headers=headers)
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
+               api_key: str | None = None, device: str = "cpu", draft_device: str | None = None,
+               model_name: str | None = None, drain_seconds: float = DRAIN_SECONDS,
+               generator=None, threads: int | None = None):
+    """The ASGI app serving the bundle at `bundle_dir` (the default bundle when None), or an
+    already loaded `generator`. The bundle is loaded here, once (`threads`: each CPU session's,
+    default the physical cores); `slots` - 1 forks share its sessions."""
+    from fastapi import FastAPI
+
+    check_count("slots", slots, 1)
+    check_count("queue", queue, 0)
+    if generator is None:
+        from .. import load
+
+        generator = load(bundle_dir, device=device, draft_device=draft_device, threads=threads)
+    server = Server(generator, slots=slots, queue=queue, api_key=api_key,
+                    model_name=model_name, drain_seconds=drain_seconds)
+    app = FastAPI(title="specedge", docs_url=None, redoc_url=None, openapi_url=None)
+    _routes(app, server)
+    app.add_middleware(Gate, check=server.gate)
+    s = app.state
+    s.server, s.slots, s.metrics, s.model_name = server, server.pool, server.metrics, \
+        server.model_name
+    s.generator, s.health, s.active = generator, server.health, server.active
+    s.begin_drain, s.end_drain = server.begin_drain, server.end_drain
+    return app
+
+
+def _routes(app, server: "Server") -> None:
+    """The routes and error handlers: each hands its work to `server`."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return server.error_response(err, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        first = (err.errors() or [{}])[0]
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return server.error_response(APIError(
+            400, f"invalid request: {where} {first.get('msg', '')}".strip(),
+            param=where or None, code="invalid_value"), request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return server.error_response(APIError(
+            err.status_code, f"{request.method} {request.url.path}: {err.detail}", code=kind),
+            request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, err: Exception):
+        log.error("internal error on %s", request.url.path, exc_info=err)
+        return server.error_response(APIError(
+            500, "internal server error (logged on the server)", type="server_error",
+            code="internal_error"), request.url.path)
+
+    @app.get("/health")
+    async def _health():
+        status, body = server.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def _prometheus():
+        return Response(server.metrics.text(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def _models():
+        server.metrics.requests.labels("/v1/models", "200").inc()
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "created": server.created, "owned_by": "specedge"}]}
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        job = parse_completion(await read_json(request), server.model_name)
+        return await server.run(request, job, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def _chat_completions(request: Request):
+        job = parse_chat(await read_json(request), server.model_name)
+        return await server.run(request, job, "/v1/chat/completions")
+
+
+class Server:
+    """One loaded bundle served: its slots and metrics, the requests in flight, the drain, and
+    what each route does with a request."""
+
+    def __init__(self, gen, *, slots: int, queue: int, api_key: str | None,
+                 model_name: str | None, drain_seconds: float):
+        self.gen = gen
+        self.model_name = model_name if model_name is not None else \
+            default_model_name(gen.manifest)
+        self.pool = Slots(gen, slots, queue)
+        self.metrics = Metrics(self.pool)
+        self.api_key = api_key
+        self.drain_seconds = drain_seconds
+        self.draining = False
+        self.active: set[Decode] = set()
+        self.created = int(time.time())
+        self._cancel_rest = None
+
+    def token_text(self, tok: int) -> str:
+        """A token's own text, special tokens included (logprobs name every token)."""
+        return self.gen.tokenizer.decode([int(tok)], skip_special_tokens=False)
+
+    def error_response(self, err: APIError, endpoint: str):
+        from fastapi.responses import JSONResponse
+
+        # a label per route, not per path a client invents (each would be a series forever)
+        endpoint = endpoint if endpoint in ROUTES else "other"
+        self.metrics.requests.labels(endpoint, str(err.status)).inc()
+        self.metrics.errors.labels(err.code or err.type).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    def gate(self, scope):
+        """The answer to a request refused before its route (API key, body size, draining),
+        or None to let it through."""
+        from starlette.datastructures import Headers
+
+        path, method = scope["path"], scope["method"]
+        headers = Headers(scope=scope)
+        if self.api_key is not None and path.startswith("/v1/"):
+            if headers.get("authorization", "") != f"Bearer {self.api_key}":
+                return self.error_response(APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                    code="invalid_api_key"), path)
+        if method == "POST":
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                return self.error_response(APIError(
+                    413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
+                    code="request_too_large"), path)
+            if self.draining:
+                return self.error_response(shutting_down(
+                    "the server is shutting down: retry on another server or later",
+                    **{"Retry-After": str(RETRY_AFTER_S)}), path)
+        return None
+
+    def health(self) -> tuple[int, dict]:
+        """(status code, body) of GET /health; Ray Serve's health check calls it too."""
+        if self.draining:
+            return 503, {"status": "draining"}
+        return 200, {"status": "ok", "slots": len(self.pool.generators), "busy": self.pool.busy,
+                     "waiting": self.pool.waiting}
+
+    # -- a request's way: checked, a slot, decoded, answered --------------------------------
+
+    def check(self, job: Job) -> None:
+        """Make the job's Request before a slot is taken (any generator will do: they share one
+        bundle; the Request runs on whichever slot it gets): its values, γ, and the prompt and
+        max_tokens against the cache, checked once."""
+        gen = self.gen
+        try:
+            prompt, chat = job.prompt, job.chat
+            if not gen.encoder_decoder:  # tokenized once, here: max_tokens' default needs it
+                prompt, chat = gen.prompt_ids(job.prompt, job.chat), False
+            if job.max_tokens is None:
+                n = 1 if gen.encoder_decoder else len(prompt)
+                room = gen.capacity(job.kwargs.get("use_draft", True)) - n + 1
+                job.max_tokens = max(1, min(room, job.default_max_tokens or MAX_CHAT_TOKENS))
+            job.request = gen.request(prompt, GenerationOptions(
+                max_new_tokens=job.max_tokens, stop=job.stop, chat=chat, logprobs=job.logprobs,
+                **job.kwargs))
+        except InputError as e:
+            raise input_error(e, job.prompt_field) from None
+
+    async def run(self, request, job: Job, endpoint: str):
+        from fastapi.responses import StreamingResponse
+
+        chat = endpoint == "/v1/chat/completions"
+        started = time.monotonic()
+        # the chat template and the tokenizer take a while on a large prompt: not on the loop
+        await asyncio.to_thread(self.check, job)
+        g = await self.acquire(request)
+        task = Decode(g, job, asyncio.get_running_loop())
+        self.active.add(task)
+        task.start()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if job.stream:
+            events = StreamEvents(rid, chat, self.model_name, job, self.token_text)
+            return StreamingResponse(self.stream(task, events, endpoint, started),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            watcher = asyncio.ensure_future(self.watch_disconnect(request, task))
+            try:
+                await task.finished
+            finally:
+                watcher.cancel()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            self.finish(task, g)
+        result = task.outcome()
+        if isinstance(result, APIError):
+            raise result
+        self.metrics.finished(result.stats, started, task.first_token_at)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return completion_body(result, rid, chat, self.model_name, self.token_text)
+
+    async def acquire(self, request):
+        """A slot for the request, waiting in the queue if need be; a client that leaves while
+        it waits gives up its place (a 499 in the metrics, nothing decoded)."""
+        waiting = asyncio.ensure_future(self.pool.acquire())
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Overloaded, APIError):
+                await waiting
+            raise client_gone()
+        try:
+            return waiting.result()
+        except Overloaded:
+            raise APIError(429, f"all {len(self.pool.generators)} slots are busy and "
+                                f"{self.pool.queue} requests are waiting: retry after "
+                                f"{RETRY_AFTER_S} s", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) \
+                from None
+
+    def finish(self, task: Decode, g) -> None:
+        if task in self.active:
+            self.active.discard(task)
+            task.cancel()  # no-op when it finished
+
+            def release(_=None):
+                self.pool.release(g)
+
+            if task.thread_done.is_set():
+                release()
+            else:  # the worker stops after its round; the slot is free when it has
+                task.on_thread_done(release)
+
+    async def stream(self, task: Decode, events: StreamEvents, endpoint: str, started: float):
+        """The server-sent events of a streamed request, as its worker hands on pieces."""
+        metrics = self.metrics
+        ended = False  # the stream's last event was sent (the client saw it end)
+        try:
+            for event in events.first():
+                yield event
+            while True:
+                kind, value = await task.events.get()
+                if kind == "piece":
+                    piece, entries = value
+                    yield events.chunk(piece, entries=entries)
+                    continue
+                if kind == "error":
+                    metrics.requests.labels(endpoint, str(value.status)).inc()
+                    metrics.errors.labels(value.code or value.type).inc()
+                    ended = True
+                    for event in events.error(value):
+                        yield event
+                    return
+                result = value
+                break
+            metrics.finished(result.stats, started, task.first_token_at)
+            metrics.requests.labels(endpoint, "200").inc()
+            for event in events.end(result, task.logprobs_sent):
+                yield event
+            ended = True
+        finally:  # also when the client went away: Starlette cancels this generator
+            if not ended:
+                metrics.requests.labels(endpoint, str(CLIENT_GONE)).inc()
+            self.finish(task, task.gen)
+
+    async def watch_disconnect(self, request, task: Decode):
+        await disconnected(request)
+        task.cancel()
+
+    # -- shutting down -----------------------------------------------------------------------
+
+    def begin_drain(self, seconds: float | None = None) -> None:
+        """SIGTERM: refuse new requests, let the held ones finish for `seconds` (default the
+        app's drain_seconds), then cancel what is left (each gets an error)."""
+        if self.draining:
+            return
+        self.draining = True
+
+        def cancel_rest():
+            for task in list(self.active):
+                task.cancel(shutting_down("the server shut down before this request finished"))
+            for waiter in list(self.pool.waiters):
+                if not waiter.done():
+                    waiter.set_exception(shutting_down(
+                        "the server shut down before a slot was free for this request",
+                        **{"Retry-After": str(RETRY_AFTER_S)}))
+
+        self._cancel_rest = cancel_rest
+        asyncio.get_running_loop().call_later(
+            self.drain_seconds if seconds is None else seconds, cancel_rest)
+
+    def end_drain(self) -> None:
+        """A second SIGTERM: cancel what is left now (each gets its error), as the drain's
+        deadline would."""
+        if not self.draining:
+            self.begin_drain()
+        self._cancel_rest()
