@@ -441,7 +441,7 @@ def prepare_prompts(hf_target: Path, args) -> tuple[list[dict], list[int], list[
     template; every system gets these ids. -> (prompts, warm-up ids, EOS ids)."""
     from transformers import AutoTokenizer
 
-    from spec_runtime.bench import load_prompts
+    from spec_runtime.apps.bench import load_prompts
 
     tok = AutoTokenizer.from_pretrained(hf_target)
     prompts = load_prompts(args.prompts)

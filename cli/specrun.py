@@ -200,8 +200,9 @@ class _Progress:
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="JSON {kind: [prompts]} or a text file, one prompt per line [default: "
                    "built-in grounded and chat prompts]")
-@click.option("--kind", type=click.Choice(["all", "grounded", "chat"]), default="all",
-              show_default=True, help="which built-in prompts")
+@click.option("--kind", default="all", show_default=True,
+              help="which prompts: all, or one kind (the built-in grounded or chat, or a key "
+                   "of the --prompts file, e.g. code)")
 @gamma_option(many=True)
 @sampling_options({"temperature": 0.0})
 @max_new_tokens_option("new tokens per generation")
@@ -226,7 +227,7 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
 
     generation_options(temperature=temperature, max_new_tokens=max_new_tokens)
     gammas = parse_gammas(gamma) if gamma is not None else ([1, 2, 4, 8] if full else None)
-    prompts = load_prompts(prompts_file, kind if prompts_file is None else "all",
+    prompts = load_prompts(prompts_file, kind,
                            per_kind=None if full or prompts_file else QUICK_PROMPTS)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     gammas = gammas or [gen.default_gamma]

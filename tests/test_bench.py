@@ -50,6 +50,22 @@ def test_builtin_prompts_have_both_kinds():
     assert {p["kind"] for p in load_prompts(kind="chat")} == {"chat"}
 
 
+def test_a_prompt_files_own_kinds_are_chosen_by_name(llama_pair, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps({"about": "not a prompt list", "code": ["def f(", "class A:"],
+                                   "chat": ["hello"]}))
+    assert [p["text"] for p in load_prompts(prompts, kind="code")] == ["def f(", "class A:"]
+    assert {p["kind"] for p in load_prompts(prompts)} == {"code", "chat"}
+    r = CliRunner().invoke(specrun, ["bench", "--bundle", str(llama_pair[2]), "--prompts",
+                                     str(prompts), "--kind", "code", "--gamma", "2",
+                                     "--max-new-tokens", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert {row["kind"] for row in json.loads(r.stdout)["rows"]} == {"code"}
+    r = CliRunner().invoke(specrun, ["bench", "--bundle", str(llama_pair[2]), "--prompts",
+                                     str(prompts), "--kind", "grounded"])
+    assert r.exit_code == 2 and "'grounded'" in r.output and "['chat', 'code']" in r.output
+
+
 @pytest.mark.parametrize("args, words", [(["--gamma", "0"], "--gamma 0"),
                                          (["--repeats", "0"], "'--repeats': 0 is not in the range"),
                                          (["--prompts", "/nonexistent.txt"], "cannot be read")])

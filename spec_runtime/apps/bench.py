@@ -49,7 +49,9 @@ def load_prompts(path=None, kind: str = "all", per_kind: int | None = None) -> l
     prompts = [{"kind": k, "text": t} for k, texts in data.items() if isinstance(texts, list)
                for t in texts[:per_kind] if kind in ("all", k)]
     if not prompts:
-        raise InputError(f"no prompts of kind {kind!r} found: use --kind all, or give --prompts")
+        kinds = sorted(k for k, texts in data.items() if isinstance(texts, list) and texts)
+        raise InputError(f"no prompts of kind {kind!r} found: use --kind all or one of {kinds}"
+                         + ("" if path is not None else ", or give --prompts"))
     return prompts
 
 
