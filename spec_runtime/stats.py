@@ -27,6 +27,45 @@ def best_gamma(alpha: float, c: float, max_gamma: int, row_cost: float = 0.0) ->
     return max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, c, row_cost))
 
 
+POSITION_PRIOR = 2.0  # pseudo-rounds pulling a draft position's rate towards the one before it
+
+
+def acceptance_by_position(counts, alpha: float, n: int, prior: float = POSITION_PRIOR) -> list:
+    """a_j, j = 1..n: the rate at which the j-th draft token is accepted once the j−1 before it
+    were, from counts[j−1] = [rounds that reached position j, rounds that accepted it]. Each
+    rate is shrunk by `prior` pseudo-rounds towards the rate of the position before it (position
+    1 towards α), so that a position seen in few rounds, or in none yet, reads as its neighbour.
+    Acceptance is not independent of position: a draft that has agreed for a while tends to go
+    on agreeing (code, quotes of the prompt), so a_j grows with j where the i.i.d. α says it is
+    flat; with i.i.d. acceptance every a_j tends to α."""
+    rates, previous = [], alpha
+    for j in range(n):
+        reached, accepted = counts[j] if j < len(counts) else (0, 0)
+        previous = (accepted + prior * previous) / (reached + prior)
+        rates.append(previous)
+    return rates
+
+
+def expected_tokens_by_position(rates, gamma: int) -> float:
+    """E[tokens per target call] = 1 + Σ_{j≤γ} Π_{i≤j} a_i: the j-th draft token counts when it
+    and all before it are accepted; the target adds one token every round."""
+    total, survive = 1.0, 1.0
+    for a in rates[:gamma]:
+        survive *= a
+        total += survive
+    return total
+
+
+def best_gamma_by_position(counts, alpha: float, c: float, max_gamma: int,
+                           row_cost: float = 0.0) -> int:
+    """γ maximising expected tokens per round (by position, above) over the round's cost in
+    target steps, γc + 1 + γ·row_cost: the paper's expected speedup with its i.i.d. α replaced
+    by the acceptance measured at each draft position."""
+    rates = acceptance_by_position(counts, alpha, max_gamma)
+    return max(range(1, max_gamma + 1),
+               key=lambda g: expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost))
+
+
 def row_cost(call_rows: dict[int, tuple[float, int]]) -> float:
     """Extra cost per scored row relative to a 1-row call, fitted as t(r) = a + b·(r − 1) by
     least squares over {rows: [total seconds, calls]} of the target calls after the prefill;
@@ -58,6 +97,8 @@ class DecodeStats:
     # accept_histogram[n] = rounds in which exactly n draft tokens were accepted
     accept_histogram: list[int] = field(default_factory=list)
     gammas_used: list[int] = field(default_factory=list)
+    # accepted_by_position[j] = [rounds that reached draft position j+1, rounds that accepted it]
+    accepted_by_position: list[list[int]] = field(default_factory=list)
     alpha_sum: float = 0.0  # Σ over verified positions of Σ_x min(p_target, p_draft)
     alpha_n: int = 0
     # {rows scored: (total seconds, calls)} of the target calls after the prefill
@@ -102,6 +143,12 @@ class DecodeStats:
             self.accept_histogram.extend([0] * (n_accepted + 1 - len(self.accept_histogram)))
         self.accept_histogram[n_accepted] += 1
         self.gammas_used.append(gamma)
+        reached = min(n_proposed, n_accepted + 1)  # positions examined: accepted, then the first miss
+        while len(self.accepted_by_position) < reached:
+            self.accepted_by_position.append([0, 0])
+        for j in range(reached):
+            self.accepted_by_position[j][0] += 1
+            self.accepted_by_position[j][1] += j < n_accepted
 
     @property
     def acceptance_rate(self) -> float:

@@ -8,7 +8,9 @@ from toy_models import FakeClock, ToyEngine, exact_joint
 
 from spec_runtime import CacheCapacityError, Generator, ModelDraft, NgramDraft, SamplingParams, warp
 from spec_runtime.drafts import HybridDraft
-from spec_runtime.stats import best_gamma, row_cost
+from spec_runtime.stats import (DecodeStats, acceptance_by_position, best_gamma,
+                                best_gamma_by_position, expected_tokens_by_position,
+                                expected_tokens_per_round, row_cost)
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so the n-gram draft finds matches
 VOCAB = 6
@@ -213,7 +215,9 @@ def test_auto_gamma_grows_with_a_perfect_draft_and_stays_small_with_a_poor_one()
     alpha, c = r.stats["alpha"], r.stats["c"]
     assert alpha < 0.7 and c == pytest.approx(0.05)
     settled = r.stats["gammas_used"][-4:-1]  # α measured over most of the run by then
-    assert all(g == best_gamma(alpha, c, 6) < 6 for g in settled), (alpha, settled)
+    # kept at most at the γ the paper's formula gives for its α (2 here); the acceptance counted
+    # at each position (below) may keep it shorter still
+    assert all(g <= best_gamma(alpha, c, 6) < 6 for g in settled), (alpha, settled)
 
 
 def test_auto_gamma_counts_what_each_verified_row_costs():
@@ -239,6 +243,42 @@ def test_row_cost_is_the_fitted_slope_over_a_one_row_call():
     assert row_cost({1: [0.01, 1], 3: [0.005, 1]}) == 0.0  # noise giving a negative slope
     # a row costing half a step makes short drafts best at α 0.5; free rows make γ = max best
     assert best_gamma(0.5, 0.0, 8) == 8 and best_gamma(0.5, 0.0, 8, row_cost=0.5) == 1
+
+
+def test_rounds_are_counted_at_each_draft_position():
+    """A round that proposes 4 and accepts 2 examined positions 1-3 (accepted, accepted,
+    rejected); one that proposes 3 and accepts 3 examined 1-3, all accepted; one that proposes
+    5 and accepts none examined position 1 only."""
+    s = DecodeStats()
+    for proposed, accepted in [(4, 2), (3, 3), (5, 0)]:
+        s.record_round(proposed, accepted, gamma=proposed)
+    assert s.accepted_by_position == [[3, 2], [2, 2], [2, 1]]
+
+
+def test_auto_gamma_reads_the_acceptance_at_each_position():
+    """By hand, with 2 pseudo-rounds pulling each position towards the one before it (position
+    1 towards α): counts [[10, 8], [8, 7], [7, 7]] and α 0.5 give a1 = (8 + 2·0.5) / 12 = 0.75,
+    a2 = (7 + 2·0.75) / 10 = 0.85, a3 = (7 + 2·0.85) / 9 = 0.9667, and a4, never reached, a3's
+    rate. Expected tokens per round: 1.75, 1 + 0.75 + 0.6375 = 2.3875, 3.00375, 3.59946; over
+    the round's cost γc + 1 at c = 0.1: 1.59, 1.99, 2.31, 2.57, so γ 4; with each verified row
+    costing half a step more (1 + 0.6γ): 1.094, 1.085, 1.073, 1.059, so γ 1."""
+    counts = [[10, 8], [8, 7], [7, 7]]
+    rates = acceptance_by_position(counts, 0.5, 4)
+    assert rates == pytest.approx([0.75, 0.85, 0.96667, 0.96667], abs=1e-5)
+    assert [expected_tokens_by_position(rates, g) for g in (1, 2, 3, 4)] == \
+        pytest.approx([1.75, 2.3875, 3.00375, 3.59946], abs=1e-5)
+    assert best_gamma_by_position(counts, 0.5, 0.1, 4) == 4
+    assert best_gamma_by_position(counts, 0.5, 0.1, 4, row_cost=0.5) == 1
+    # i.i.d. acceptance: every position's rate is α and the paper's formula is recovered
+    iid = [[1000, 700], [700, 490], [490, 343]]
+    assert expected_tokens_by_position(acceptance_by_position(iid, 0.7, 3), 3) == \
+        pytest.approx(expected_tokens_per_round(0.7, 3), abs=1e-2)
+    # a bursty draft: accepted at 60% at position 1, but always once past it. The i.i.d.
+    # formula at α 0.6, c 0.25 drafts 2; by position (a = 0.6, 0.9, 0.975, ...) it drafts 6
+    bursty = [[10, 6], [6, 6], [6, 6]]
+    assert best_gamma(0.6, 0.25, 6) == 2
+    assert acceptance_by_position(bursty, 0.6, 3) == pytest.approx([0.6, 0.9, 0.975])
+    assert best_gamma_by_position(bursty, 0.6, 0.25, 6) == 6
 
 
 def test_ngram_draft_proposes_the_continuation_of_the_longest_match():
