@@ -64,17 +64,3 @@ def _drop_gguf_quantized_flag(model, where: str) -> None:
     model.hf_quantizer = None  # `is_quantized` is a property over this
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
-
-
-def load_config_and_tokenizer(spec):
-    """(config, tokenizer) of a model source without its weights: enough to check a draft
-    against the target before minutes of work."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .sources import loading_errors
-
-    gguf = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    with loading_errors(spec) as offline:
-        hub = {"local_files_only": True} if offline else {}
-        return (AutoConfig.from_pretrained(spec.source, **gguf, **hub),
-                AutoTokenizer.from_pretrained(spec.source, **gguf, **hub))

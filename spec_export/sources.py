@@ -197,3 +197,15 @@ def loading_errors(spec: ModelSpec):
         raise BuildError(f"{named}{gguf} is not a local file or directory, and loading it as a "
                          f"Hugging Face id failed: {reason}; {SOURCE_FIX} (an id needs network "
                          f"access, or the model in the local Hugging Face cache)") from None
+
+
+def load_config_and_tokenizer(spec):
+    """(config, tokenizer) of a model source without its weights: enough to check a draft
+    against the target before minutes of work."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    with loading_errors(spec) as offline:
+        hub = {"local_files_only": True} if offline else {}
+        return (AutoConfig.from_pretrained(spec.source, **gguf, **hub),
+                AutoTokenizer.from_pretrained(spec.source, **gguf, **hub))

@@ -37,7 +37,7 @@ def counts_query() -> bool:
 
     import numpy as np
 
-    from .ort_engine import onnxruntime
+    from .ort_import import onnxruntime
 
     n, d = PROBE_KEYS, 16
     model = resources.files("spec_runtime").joinpath(PROBE).read_bytes()

@@ -28,19 +28,26 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from . import gqa_window
-from .contract import METADATA, dims_of, dtype_of_ort, kv_names, mismatch, tensorrt_profile
+from .contract import (
+    METADATA,
+    dims_of,
+    dtype_of_ort,
+    kv_names,
+    mismatch,
+    tensorrt_profile,
+)
 from .devices import DEVICES, Device
 from .engine import ChunkedEngine
 from .errors import BundleError, InputError
 from .kv_cache import cache_store
 from .manifest import REBUILD, GraphEntry, unreadable
 from .manifest_checks import regular_file
+from .ort_import import TELEMETRY_ENV, onnxruntime  # noqa: F401 (public here too)
 
 log = logging.getLogger(__name__)
 
@@ -72,30 +79,6 @@ def physical_cores() -> int:
         except OSError:
             return max(1, len(cpus))
     return max(1, len(cores))
-
-
-TELEMETRY_ENV = "ORT_DISABLE_TELEMETRY"
-
-
-def onnxruntime():
-    """Import onnxruntime with its telemetry off. Its Linux/macOS builds (1.2x and later) write
-    a device id under ~/.cache/Microsoft/DeveloperTools and may upload usage events unless
-    ORT_DISABLE_TELEMETRY=1 is set when it is first imported; a host's own setting of that
-    variable is kept, and the variable is removed again afterwards, so the process environment
-    is unchanged. A host that imported onnxruntime before keeps the choice it made then."""
-    if "onnxruntime" in sys.modules:
-        import onnxruntime as ort
-
-        return ort
-    unset = TELEMETRY_ENV not in os.environ
-    if unset:
-        os.environ[TELEMETRY_ENV] = "1"
-    try:
-        import onnxruntime as ort
-    finally:
-        if unset:
-            os.environ.pop(TELEMETRY_ENV, None)
-    return ort
 
 
 GPU_INSTALL = ("install onnxruntime-gpu in place of onnxruntime (`pip uninstall -y onnxruntime "
