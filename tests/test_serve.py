@@ -308,12 +308,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(default_bundle):
                 got = [next(lines) for _ in range(6)]
                 assert any(line.startswith("data: {") for line in got)
                 t0 = time.monotonic()
-            # the stream is closed: the slot must be free long before 1000 tokens (≈15 s here)
-            while httpx.get(url + "/health").json()["busy"] and time.monotonic() - t0 < 10:
+            # the stream is closed: the slot must be freed by the disconnect, not by the request
+            # running to its 1000 tokens; judged by tokens, not by seconds (the wait's bound
+            # only keeps a broken server from hanging the suite)
+            while httpx.get(url + "/health").json()["busy"] and time.monotonic() - t0 < 600:
                 time.sleep(0.05)
-            freed = time.monotonic() - t0
-            print(f"slot freed {freed:.2f} s after the disconnect")
-            assert freed < 5
+            print(f"slot freed {time.monotonic() - t0:.2f} s after the disconnect")
+            assert httpx.get(url + "/health").json()["busy"] == 0
+            generated = [float(line.split()[-1]) for line in
+                         httpx.get(url + "/metrics").text.splitlines()
+                         if line.startswith("specedge_generated_tokens_total")]
+            assert sum(generated) < 1000, generated
             r = h.post(url + "/v1/chat/completions", json=chat_body(4))
             assert r.status_code == 200
 
