@@ -9,11 +9,15 @@ Runtime's worker threads spin for a while after a run, and a second session star
 competes with them (on 2 cores, interleaving doubled every time measured here).
 
     python benchmarks/step_time.py BUNDLE [BUNDLE ...] [--threads 2] [--runs 30] [--json FILE]
-                                   [--one-row as-is,padded] [--device cpu|cuda|tensorrt]
+                                   [--one-row as-is,padded] [--rows 1,5,9,17]
+                                   [--device cpu|cuda|tensorrt]
 
 `--one-row` times each bundle's 1-token calls in each of the given forms (spec_runtime/rows.py):
 "padded" is what a machine whose 1-row kernels differ runs, so its step time against "as-is" is
 what the check's fix costs there. Without it, the form the load chose on this machine.
+
+`--rows 1,2,5,9,17` times calls of those many tokens at position 100 instead, each against the
+1-token call: what a longer draft (γ + 1 rows) or a tree of candidates pays per round.
 
 Typical: the four builds of the default target,
     specexport build --out /tmp/b-fp32 --kernels portable
@@ -43,9 +47,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the medians here")
     ap.add_argument("--one-row", help="comma-separated 1-token call forms to time (as-is, "
                                       "padded); default: the one the load chose")
+    ap.add_argument("--rows", help="comma-separated call lengths to time at position 100 "
+                                   "(default: 1 and 5 tokens at positions 100 and 1000)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "tensorrt"],
                     help="where the target runs (scripts/gpu_check.sh times the GPU paths)")
     args = ap.parse_args()
+    calls = [(int(n), 100) for n in args.rows.split(",")] if args.rows else CALLS
+    if calls[0][0] != 1:
+        ap.error("--rows must start with 1 (the step the other calls are compared with)")
 
     import spec_runtime
 
@@ -58,35 +67,43 @@ def main() -> None:
             label = f"{b.name} ({gen.manifest.precision}, {graph.kernels}, {form})"
             engines[label] = (gen.target, form)
     rng = np.random.default_rng(0)
-    times: dict[str, dict[tuple, list[float]]] = {k: {c: [] for c in CALLS} for k in engines}
+    times: dict[str, dict[tuple, list[float]]] = {k: {c: [] for c in calls} for k in engines}
     for label, (eng, form) in engines.items():  # warm-up: allocation, kernel choice
         eng.set_one_row(form)
         eng.forward(rng.integers(0, eng.vocab_size, 1000), 0, 1)
-        for n, pos in CALLS:
+        for n, pos in calls:
             eng.forward(rng.integers(0, eng.vocab_size, n), pos, n)
     for rep in range(2):
         for label, (eng, form) in engines.items():
             eng.set_one_row(form)
             for _ in range((args.runs + 1 - rep) // 2):
-                for n, pos in CALLS:
+                for n, pos in calls:
                     tokens = rng.integers(0, eng.vocab_size, n)
                     t0 = time.perf_counter()
                     eng.forward(tokens, pos, n)
                     times[label][(n, pos)].append(time.perf_counter() - t0)
 
     where = f"ORT CPU, {args.threads} threads" if args.device == "cpu" else args.device
-    print(f"{where}, median of {args.runs} calls (ms); "
-          f"ratio = 5-token verify / 1-token step at the same position")
-    print(f"{'bundle':52s} " + " ".join(f"{f'{n} tok @{p}':>11s}" for n, p in CALLS)
-          + f" {'ratio@100':>9s} {'ratio@1000':>10s}")
     report = {}
-    for label in engines:
-        med = {c: statistics.median(v) * 1e3 for c, v in times[label].items()}
-        r100, r1000 = med[(5, 100)] / med[(1, 100)], med[(5, 1000)] / med[(1, 1000)]
-        print(f"{label:52s} " + " ".join(f"{med[c]:11.2f}" for c in CALLS)
-              + f" {r100:9.2f} {r1000:10.2f}")
-        report[label] = {f"{n}@{p}": med[(n, p)] for n, p in CALLS}
-        report[label].update(ratio_100=r100, ratio_1000=r1000)
+    if args.rows:
+        print(f"{where}, median of {args.runs} calls at position 100 (ms; × the 1-token call)")
+        for label in engines:
+            med = {n: statistics.median(times[label][(n, pos)]) * 1e3 for n, pos in calls}
+            print(f"{label:52s} " + "  ".join(f"{n} tok {m:.2f} ({m / med[1]:.2f}x)"
+                                             for n, m in med.items()))
+            report[label] = {f"{n}@100": m for n, m in med.items()}
+    else:
+        print(f"{where}, median of {args.runs} calls (ms); "
+              f"ratio = 5-token verify / 1-token step at the same position")
+        print(f"{'bundle':52s} " + " ".join(f"{f'{n} tok @{p}':>11s}" for n, p in calls)
+              + f" {'ratio@100':>9s} {'ratio@1000':>10s}")
+        for label in engines:
+            med = {c: statistics.median(v) * 1e3 for c, v in times[label].items()}
+            r100, r1000 = med[(5, 100)] / med[(1, 100)], med[(5, 1000)] / med[(1, 1000)]
+            print(f"{label:52s} " + " ".join(f"{med[c]:11.2f}" for c in calls)
+                  + f" {r100:9.2f} {r1000:10.2f}")
+            report[label] = {f"{n}@{p}": med[(n, p)] for n, p in calls}
+            report[label].update(ratio_100=r100, ratio_1000=r1000)
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "threads": args.threads,
                                          "runs": args.runs,

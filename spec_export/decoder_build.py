@@ -97,7 +97,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
                                                  float_embedding=float_embedding,
                                                  gguf_path=gguf_path)
         if not keep_fp32:
-            _remove_graph(fp32_path)
+            remove_graph(fp32_path)
     if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
         from .onnx_export import describe
 
@@ -135,7 +135,7 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
                                              gguf_path=gguf_path, model=model)
     del model
     if src.name != target.entry.graphs["decoder"].file:
-        _remove_graph(src)
+        remove_graph(src)
     t = target.entry
     kernels = t.graphs["decoder"].kernels
     graph = GraphEntry(file=path.name, inputs=t.graphs["decoder"].inputs,
@@ -200,8 +200,9 @@ def _run_plan(path: Path, plan) -> float:
     return run_calls(open_decoder(path), plan)
 
 
-def _remove_graph(path: Path) -> None:
-    """A float32 intermediate this build wrote into its own temporary directory."""
+def remove_graph(path: Path) -> None:
+    """A graph (and its .data file) this build wrote into its own temporary directory: a float32
+    intermediate, or a draft that lost the build's measurement."""
     path.unlink()
     path.with_name(path.name + ".data").unlink(missing_ok=True)  # large models
 

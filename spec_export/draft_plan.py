@@ -96,7 +96,7 @@ class DraftPlan:
         model = next((c for c in self.candidates if c.name == "model"), None)
         if model is None:
             return None
-        from .load import load_config_and_tokenizer
+        from .sources import load_config_and_tokenizer
 
         config, tok = load_config_and_tokenizer(model.spec)
         check_vocabularies(t_tok, tok)
@@ -180,9 +180,11 @@ class DraftPlan:
             self.why = (f"measured here on {len(AUTO_PROMPTS)} prompts: " + ", ".join(
                 f"{_label(c)} {measured[c.name]['speedup']:.2f}x" for c in self.candidates)
                 + f"; kept {_label(chosen)}")
+            from .decoder_build import remove_graph
+
             for c in self.candidates:
                 if c is not chosen:  # graphs this build wrote into its own directory
-                    _remove(tmp / c.entry.graphs["decoder"].file)
+                    remove_graph(tmp / c.entry.graphs["decoder"].file)
         elif self.kind == "auto":
             one = f"{_label(chosen)} + prompt lookup: the one draft model available"
             self.why = f"{one} (no self draft: {self.why})" if self.why else one
@@ -206,11 +208,6 @@ class DraftPlan:
 def _label(c: Candidate) -> str:
     return "the target's own int4 blocks" if c.name == "self" else \
         f"{c.entry.family or 'the'} draft model at {c.entry.precision}"
-
-
-def _remove(path: Path) -> None:
-    path.unlink()
-    path.with_name(path.name + ".data").unlink(missing_ok=True)
 
 
 def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, precision: str,
