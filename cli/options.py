@@ -58,8 +58,9 @@ def gamma_option(many: bool = False):
                                  "[default: the bundle's γ; with --full 1,2,4,8]")
     return click.option("--gamma", default=None,
                         help="draft length γ, 1..the bundle's max_gamma, or 'auto' (re-chosen "
-                             "every round from the measured acceptance and costs) [default: the "
-                             "bundle's]")
+                             "every round from the measured acceptance and costs; greedy: a "
+                             "model draft ends each round where its confidence falls) "
+                             "[default: the bundle's]")
 
 
 def no_draft_option(fn):

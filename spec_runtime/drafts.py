@@ -49,12 +49,14 @@ class Draft(Protocol):
         """Forget the last request (and its counters)."""
 
     def propose(self, seq: np.ndarray, gamma: int, params: SamplingParams,
-                rng: np.random.Generator,
-                most: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                rng: np.random.Generator, most: int | None = None,
+                floor: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """seq int64 [L] (the prompt and every token emitted so far) -> draft tokens int64 [k]
         and p_draft float64 [k, V], or None when each token's distribution is one-hot at it
         (params.greedy; a lookup): γ tokens as a rule, fewer if it has nothing better, up to
-        `most` (what the round can use) if it is confident."""
+        `most` (what the round can use) if it is confident. With a `floor` (auto γ:
+        loop.GammaPolicy) a draft that knows its probabilities drafts while their product
+        over the round's tokens stays at or above it, from 1 up to `most` tokens."""
 
     def rewind(self, n_valid: int) -> None:
         """seq[:n_valid] survived verification; whatever the draft saw beyond is gone."""
@@ -117,33 +119,38 @@ class ModelDraft:
         c.time_s += elapsed
         return logits
 
-    def propose(self, seq, gamma, params, rng, most=None):
-        tokens = np.empty(gamma, dtype=np.int64)
+    def propose(self, seq, gamma, params, rng, most=None, floor=None):
+        limit = gamma if floor is None else max(gamma, most or gamma)
+        tokens = np.empty(limit, dtype=np.int64)
         # greedy: the argmax is what sampling the one-hot warp(·) would draw, and greedy
-        # verification never reads q, so no V-wide row is built per step
-        p_draft = None if params.greedy else np.empty((gamma, self.vocab_size), dtype=np.float64)
+        # verification never reads q, so no V-wide row is built per step (but for the floor,
+        # which reads the draft's probability of its argmax)
+        p_draft = None if params.greedy else np.empty((limit, self.vocab_size), dtype=np.float64)
         logits = self._forward(seq[self.valid :], self.valid)
         self.valid = n = len(seq)
         # the context each draft position sees, for parameters that read it (penalties)
         context = np.concatenate([seq, tokens]) if params.reads_context else None
-        for i in range(gamma):
+        sure = 1.0  # the product of the draft's probabilities of its tokens so far
+        for i in range(limit):
             row = logits[-1]
             if p_draft is None:
                 _check_finite(row)
                 if context is not None:
                     row = penalize(row, params, context[: n + i])
                 tokens[i] = row.argmax()
-                if context is not None:
-                    context[n + i] = tokens[i]
+                if floor is not None:
+                    sure /= np.exp(row - row[tokens[i]]).sum()  # softmax at the argmax
             else:
                 p_draft[i] = warp(row, params, None if context is None else context[: n + i])
                 tokens[i] = sample(p_draft[i], rng)
-                if context is not None:
-                    context[n + i] = tokens[i]
-            if i + 1 < gamma:  # the last draft token is fed next round, with the correction
-                logits = self._forward(tokens[i : i + 1], self.valid)
-                self.valid += 1
-        return tokens, p_draft
+                sure *= p_draft[i, tokens[i]]
+            if context is not None:
+                context[n + i] = tokens[i]
+            if i + 1 == limit or (floor is not None and sure < floor):
+                break  # the last draft token is fed next round, with the correction
+            logits = self._forward(tokens[i : i + 1], self.valid)
+            self.valid += 1
+        return tokens[: i + 1], None if p_draft is None else p_draft[: i + 1]
 
     def rewind(self, n_valid: int) -> None:
         self.valid = min(self.valid, n_valid)
@@ -213,8 +220,8 @@ class NgramDraft:
                 return seq[start : start + gamma], n
         return seq[:0], 0
 
-    def propose(self, seq, gamma, params, rng, most=None):
-        t0 = self.clock()
+    def propose(self, seq, gamma, params, rng, most=None, floor=None):
+        t0 = self.clock()  # (a lookup has no probabilities for a floor to read)
         tokens = self.lookup(seq, gamma).astype(np.int64)
         self.count(self.clock() - t0)
         return tokens, None  # one-hot at each token, greedy or not
@@ -287,7 +294,7 @@ class HybridDraft:
         a = (accepted + 1) / (proposed + 2)  # a uniform prior until a source has a record
         return _expected(a, k) / (1 + k * c)
 
-    def propose(self, seq, gamma, params, rng, most: int | None = None):
+    def propose(self, seq, gamma, params, rng, most: int | None = None, floor=None):
         most = max(gamma, most or gamma)
         t0 = self.ngram.clock()
         found, n = self.ngram.match(seq, most)
@@ -298,7 +305,7 @@ class HybridDraft:
             self.ngram.count(self.ngram.clock() - t0)
             self.counters.rounds["ngram"] += 1
         else:
-            tokens, p_draft = self.model.propose(seq, gamma, params, rng)
+            tokens, p_draft = self.model.propose(seq, gamma, params, rng, most, floor)
             self.counters.rounds["model"] += 1
             tally = "model"
         self._last = (tally, len(tokens), len(seq))

@@ -22,29 +22,51 @@ from .drafts import Draft
 from .engine import Engine
 from .request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
-from .stats import DecodeStats, Recorder, best_gamma_by_position
+from .stats import (DecodeStats, Recorder, acceptance_by_position, best_gamma_by_position,
+                    confidence_floor, expected_tokens_by_position)
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
+AUTO_START = 4  # the γ "auto" starts from where it is the bundle's default
 
 
 class GammaPolicy:
-    """A fixed γ, or "auto": γ maximising the expected speedup for the acceptance at each draft
-    position, c and the per-row verify cost measured so far in this generation, re-estimated
-    every round (stats.best_gamma_by_position). Two corrections to the paper's formula: a
-    verify call of γ+1 rows costs more than one step on a CPU (benchmarks/results/step-time.json),
-    which shortens γ; acceptance is not i.i.d. (a draft that has agreed tends to go on agreeing),
-    which lengthens it: on the 1.5B pair's code prompts the i.i.d. α chose γ ≈ 4.8 where γ 6–8
-    was 8% faster (README, Model families)."""
+    """A fixed γ, or "auto": the runtime chooses each round's draft length.
 
-    def __init__(self, gamma: int | str, start: int, max_gamma: int):
+    "auto" starts at `start`; once AUTO_WARMUP_POSITIONS positions were verified it re-estimates
+    every round the γ that maximises the expected speedup for the acceptance at each draft
+    position, c and the per-row verify cost measured so far in this generation
+    (stats.best_gamma_by_position), and from that speedup a confidence floor
+    (stats.confidence_floor) for greedy decoding: a model draft then drafts on, up to
+    max_gamma, while the product of its probabilities of its argmax tokens stays above the
+    floor, and stops where it turns unsure; γ remains the length a hybrid draft prices its model
+    at. Only greedy: there a token is accepted when it is the target's argmax too, which the
+    draft's confidence in it predicts; a sampled token is accepted with min(1, p/q), which its q
+    does not (a draft equal to the target is always accepted, however flat its q).
+
+    Two corrections to the paper's formula: a verify call of γ+1 rows costs more than one step
+    on a CPU (benchmarks/results/step-time.json), which shortens γ; acceptance is not i.i.d. (a
+    draft that has agreed tends to go on agreeing), which lengthens it. On the 1.5B pair
+    (README, A 1.5B target drafted by its 0.5B sibling) the floor stops rounds where a fixed γ
+    drafts the tokens the target rejects, and lets sure runs go past it."""
+
+    def __init__(self, gamma: int | str, start: int, max_gamma: int, greedy: bool = False):
         self.auto = gamma == "auto"
+        self.greedy = greedy
         self.gamma = start if self.auto else int(gamma)
         self.max_gamma = max_gamma
+        self.floor: float | None = None  # None: draft exactly γ
 
     def next(self, stats: DecodeStats) -> int:
         if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
+            c, row_cost = stats.c, stats.row_cost
+            rates = acceptance_by_position(stats.accepted_by_position, stats.alpha,
+                                           self.max_gamma)
             self.gamma = best_gamma_by_position(stats.accepted_by_position, stats.alpha,
-                                                stats.c, self.max_gamma, stats.row_cost)
+                                                c, self.max_gamma, row_cost)
+            if self.greedy:
+                g = self.gamma
+                speedup = expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost)
+                self.floor = confidence_floor(speedup, stats.alpha, c, row_cost)
         return self.gamma
 
 
@@ -94,7 +116,8 @@ class RequestState:
         self.params = request.params
         self.max_new_tokens = request.max_new_tokens
         self.logprobs = request.logprobs
-        self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma)
+        self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma,
+                                 request.params.greedy)
         self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
         self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder
@@ -150,9 +173,14 @@ def generate_tokens(target: Engine, draft: Draft | None,
         # 1. The draft proposes γ tokens x_1..x_γ from p_draft (fewer near max_new_tokens: a
         #    round emits up to γ+1).
         g = min(req.gamma.next(req.stats), req.remaining - 1) if draft is not None else 0
+        #    With auto γ, a model draft stops where its confidence falls below the policy's
+        #    floor, or goes on up to `most` (the round's length depends on the draft's own draws
+        #    and on earlier rounds, never on the target's: each position is still an ordinary
+        #    draft-and-verify step, and exact).
         most = min(req.gamma.max_gamma, req.remaining - 1) if g > 0 else 0
-        drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng, most) if g > 0 \
-            else (_NO_DRAFTS, None)
+        floor = req.gamma.floor
+        drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng, most, floor) \
+            if g > 0 else (_NO_DRAFTS, None)
         k = len(drafts)
 
         # 2. The target scores the prefix + x_1..x_i for i = 0..k in one call: every token it
@@ -169,7 +197,7 @@ def generate_tokens(target: Engine, draft: Draft | None,
         # 4. Roll back by position: both caches now hold the old sequence + accepted drafts.
         req.target_valid = req.n_seq + n_acc
         if draft is not None:
-            rec.round(k, n_acc, g, beta_sum, examined)
+            rec.round(k, n_acc, g if floor is None else k, beta_sum, examined)
             draft.rewind(req.n_seq + n_acc)
 
         # 5. Emit, stopping at EOS or max_new_tokens; row i of the target's distributions is

@@ -66,6 +66,19 @@ def best_gamma_by_position(counts, alpha: float, c: float, max_gamma: int,
                key=lambda g: expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost))
 
 
+def confidence_floor(speedup: float, alpha: float, c: float, row_cost: float = 0.0) -> float:
+    """The least chance, that every token drafted so far in a round is accepted, at which a
+    model draft still drafts one more: that token adds α·P tokens on average and costs a draft
+    step and a verified row, c + row_cost target steps, which at the round's `speedup` (tokens
+    per target step) would have bought speedup·(c + row_cost) tokens. Drafting on while
+    α·P ≥ speedup·(c + row_cost), with P the product of the draft's own probabilities of its
+    tokens, stops a round where the draft turns unsure instead of at a fixed γ (the drafts past
+    that point are the ones the target rejects). 1 (draft one token) without a measured α."""
+    if alpha <= 0:
+        return 1.0
+    return min(1.0, max(0.0, speedup * (c + row_cost) / alpha))
+
+
 def row_cost(call_rows: dict[int, tuple[float, int]]) -> float:
     """Extra cost per scored row relative to a 1-row call, fitted as t(r) = a + b·(r − 1) by
     least squares over {rows: [total seconds, calls]} of the target calls after the prefill;

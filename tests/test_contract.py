@@ -111,7 +111,7 @@ class EchoDraft:
     def reset(self):
         self.counters = drafts.DraftCounters()
 
-    def propose(self, seq, gamma, params, rng, most=None):
+    def propose(self, seq, gamma, params, rng, most=None, floor=None):
         self.counters.calls += 1
         tokens = np.full(gamma, seq[-1], np.int64)
         p = None if params.greedy else np.eye(self.vocab_size)[tokens]

@@ -76,7 +76,7 @@ def test_the_joint_test_detects_a_draft_whose_q_is_not_what_it_sampled_from():
     but reports the unwarped one as q. The sequence-level test must reject it."""
 
     class LyingDraft(ModelDraft):
-        def propose(self, seq, gamma, params, rng, most=None):
+        def propose(self, seq, gamma, params, rng, most=None, floor=None):
             tokens, _ = super().propose(seq, gamma, params, rng)
             logits = self.engine.forward(np.r_[seq, tokens[:-1]], 0, gamma)  # same tokens again
             return tokens, warp(logits, SamplingParams(temperature=1.0))
