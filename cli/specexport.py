@@ -9,6 +9,7 @@ import click
 from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
 
 from .common import BundleCommand, input_errors, library_messages, sigterm_as_interrupt
+from .options import parse_gamma
 
 BUNDLE_HELP = ("bundle directory [default: $SPECEDGE_BUNDLE, else "
                "~/.local/share/specedge/default: where `specexport build` writes without --out "
@@ -59,9 +60,10 @@ def main(ctx):
 @click.option("--max-source-len", type=int, default=512, show_default=True,
               help="encoder-decoder (T5) targets only: the longest source text in tokens, "
                    "at least 1")
-@click.option("--gamma", type=int, default=4, show_default=True,
+@click.option("--gamma", default="4", show_default=True,
               help="default draft length γ (tokens proposed per round) that specrun uses "
-                   "unless given --gamma, 1..--max-gamma")
+                   "unless given --gamma, 1..--max-gamma, or 'auto' (the runtime chooses each "
+                   "round's, specrun --gamma auto)")
 @click.option("--max-gamma", type=int, default=8, show_default=True,
               help="largest γ the bundle accepts at run time (specrun --gamma, and auto), "
                    "1..--max-len - 1")
@@ -111,7 +113,7 @@ def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_g
         # a build stopped by a signal removes its temporary directory; one killed outright is
         # cleaned up by the next build (spec_export/output.py)
         path = build_bundle(target, draft, out, draft_model=draft_model, max_len=max_len, max_source_len=max_source_len,
-                            gamma=gamma, max_gamma=max_gamma,
+                            gamma=parse_gamma(gamma), max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,
                             draft_precision=draft_precision, block_size=block_size,
                             kernels=kernels, float_embedding=float_embedding,

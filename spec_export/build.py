@@ -212,7 +212,7 @@ def build_bundle(
     draft_model: str | None = None,
     max_len: int | None = None,
     max_source_len: int = 512,
-    gamma: int = 4,
+    gamma: int | str = 4,
     max_gamma: int = 8,
     prefill_chunk: int = 128,
     precision: str = "fp32",
@@ -259,14 +259,15 @@ def build_bundle(
     if block_size not in (16, 32, 64, 128, 256):
         raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
     for name, value, low in (("--max-len", max_len, MIN_MAX_LEN),
-                             ("--max-source-len", max_source_len, 1), ("--gamma", gamma, 1),
+                             ("--max-source-len", max_source_len, 1),
+                             ("--gamma", 1 if gamma == "auto" else gamma, 1),
                              ("--max-gamma", max_gamma, 1), ("--prefill-chunk", prefill_chunk, 1)):
         if value is None and name == "--max-len":
             continue  # the model's own position limit, once it is loaded
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BuildError(f"{name} {'is missing' if value is None else f'{value!r} is invalid'}"
-                             f": use an integer >= {low}")
-    if gamma > max_gamma:
+                             f": use an integer >= {low}{' or auto' if name == '--gamma' else ''}")
+    if gamma != "auto" and gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
     if int4_weights == "gguf" and precision == "int4" and not t_spec.gguf_file:
         raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and --target "
@@ -301,7 +302,7 @@ def build_bundle(
 
 
 def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weights: str,
-                  kernels: str, max_len: int | None, max_source_len: int, gamma: int,
+                  kernels: str, max_len: int | None, max_source_len: int, gamma: int | str,
                   max_gamma: int, prefill_chunk: int, block_size: int,
                   float_embedding: bool) -> None:
     """Load, export, check and describe the models into the directory `tmp`: the target first,

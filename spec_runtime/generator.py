@@ -30,7 +30,7 @@ import numpy as np
 
 from .drafts import draft_engines, fork_engine
 from .errors import InputError
-from .loop import RequestState, generate_tokens
+from .loop import AUTO_START, RequestState, generate_tokens
 from .request import (MAX_NEW_TOKENS, SAMPLING_ARGS, GenerationOptions, GenerationResult, Request,
                       TextStream, check_capacity)
 from .sampling import SamplingParams
@@ -46,7 +46,7 @@ class Generator:
         *,
         tokenizer=None,
         eos_token_ids: Sequence[int] = (),
-        default_gamma: int = 4,
+        default_gamma: int | str = 4,
         max_gamma: int = 8,
         chat_template: str | None = None,
         special_tokens: dict | None = None,
@@ -164,7 +164,10 @@ class Generator:
             params = replace(params, penalty_start=len(prefix))
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens,
                        len(ids) if self.encoder_decoder else None)
-        return Request(options, ids, prefix, params, gamma, self.default_gamma, self.max_gamma,
+        # "auto" starts from the bundle's γ, or from AUTO_START where "auto" is its default
+        start = self.default_gamma if self.default_gamma != "auto" else \
+            min(AUTO_START, self.max_gamma)
+        return Request(options, ids, prefix, params, gamma, start, self.max_gamma,
                        self.eos_token_ids)
 
     def _request_of(self, prompt, options: GenerationOptions) -> Request:

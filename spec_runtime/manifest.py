@@ -14,6 +14,8 @@ the upgrade command, an older one with the rebuild command):
     where it lies). A version-1 reader must not run an in-place graph, hence the new version.
     Graphs built since carry specedge metadata (role, graph, precision) that the reader checks
     when present.
+3 — `default_gamma` may be "auto" (the runtime chooses each round's draft length: loop.py's
+    GammaPolicy); a version-2 reader would refuse the string, hence the new version.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ __all__ = ["BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest", "
            "REBUILD", "TokenizerEntry", "read_manifest", "sha256_file", "unreadable",
            "write_manifest"]
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (1, 2, 3)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few kB; the chat template is the largest part
@@ -108,7 +110,7 @@ class Manifest:
     architecture: str  # "decoder-only" or "encoder-decoder"
     max_len: int  # KV cache capacity: prompt + new tokens
     max_gamma: int
-    default_gamma: int
+    default_gamma: int | str  # or "auto" (schema 3)
     prefill_chunk: int
     target: ModelEntry
     draft: DraftEntry

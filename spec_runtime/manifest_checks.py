@@ -135,7 +135,8 @@ def validate(m: dict) -> None:
         raise _bad("architecture", arch, f"it must be one of {ARCHITECTURES}")
     max_len = _integer(m, "max_len", "", 1)
     _integer(m, "max_gamma", "", 1, max_len - 1 if max_len > 1 else 1)
-    _integer(m, "default_gamma", "", 1, m["max_gamma"])
+    if m.get("default_gamma") != "auto":
+        _integer(m, "default_gamma", "", 1, m["max_gamma"])
     _integer(m, "prefill_chunk", "", 1)
     _precision(m, "")
     files = _require(m, "files", dict, "")

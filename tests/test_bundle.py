@@ -45,7 +45,7 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
 def test_manifest_records_the_contract(llama_pair):
     _, _, bundle = llama_pair
     m = json.loads((bundle / "manifest.json").read_text())
-    assert m["schema_version"] == 2 and m["architecture"] == "decoder-only"
+    assert m["schema_version"] == 3 and m["architecture"] == "decoder-only"
     assert m["target"]["family"] == "llama" and m["draft"]["kind"] == "model"
     assert isinstance(m["target"]["parity"]["max_abs_diff_fp32"], float)
     assert set(m["files"]) == {"target.onnx", "draft.onnx", "tokenizer.json"}

@@ -130,6 +130,8 @@ def test_build_refuses_to_overwrite_a_directory_that_is_not_a_bundle(tmp_path):
 def test_bad_build_values_exit_2(tmp_path):
     assert_input_error(run(specexport, "build", "--gamma", "9", "--max-gamma", "8", "--out",
                            tmp_path / "b"), "--gamma 9")
+    assert_input_error(run(specexport, "build", "--gamma", "fast", "--out", tmp_path / "b"),
+                       "--gamma 'fast'")
     assert_input_error(run(specexport, "build", "--target", tmp_path / "missing", "--out",
                            tmp_path / "b", "--quiet"),
                        f"--target '{tmp_path / 'missing'}': no such file or directory")

@@ -118,3 +118,25 @@ def test_only_greedy_auto_gets_a_floor():
         assert (policy.floor is not None) == greedy
         assert GammaPolicy(4, 3, 8, greedy).floor is None
 
+
+def test_a_bundle_built_with_gamma_auto_runs_auto_by_default(tmp_path):
+    """`specexport build --gamma auto`: the manifest's default_gamma is "auto" (schema 3), and a
+    request that names no γ runs auto from γ 4 (greedy: its rounds' lengths vary with the draft's
+    confidence) with the target-only tokens."""
+    import json
+
+    from tiny_models import llama, save, truncated
+
+    import spec_runtime
+    from spec_export.build import build_bundle
+
+    target = llama(0, layers=3)
+    t, d = save(target, tmp_path / "target"), save(truncated(target, 1), tmp_path / "draft")
+    bundle = build_bundle(str(t), str(d), tmp_path / "bundle", max_len=128, gamma="auto",
+                          progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["default_gamma"] == "auto" and m["schema_version"] == 3
+    gen = spec_runtime.load(bundle)
+    r = gen.generate([1, 2, 3, 4], max_new_tokens=60)
+    assert r.tokens == gen.generate([1, 2, 3, 4], max_new_tokens=60, use_draft=False).tokens
+    assert r.stats["gammas_used"][0] == 4 and len(set(r.stats["gammas_used"])) >= 2
