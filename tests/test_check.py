@@ -176,8 +176,8 @@ def test_check_fails_when_the_draft_misreports_q(llama_pair, monkeypatch):
     temperature 1 they are too flat: the report's detectable TV says so)."""
     propose = ModelDraft.propose
 
-    def lying(self, seq, gamma, params, rng, most=None):
-        tokens, p_draft = propose(self, seq, gamma, params, rng, most)
+    def lying(self, seq, gamma, params, rng, most=None, floor=None):
+        tokens, p_draft = propose(self, seq, gamma, params, rng, most, floor)
         if p_draft is None:  # greedy: q is not part of the decision, nothing to misreport
             return tokens, p_draft
         return tokens, np.full_like(p_draft, 1.0 / p_draft.shape[-1])
