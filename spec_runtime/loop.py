@@ -22,8 +22,7 @@ from .drafts import Draft
 from .engine import Engine
 from .request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
-from .stats import (DecodeStats, Recorder, acceptance_by_position, best_gamma_by_position,
-                    confidence_floor, expected_tokens_by_position)
+from .stats import DecodeStats, Recorder, best_gamma_and_speedup, confidence_floor
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
 AUTO_START = 4  # the γ "auto" starts from where it is the bundle's default
@@ -59,13 +58,9 @@ class GammaPolicy:
     def next(self, stats: DecodeStats) -> int:
         if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
             c, row_cost = stats.c, stats.row_cost
-            rates = acceptance_by_position(stats.accepted_by_position, stats.alpha,
-                                           self.max_gamma)
-            self.gamma = best_gamma_by_position(stats.accepted_by_position, stats.alpha,
-                                                c, self.max_gamma, row_cost)
+            self.gamma, speedup = best_gamma_and_speedup(stats.accepted_by_position, stats.alpha,
+                                                         c, self.max_gamma, row_cost)
             if self.greedy:
-                g = self.gamma
-                speedup = expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost)
                 self.floor = confidence_floor(speedup, stats.alpha, c, row_cost)
         return self.gamma
 

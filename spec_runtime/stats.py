@@ -61,9 +61,15 @@ def best_gamma_by_position(counts, alpha: float, c: float, max_gamma: int,
     """γ maximising expected tokens per round (by position, above) over the round's cost in
     target steps, γc + 1 + γ·row_cost: the paper's expected speedup with its i.i.d. α replaced
     by the acceptance measured at each draft position."""
+    return best_gamma_and_speedup(counts, alpha, c, max_gamma, row_cost)[0]
+
+
+def best_gamma_and_speedup(counts, alpha: float, c: float, max_gamma: int,
+                           row_cost: float = 0.0) -> tuple[int, float]:
+    """best_gamma_by_position's γ and the expected speedup at it (confidence_floor's price)."""
     rates = acceptance_by_position(counts, alpha, max_gamma)
-    return max(range(1, max_gamma + 1),
-               key=lambda g: expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost))
+    return max(((g, expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost))
+                for g in range(1, max_gamma + 1)), key=lambda gs: gs[1])
 
 
 def confidence_floor(speedup: float, alpha: float, c: float, row_cost: float = 0.0) -> float:
