@@ -152,6 +152,97 @@ def onnx_weight_bytes(path: Path) -> int:
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
+# Weights a decode step reads whole, for the bandwidth ceiling: a table a step only gathers rows
+# of (the input embedding when untied: 0.93 GB of onnxruntime-genai's 1.92 GB int4 1.5B build)
+# costs one row, not its size. Each format is read by its own structure, no name guessing.
+
+_GATHERS = {"Gather", "GatherBlockQuantized", "GatherND", "GatherElements"}
+
+
+def step_bytes(path: Path) -> int:
+    """Bytes of the weights one decode step reads: the model's weights less the tables it only
+    gathers from (an .onnx, an OpenVINO .xml/.bin, a .gguf or a .safetensors file)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return _gguf_step_bytes(path)
+    if path.suffix == ".safetensors":
+        return _safetensors_step_bytes(path)
+    if path.suffix in (".xml", ".bin"):
+        return _openvino_step_bytes(path.with_suffix(".xml"))
+    return _onnx_step_bytes(path)
+
+
+def _onnx_step_bytes(path: Path) -> int:
+    """Initializers less those that only reach a gather's table input, directly or through
+    shape-only ops (an int4 build reshapes its packed embedding before GatherBlockQuantized)."""
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) *
+             onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+             for t in model.graph.initializer}
+    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node, i))
+    passthrough = {"Reshape", "Identity", "Cast", "Squeeze", "Unsqueeze", "Flatten"}
+
+    def gathered_only(name: str) -> bool:
+        if not uses.get(name):
+            return False
+        for node, i in uses[name]:
+            if node.op_type in _GATHERS and i != 1:  # input 1 is the indices
+                continue
+            if node.op_type not in passthrough or i != 0 or \
+                    not all(gathered_only(out) for out in node.output):
+                return False
+        return True
+
+    return sum(size for name, size in sizes.items() if not gathered_only(name))
+
+
+def _openvino_step_bytes(xml: Path) -> int:
+    """An IR's constants less those that only reach a Gather's data input through the
+    decompression ops OpenVINO puts between a compressed table and its use."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(xml).getroot()
+    layers = {l.get("id"): l for l in root.iter("layer")}
+    into: dict[str, list[tuple[str, str]]] = {}  # layer -> [(consumer layer, its port)]
+    for e in root.iter("edge"):
+        into.setdefault(e.get("from-layer"), []).append((e.get("to-layer"), e.get("to-port")))
+    passthrough = {"Convert", "Subtract", "Multiply", "Reshape", "Unsqueeze", "Squeeze"}
+
+    def gathered_only(layer_id: str, seen=()) -> bool:
+        uses = into.get(layer_id, [])
+        if not uses or layer_id in seen:
+            return False
+        for to, port in uses:
+            kind = layers[to].get("type")
+            if kind == "Gather" and port == "0":
+                continue
+            if kind not in passthrough or not gathered_only(to, (*seen, layer_id)):
+                return False
+        return True
+
+    total = 0
+    for lid, layer in layers.items():
+        if layer.get("type") == "Const":
+            data = layer.find("data")
+            size = int(data.get("size", 0)) if data is not None else 0
+            total += 0 if gathered_only(lid) else size
+    return total
+
+
+def _gguf_step_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    untied = "output.weight" in tensors  # else the embedding is also the output matrix
+    return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["hf", "ortgenai", "openvino"])
@@ -177,3 +268,14 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _safetensors_step_bytes(path: Path) -> int:
+    """A transformers checkpoint less its input embedding when the output matrix is apart."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    sizes = {name: t["data_offsets"][1] - t["data_offsets"][0]
+             for name, t in header.items() if name != "__metadata__"}
+    untied = any(name.endswith("lm_head.weight") for name in sizes)
+    return sum(n for name, n in sizes.items()
+               if not (untied and name.endswith("embed_tokens.weight")))

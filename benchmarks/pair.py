@@ -58,7 +58,7 @@ class System:
     labels: list[str]  # what each command runs (its draft), for the sweep table
     family: str  # ours, hf, ortgenai, openvino, llamacpp
     plain: str | None = None  # its own target-only row, for "= own greedy"
-    weight_bytes: int = 0  # the target's weight files: bandwidth ceiling of a plain row
+    weight_bytes: int = 0  # the target's weights a step reads: a plain row's ceiling
     footprint: int = 0  # every model file it loads: its memory estimate
     sweep_k: tuple = ()  # draft lengths to sweep (option k); () = no sweep
     options: dict = field(default_factory=dict)  # per-call options the sweep chose
@@ -156,8 +156,7 @@ def size(path: Path) -> int:
 
 def bundle_target_bytes(bundle: Path) -> int:
     manifest = json.loads((Path(bundle) / "manifest.json").read_text())
-    return model_files.onnx_weight_bytes(Path(bundle) / manifest["target"]["graphs"]["decoder"]
-                                         ["file"])
+    return model_files.step_bytes(Path(bundle) / manifest["target"]["graphs"]["decoder"]["file"])
 
 
 def worker_cmd(spec: dict, python: Path | None = None) -> list[str]:
@@ -186,33 +185,35 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
     hf_t, hf_d = model_files.hf_dir(target), model_files.hf_dir(draft)
     if p == "fp32":
         hf = {**common, "kind": "hf", "model": str(hf_t), "eos_ids": eos_ids}
-        st = size(hf_t / "model.safetensors")
+        st = model_files.step_bytes(hf_t / "model.safetensors")
+        sf = size(hf_t / "model.safetensors")
         systems += [
-            System("hf", [worker_cmd(hf)], ["-"], "hf", None, st, st, what="PyTorch eager"),
+            System("hf", [worker_cmd(hf)], ["-"], "hf", None, st, sf, what="PyTorch eager"),
             System("hf-draft", [worker_cmd({**hf, "assistant": str(hf_d)})], ["0.5B fp32"],
-                   "hf", "hf", st, st + size(hf_d), (None, *sweep),
+                   "hf", "hf", st, sf + size(hf_d), (None, *sweep),
                    what="assistant_model (the draft at fp32)"),
             System("hf-lookup", [worker_cmd({**hf, "lookup": args.prompt_lookup})], ["-"], "hf",
-                   "hf", st, st, what=f"prompt_lookup_num_tokens {args.prompt_lookup}")]
+                   "hf", st, sf, what=f"prompt_lookup_num_tokens {args.prompt_lookup}")]
     else:
         skipped.update({n: "no comparable int4 CPU path in transformers (the fp32 table has "
                         "its rows)" for n in ("hf", "hf-draft", "hf-lookup")})
     genai_t = model_files.ortgenai_dir(p, target)
     genai = {**common, "kind": "ortgenai", "model": str(genai_t), "eos_id": eos_ids[0]}
-    gt = model_files.onnx_weight_bytes(genai_t / "model.onnx")
+    gt, gf = (model_files.step_bytes(genai_t / "model.onnx"),
+              model_files.onnx_weight_bytes(genai_t / "model.onnx"))
     size_, k, chained = args.genai_ngram.split(",")
     ngram = {"ngram_size": int(size_), "max_draft_tokens": int(k),
              "ngram_chained_lookup": chained == "chained"}
     drafts = {dp: model_files.ortgenai_dir(dp, draft) for dp in args.draft_precisions}
     systems += [
-        System("ortgenai", [worker_cmd(genai)], ["-"], "ortgenai", None, gt, gt,
+        System("ortgenai", [worker_cmd(genai)], ["-"], "ortgenai", None, gt, gf,
                what=f"its builder's -p {p}"),
         System("ortgenai-ngram", [worker_cmd({**genai, "spec": ngram})], ["-"], "ortgenai",
-               "ortgenai", gt, gt, what=f"n-gram {args.genai_ngram}"),
+               "ortgenai", gt, gf, what=f"n-gram {args.genai_ngram}"),
         System("ortgenai-draft",
                [worker_cmd({**genai, "draft": str(d), "spec": {"max_draft_tokens": args.draft_k}})
                 for d in drafts.values()], [f"0.5B {dp}" for dp in drafts], "ortgenai",
-               "ortgenai", gt, gt + max(map(size, drafts.values())), sweep,
+               "ortgenai", gt, gf + max(map(size, drafts.values())), sweep,
                what="draft model (model.draft in genai_config)")]
     why = peers.openvino_missing(args.openvino_python)
     if why:
@@ -221,17 +222,18 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
         ov_t = model_files.openvino_dir(args.openvino_python, p, target)
         ov_drafts = {dp: model_files.openvino_dir(args.openvino_python, dp, draft)
                      for dp in args.draft_precisions}
-        ot = size(ov_t / "openvino_model.bin")
+        ot = model_files.step_bytes(ov_t / "openvino_model.xml")
+        of = size(ov_t / "openvino_model.bin")
         how = "true f32" if p == "fp32" else "CPU defaults (bf16, u8 KV)"
         systems += [
             System("openvino", [ov_cmd(args, ov_t, "plain", eos_ids)], ["-"], "openvino", None,
-                   ot, ot, what=how),
+                   ot, of, what=how),
             System("openvino-lookup", [ov_cmd(args, ov_t, "lookup", eos_ids)], ["-"],
-                   "openvino", "openvino", ot, ot, what=f"prompt lookup {args.ov_lookup}"),
+                   "openvino", "openvino", ot, of, what=f"prompt lookup {args.ov_lookup}"),
             System("openvino-draft", [ov_cmd(args, ov_t, "draft", eos_ids, d)
                                       for d in ov_drafts.values()],
                    [f"0.5B {dp}" for dp in ov_drafts], "openvino", "openvino", ot,
-                   ot + max(map(size, ov_drafts.values())), sweep,
+                   of + max(map(size, ov_drafts.values())), sweep,
                    what="draft_model (the draft at its CPU defaults)")]
     gguf = args.llamacpp_gguf or (target if p == "int4" else None)
     why = peers.llamacpp_missing() or (None if gguf else
@@ -241,12 +243,12 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
         skipped.update({n: why for n in ("llamacpp", "llamacpp-lookup")})
     else:
         llama = {**common, "kind": "llamacpp", "gguf": str(gguf), "eos_ids": eos_ids}
-        g = size(gguf)
+        g, gf = model_files.step_bytes(Path(gguf)), size(gguf)
         systems += [
-            System("llamacpp", [worker_cmd(llama)], ["-"], "llamacpp", None, g, g,
+            System("llamacpp", [worker_cmd(llama)], ["-"], "llamacpp", None, g, gf,
                    what=f"llama-cpp-python on {Path(gguf).name}"),
             System("llamacpp-lookup", [worker_cmd({**llama, "lookup": args.llamacpp_lookup})],
-                   ["-"], "llamacpp", "llamacpp", g, g,
+                   ["-"], "llamacpp", "llamacpp", g, gf,
                    what=f"LlamaPromptLookupDecoding {args.llamacpp_lookup}")]
     ours_plain = args.specedge_target[0].partition("=")[0] if args.specedge_target else None
     for flag, use_draft in ((args.specedge_target, False), (args.specedge, True)):

@@ -89,9 +89,9 @@ def summarise(runs, systems, reference_hf: dict | None) -> dict:
 
 
 def bandwidth_rows(summary, systems, gbps: float) -> dict:
-    """Target-only rows: median tok/s over the ceiling bandwidth ÷ weight bytes (every weight
-    read once per token; the weight files include the input embedding, of which a step reads
-    one row, so the ceiling is a little low and the fraction a little high)."""
+    """Target-only rows: median tok/s over the ceiling bandwidth ÷ the weight bytes a step reads
+    (model_files.step_bytes: every weight once, less the tables a step only gathers a row of,
+    such as an untied input embedding)."""
     rows = summary.get("all") or next(iter(summary.values()), {})
     out = {}
     for name, s in systems.items():
@@ -204,8 +204,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | skipped: {why} |" + " |" * (len(kinds) + 4))
     if report["bandwidth_rows"]:
         lines += ["", "Target-only rows against the memory bandwidth (ceiling = bandwidth ÷ "
-                  "weight bytes, every weight read once per token):", "",
-                  "| system | weight GB | ceiling tok/s | median tok/s ÷ ceiling |",
+                  "the weight bytes a step reads: every weight once, less the rows of a table it only "
+                  "gathers from, such as an untied input embedding):", "",
+                  "| system | GB read per step | ceiling tok/s | median tok/s ÷ ceiling |",
                   "|---|---:|---:|---:|"]
         for name, b in report["bandwidth_rows"].items():
             lines.append(f"| {name} | {b['weight_bytes'] / 1e9:.2f} | "

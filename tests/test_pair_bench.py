@@ -195,3 +195,82 @@ def test_race_turns_rotate_by_block_and_run_every_prompt_and_repeat():
     assert sorted((r["system"], r["prompt"], r["repeat"]) for r in runs) == \
         sorted((n, i, k) for n in "abc" for i in range(4) for k in range(2))
     assert [x["after_prompt"] for x in loads] == [1, 3]
+
+
+def _onnx_with_embedding(path, tied: bool):
+    """An embedding table [100, 8] float32 (3200 B) gathered through a Reshape, an output
+    matrix [8, 100] (3200 B; the table's transpose when tied) and a [8, 8] layer (256 B)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    emb = numpy_helper.from_array(np.zeros((100, 8), np.float32), "emb")
+    shape = numpy_helper.from_array(np.array([100, 8], np.int64), "shape")  # 16 B
+    layer = numpy_helper.from_array(np.zeros((8, 8), np.float32), "layer")
+    nodes = [helper.make_node("Reshape", ["emb", "shape"], ["emb2"]),
+             helper.make_node("Gather", ["emb2", "ids"], ["x"]),
+             helper.make_node("MatMul", ["x", "layer"], ["h"])]
+    inits = [emb, shape, layer]
+    if tied:
+        nodes += [helper.make_node("Transpose", ["emb"], ["head"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["h", "head"], ["y"])]
+    else:
+        inits.append(numpy_helper.from_array(np.zeros((8, 100), np.float32), "head"))
+        nodes.append(helper.make_node("MatMul", ["h", "head"], ["y"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64,
+                                                                         [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 100])],
+                              inits)
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_step_bytes_leave_out_only_a_table_a_step_gathers_from(tmp_path):
+    untied = _onnx_with_embedding(tmp_path / "untied.onnx", tied=False)
+    tied = _onnx_with_embedding(tmp_path / "tied.onnx", tied=True)
+    assert model_files.step_bytes(untied) == 16 + 256 + 3200  # shape, layer, head
+    assert model_files.step_bytes(tied) == 3200 + 16 + 256  # the table is the head too
+
+
+def test_step_bytes_of_a_safetensors_checkpoint(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tensors = {"model.embed_tokens.weight": np.zeros((100, 8), np.float32),
+               "model.layers.0.w.weight": np.zeros((8, 8), np.float32)}
+    save_file(tensors, tmp_path / "tied.safetensors")
+    save_file({**tensors, "lm_head.weight": np.zeros((100, 8), np.float32)},
+              tmp_path / "untied.safetensors")
+    assert model_files.step_bytes(tmp_path / "tied.safetensors") == 3200 + 256
+    assert model_files.step_bytes(tmp_path / "untied.safetensors") == 256 + 3200
+
+
+def test_step_bytes_of_a_gguf_file(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    for name, tensors in (("tied", ("token_embd.weight", "blk.0.w.weight")),
+                          ("untied", ("token_embd.weight", "blk.0.w.weight", "output.weight"))):
+        w = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        for t in tensors:
+            w.add_tensor(t, np.zeros((64, 8) if t != "blk.0.w.weight" else (8, 8), np.float32))
+        w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert model_files.step_bytes(tmp_path / "tied.gguf") == 2048 + 256
+    assert model_files.step_bytes(tmp_path / "untied.gguf") == 256 + 2048
+
+
+def test_step_bytes_of_an_openvino_ir(tmp_path):
+    """A compressed table decompressed (Convert, Multiply) into a Gather's data port is left
+    out; a constant that also reaches a MatMul, or feeds a Gather's indices port, is not."""
+    layers = [("0", "Const", 3200), ("1", "Convert", 0), ("2", "Const", 4), ("3", "Multiply", 0),
+              ("4", "Parameter", 0), ("5", "Gather", 0), ("6", "Const", 256), ("7", "MatMul", 0),
+              ("8", "Const", 8)]
+    edges = [("0", "1", "0"), ("1", "3", "0"), ("2", "3", "1"), ("3", "5", "0"),
+             ("4", "5", "1"), ("5", "7", "0"), ("6", "7", "1"), ("8", "5", "2")]
+    xml = "<net><layers>" + "".join(
+        f'<layer id="{i}" type="{t}">' + (f'<data size="{n}"/>' if t == "Const" else "")
+        + "</layer>" for i, t, n in layers) + "</layers><edges>" + "".join(
+        f'<edge from-layer="{a}" from-port="9" to-layer="{b}" to-port="{p}"/>'
+        for a, b, p in edges) + "</edges></net>"
+    (tmp_path / "m.xml").write_text(xml)
+    assert model_files.step_bytes(tmp_path / "m.bin") == 256 + 8
