@@ -35,7 +35,7 @@ def _parity(role: str, entry: ModelEntry, encoder_decoder: bool) -> str:
     if "max_abs_diff_fp32" in p:
         what = "max |Δlogit|" if entry.precision == "fp32" else "fp32 export max |Δlogit|"
         parts.append(f"{what} {p['max_abs_diff_fp32']:.2g} (tolerance "
-                     f"{p.get('tolerance_fp32', 0):g})")
+                     f"{p.get('tolerance_fp32', 0):.2g})")
     q = p.get(entry.precision) if entry.precision != "fp32" else None
     if isinstance(q, dict) and "top1_agreement" in q:
         parts.append(f"top-1 {q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.3g} vs the float "

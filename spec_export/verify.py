@@ -21,8 +21,8 @@ from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.errors import BundleError
 from spec_runtime.manifest import Manifest, ModelEntry, read_manifest
 
-from .quality import (FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT, PARITY_PROMPT,
-                      QUANT_PROMPTS, broken_quantization)
+from .quality import (FP32_RELATIVE, FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT, PARITY_PROMPT,
+                      QUANT_PROMPTS, broken_quantization, fp32_tolerance)
 from .sources import ModelSpec, load_model
 
 
@@ -39,7 +39,9 @@ def verify_bundle(bundle_dir=None) -> dict:
             row = {"precision": entry.precision, "max_abs_diff": diff}
             report["graphs"][f"{role}/{graph}"] = row
             if entry.precision == "fp32":
-                row.update(limit=FP32_TOLERANCE, ok=diff <= FP32_TOLERANCE)
+                limit = FP32_TOLERANCE if manifest.encoder_decoder else \
+                    fp32_tolerance(_logit_scale(model, ids))
+                row.update(limit=limit, ok=diff <= limit)
             elif manifest.encoder_decoder:
                 limit = (entry.parity or {}).get("verify_max_abs_diff_int8")
                 row.update(limit=limit, ok=limit is None or diff <= limit)
@@ -75,6 +77,15 @@ def _check_quantized(row: dict, role: str, entry: ModelEntry, model, bundle_dir:
                           f"{measured['top1_agreement']:.0%} of next tokens (mean KL "
                           f"{measured['mean_kl']:.3f}), and {want}: its weights are not the "
                           f"model's; re-run `specexport build`")
+
+
+def _logit_scale(model, ids) -> float:
+    """The largest |logit| PyTorch gives over the parity prompt: what float32 rounding scales
+    with (quality.fp32_tolerance)."""
+    import torch
+
+    with torch.no_grad():
+        return float(model(torch.tensor([list(ids)])).logits.abs().max())
 
 
 def _parity(model, bundle_dir: Path, entry: ModelEntry, manifest: Manifest,
@@ -155,7 +166,8 @@ def format_report(report: dict) -> str:
     int8_encdec = any(r["precision"] != "fp32" and r["check"] == DIFF_CHECK
                       and r["result"] != "info" for r in rows)
     notes = [f"Float (fp32) graphs are judged by max |Δlogit| against the PyTorch model they "
-             f"came from (<= {FP32_TOLERANCE:g}); quantized graphs (int4, int8, fp16) by top-1 "
+             f"came from (<= {FP32_TOLERANCE:g}, or {FP32_RELATIVE:g} of its largest logit "
+             f"when that is more); quantized graphs (int4, int8, fp16) by top-1 "
              f"agreement and mean KL against the float model, within the thresholds recorded at "
              f"build" + ("; int8 encoder-decoder graphs by max |Δlogit| within the limit "
                          "recorded at build." if int8_encdec else ".")]

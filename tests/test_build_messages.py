@@ -142,3 +142,15 @@ def test_known_library_messages_are_dropped_during_a_build_only():
     with _quiet_libraries():
         assert emit() == ["a warning of its own"]
     assert len(emit()) == 3  # outside a build nothing is dropped
+
+
+def test_the_float32_parity_tolerance_grows_with_the_logits_past_five():
+    """1e-3 while PyTorch's logits stay within ±5; beyond, 2e-4 of the largest (a tiny random
+    model with logits up to 33 differs by 2.7e-3 on one CPU's kernels, not on another's), so
+    that a wrong export (off by a large part of a logit) is still refused."""
+    from spec_export.quality import fp32_tolerance
+
+    assert fp32_tolerance(1.0) == 1e-3
+    assert fp32_tolerance(5.0) == 1e-3
+    assert fp32_tolerance(33.0) == pytest.approx(6.6e-3)
+    assert fp32_tolerance(33.0) < 0.01 * 33.0

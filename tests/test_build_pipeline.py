@@ -119,3 +119,31 @@ def test_each_stage_records_its_time_and_the_peak_memory(gguf_target, tmp_path):
     assert sum(s["seconds"] for s in record["stages"]) <= record["seconds"] + 0.5
     line = next(r for r in build_summary(bundle).splitlines() if r.startswith("build"))
     assert "peak memory" in line and "export target" in line
+
+
+def test_an_export_off_by_a_fraction_of_a_logit_is_refused(gguf_target, tmp_path, monkeypatch):
+    """The float32 parity check still refuses a wrong export: the graph is corrupted (one MatMul
+    weight scaled by 1.5 after export), and the build stops with the measured difference and
+    writes nothing; the tolerance it states is the one quality.fp32_tolerance gives for the
+    model's logits."""
+    from spec_export import decoder_build
+    from spec_export.quality import fp32_tolerance
+    from spec_runtime.errors import BuildError
+
+    root, path = gguf_target
+    real = decoder_build._run_plan
+    seen = {}
+
+    def corrupted(graph_path, plan):
+        model = onnx.load(str(graph_path))
+        w = next(t for t in model.graph.initializer if len(t.dims) == 2 and min(t.dims) > 64)
+        w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * 1.5, w.name))
+        onnx.save(model, str(graph_path))
+        seen["scale"] = max(float(np.abs(c.want).max()) for c in plan)
+        return real(graph_path, plan)
+
+    monkeypatch.setattr(decoder_build, "_run_plan", corrupted)
+    with pytest.raises(BuildError, match="the export is wrong") as err:
+        build_bundle(str(path), "ngram", tmp_path / "b", max_len=64, progress=False)
+    assert f"> {fp32_tolerance(seen['scale']):.3g}:" in str(err.value)
+    assert not (tmp_path / "b").exists()
