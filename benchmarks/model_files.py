@@ -154,7 +154,8 @@ def onnx_weight_bytes(path: Path) -> int:
 
 # Weights a decode step reads whole, for the bandwidth ceiling: a table a step only gathers rows
 # of (the input embedding when untied: 0.93 GB of onnxruntime-genai's 1.92 GB int4 1.5B build)
-# costs one row, not its size. Each format is read by its own structure, no name guessing.
+# costs one row, not its size. ONNX and OpenVINO graphs are read by their structure, GGUF and
+# safetensors files by their standard tensor names.
 
 _GATHERS = {"Gather", "GatherBlockQuantized", "GatherND", "GatherElements"}
 
@@ -243,6 +244,17 @@ def _gguf_step_bytes(path: Path) -> int:
     return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
 
 
+def _safetensors_step_bytes(path: Path) -> int:
+    """A transformers checkpoint less its input embedding when the output matrix is apart."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    sizes = {name: t["data_offsets"][1] - t["data_offsets"][0]
+             for name, t in header.items() if name != "__metadata__"}
+    untied = any(name.endswith("lm_head.weight") for name in sizes)
+    return sum(n for name, n in sizes.items()
+               if not (untied and name.endswith("embed_tokens.weight")))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["hf", "ortgenai", "openvino"])
@@ -268,14 +280,3 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _safetensors_step_bytes(path: Path) -> int:
-    """A transformers checkpoint less its input embedding when the output matrix is apart."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    sizes = {name: t["data_offsets"][1] - t["data_offsets"][0]
-             for name, t in header.items() if name != "__metadata__"}
-    untied = any(name.endswith("lm_head.weight") for name in sizes)
-    return sum(n for name, n in sizes.items()
-               if not (untied and name.endswith("embed_tokens.weight")))
