@@ -90,9 +90,10 @@ def main(ctx):
                    "off]")
 @click.option("--int4-weights", type=click.Choice(INT4_WEIGHTS), default="auto",
               show_default=True,
-              help="int4 from a GGUF: gguf writes the file's own Q4_0/Q4_1/Q8_0 blocks (no "
+              help="int4 from a GGUF: gguf writes the file's own blocks (Q4_0 ... Q6_K, no "
                    "second rounding), quantize re-quantizes its float weights; auto: gguf for "
-                   "GGUF sources, quantize otherwise")
+                   "a GGUF target, for a GGUF draft model its 4-bit blocks and the wider ones "
+                   "re-quantized to 4 bits (a faster draft), quantize for other sources")
 @click.option("--gguf-file", default=None,
               help="the GGUF file's name inside --target's directory or hub repo [default: "
                    "none; a --target ending in .gguf names its file itself]")

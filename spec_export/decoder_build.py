@@ -52,11 +52,12 @@ class Exported:
 def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, parity_ids,
                          stage, quant_prompts, block_size: int, kernels: str,
                          float_embedding: bool, gguf_path: Path | None = None,
-                         keep_fp32: bool = False) -> Exported:
+                         keep_fp32: bool = False, only_4bit: bool = False) -> Exported:
     """Export `hf_model` to `path` at `precision`, check it, and return its manifest entry
     (minus source). The HF model is spent: its weights are freed as they are copied. With
     `keep_fp32`, the float32 graph stays (as `path` itself at fp32, else `<stem>.fp32.onnx`)
-    for derive_draft, which removes it."""
+    for derive_draft, which removes it. `only_4bit`: an int4 graph from a GGUF keeps only the
+    file's 4-bit blocks and re-quantizes the wider ones to 4 bits (a draft model: draft_plan)."""
     from specedge.models import for_hf_model
     from specedge.models.common import consuming
 
@@ -96,7 +97,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
         quantization, parity[precision] = _lower(fp32_path, path, precision, quant_prompts,
                                                  quant_ref, block_size=block_size, tied=tied,
                                                  float_embedding=float_embedding,
-                                                 gguf_path=gguf_path)
+                                                 gguf_path=gguf_path, only_4bit=only_4bit)
         if not keep_fp32:
             remove_graph(fp32_path)
     if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
@@ -153,7 +154,8 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
 
 
 def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, block_size: int,
-           tied: bool, float_embedding: bool, gguf_path: Path | None, model=None):
+           tied: bool, float_embedding: bool, gguf_path: Path | None, model=None,
+           only_4bit: bool = False):
     """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
     `precision` to `dst` and measure it against the float model: (quantization record, parity
     record). Refuses a graph that no longer computes the model."""
@@ -164,7 +166,7 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
         from .gguf_blocks import repack_int4
 
         quantization = repack_int4(src, dst, gguf_path, tied, block_size, float_embedding,
-                                   model=model)
+                                   model=model, only_4bit=only_4bit)
     elif precision == "int4":
         quantization = quantize.quantize_int4(src, dst, block_size,
                                               tied=tied and not float_embedding, model=model)

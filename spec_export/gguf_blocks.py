@@ -197,11 +197,15 @@ class _Weights:
         return numpy_helper.to_array(t)
 
 
-def _rewrite_matmuls(graph, weights: _Weights, index: RowIndex, out: _Writer) -> dict:
-    """Every MatMul whose weight the file holds → MatMulNBits over its blocks (split by form).
-    Returns {"kinds": Counter of block types, "written", "split": weights written / split,
-    "head": the lm_head's (rows, parts, names) or None, "dropped": float weights replaced}."""
-    done = {"kinds": Counter(), "written": 0, "split": 0, "head": None, "dropped": set()}
+def _rewrite_matmuls(graph, weights: _Weights, index: RowIndex, out: _Writer,
+                     only_4bit: bool = False) -> dict:
+    """Every MatMul whose weight the file holds → MatMulNBits over its blocks (split by form);
+    with `only_4bit`, a weight with any block wider than 4 bits stays float (for
+    re-quantizing). Returns {"kinds": Counter of block types, "written", "split": weights
+    written / split, "head": the lm_head's (rows, parts, names) or None, "dropped": float
+    weights replaced, "wide": Counter of the block types left float}."""
+    done = {"kinds": Counter(), "written": 0, "split": 0, "head": None, "dropped": set(),
+            "wide": Counter()}
     for node in graph.node:
         weight = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         w = weights.matrix(weight) if weight else None  # [K, N]
@@ -210,6 +214,10 @@ def _rewrite_matmuls(graph, weights: _Weights, index: RowIndex, out: _Writer) ->
             out.nodes.append(node)
             continue
         parts = [p.centred() for p in index.blocks(rows)]
+        if only_4bit and any(p.bits != 4 for p in parts):
+            done["wide"].update(k for p in parts for k in p.kind.split("+"))
+            out.nodes.append(node)
+            continue
         done["dropped"].add(weight)
         done["written"] += 1
         done["split"] += len(parts) > 1
@@ -257,14 +265,17 @@ def _rewrite_gather(weights: _Weights, index: RowIndex, out: _Writer, done: dict
 
 
 def repack_int4(src: Path | None, dst: Path, gguf_path: str | Path, tied: bool,
-                block_size: int = 32, float_embedding: bool = False, model=None) -> dict:
+                block_size: int = 32, float_embedding: bool = False, model=None,
+                only_4bit: bool = False) -> dict:
     """Write `src` (a float graph exported from the model loaded from `gguf_path`) to `dst` with
     every MatMul weight found in the GGUF's blocks as MatMulNBits over those blocks, and the
     embedding gather over its table's blocks unless `float_embedding`; weights not found are
     quantized by quantize.quantize_int4's MatMulNBitsQuantizer (`block_size`; with `tied`, its
     embedding reads the head it quantized). `model` (the float graph, loaded without its external
-    data, possibly edited) is used instead of loading `src`. Returns the manifest's
-    quantization record."""
+    data, possibly edited) is used instead of loading `src`. With `only_4bit` (a draft model's
+    weights: draft_plan.py), only 4-bit blocks are written as they are, and the weights whose
+    blocks MatMulNBits would hold at 8 bits are re-quantized to 4 bits with zero points.
+    Returns the manifest's quantization record."""
     import onnx
     from onnx.external_data_helper import load_external_data_for_model
 
@@ -275,7 +286,7 @@ def repack_int4(src: Path | None, dst: Path, gguf_path: str | Path, tied: bool,
     graph = model.graph
     weights = _Weights(graph, Path(src).parent)
     out = _Writer()
-    done = _rewrite_matmuls(graph, weights, index, out)
+    done = _rewrite_matmuls(graph, weights, index, out, only_4bit)
     head = done["head"]
     embedding = None if float_embedding else _rewrite_gather(weights, index, out, done)
     del graph.node[:]
@@ -289,10 +300,13 @@ def repack_int4(src: Path | None, dst: Path, gguf_path: str | Path, tied: bool,
     # are quantized as without a GGUF; the offset MatMuls stay float (exact offsets)
     offsets = tuple(n.name for n in out.nodes if n.name.endswith("/offsets"))
     rest = quantize.quantize_int4(None, dst, block_size, model=model, exclude=offsets,
-                                  tied=tied and head is None and not float_embedding)
+                                  tied=tied and head is None and not float_embedding,
+                                  symmetric=not only_4bit)
     record = {"method": "GGUF blocks repacked for MatMulNBits (" + str(Path(gguf_path).name) + ")",
               "gguf_blocks": dict(sorted(done["kinds"].items())),
-              "weights": "exact: each is its block's scale·(code − zero point) (+ offset)",
+              "weights": "exact: each is its block's scale·(code − zero point) (+ offset)"
+              + (f"; {', '.join(sorted(done['wide']))} re-quantized to 4 bits with zero "
+                 f"points (a draft)" if done["wide"] else ""),
               "accuracy_level": ACCURACY_LEVEL,
               "quantized_matmuls": done["written"] + rest["quantized_matmuls"],
               "lm_head": (f"{'+'.join(sorted({p.kind for p in head[1]}))} blocks of the GGUF"
@@ -306,4 +320,6 @@ def repack_int4(src: Path | None, dst: Path, gguf_path: str | Path, tied: bool,
     if rest["quantized_matmuls"]:
         record["re_quantized"] = {k: rest[k] for k in ("method", "bits", "block_size",
                                                         "symmetric", "quantized_matmuls")}
+        if done["wide"]:
+            record["re_quantized"]["gguf_blocks"] = dict(sorted(done["wide"].items()))
     return record

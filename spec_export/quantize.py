@@ -125,10 +125,10 @@ def _drop_round_trips(graph, kept: set[str]) -> None:
 
 
 def quantize_int4(src: Path | None, dst: Path, block_size: int = 32, tied: bool = False,
-                  model=None, exclude: tuple[str, ...] = ()) -> dict:
+                  model=None, exclude: tuple[str, ...] = (), symmetric: bool = True) -> dict:
     """Weight-only 4-bit: quantize_nbits with bits 4."""
     return quantize_nbits(src, dst, bits=4, block_size=block_size, tied=tied, model=model,
-                          exclude=exclude)
+                          exclude=exclude, symmetric=symmetric)
 
 
 def _quantizer_class():
@@ -148,15 +148,16 @@ def _quantizer_class():
 
 
 def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
-                   tied: bool = False, model=None, exclude: tuple[str, ...] = ()) -> dict:
-    """Weight-only `bits`-bit: every MatMul with a constant weight becomes MatMulNBits
-    (symmetric, one scale per `block_size` inputs), via onnxruntime's MatMulNBitsQuantizer. The
-    lm_head is quantized too (the exporter gives it its own copy of a tied embedding). With
-    `tied`, the embedding gather then reads the lm_head's quantized weights
-    (GatherBlockQuantized) and the float copy is dropped: one matrix in the file, as in the
-    tied checkpoint. Otherwise the embedding stays float32. The attention stays float32.
-    `model` (an onnx ModelProto) is used instead of loading `src`; MatMul nodes named in
-    `exclude` stay float."""
+                   tied: bool = False, model=None, exclude: tuple[str, ...] = (),
+                   symmetric: bool = True) -> dict:
+    """Weight-only `bits`-bit: every MatMul with a constant weight becomes MatMulNBits (one
+    scale per `block_size` inputs, and a zero point unless `symmetric`), via onnxruntime's
+    MatMulNBitsQuantizer. The lm_head is quantized too (the exporter gives it its own copy of
+    a tied embedding). With `tied`, the embedding gather then reads the lm_head's quantized
+    weights (GatherBlockQuantized) and the float copy is dropped: one matrix in the file, as in
+    the tied checkpoint (when symmetric: the gather is given no zero points). Otherwise the
+    embedding stays float32. The attention stays float32. `model` (an onnx ModelProto) is used
+    instead of loading `src`; MatMul nodes named in `exclude` stay float."""
     import logging
 
     import onnx
@@ -165,7 +166,7 @@ def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
     model = model if model is not None else onnx.load(str(src))
     before = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size,
-                                     is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
+                                     is_symmetric=symmetric, accuracy_level=ACCURACY_LEVEL,
                                      nodes_to_exclude=list(exclude))
     # the quantizer logs two INFO lines per MatMul through its own handler; keep its warnings
     logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -187,7 +188,7 @@ def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
     save_graph(quantizer.model.model, dst)
     n_q = sum(n.op_type == "MatMulNBits" for n in graph.node) - before
     return {"method": "onnxruntime MatMulNBitsQuantizer", "bits": bits, "block_size": block_size,
-            "symmetric": True, "accuracy_level": ACCURACY_LEVEL, "quantized_matmuls": n_q,
+            "symmetric": symmetric, "accuracy_level": ACCURACY_LEVEL, "quantized_matmuls": n_q,
             "lm_head": f"int{bits}" + (" (untied copy of the embedding)" if tied else ""),
             "embedding": embedding, "activations": "int8, per row and block"}
 

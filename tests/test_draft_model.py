@@ -42,8 +42,12 @@ def test_a_hybrid_over_a_draft_model_from_its_gguf_file(pair, tmp_path):
                           progress=False)
     m = manifest(bundle)["draft"]
     assert m["kind"] == "hybrid" and m["gguf_file"] == "draft.gguf"
-    # a GGUF draft with a fused graph drafts from its own blocks at int4 unless told otherwise
-    assert m["precision"] == "int4" and m["quantization"]["gguf_blocks"]
+    # a GGUF draft with a fused graph drafts at int4 unless told otherwise: its Q4_1 blocks as
+    # they are, its tied Q8_0 head re-quantized to 4 bits (8-bit codes would double its bytes)
+    q = m["quantization"]
+    assert m["precision"] == "int4" and q["gguf_blocks"] == {"Q4_1": 5}  # q|k|v o gate up down
+    assert q["re_quantized"]["gguf_blocks"] == {"Q8_0": 1} and q["lm_head"] == "int4 (re-quantized)"
+    assert q["embedding"] == "Q8_0 blocks of the GGUF (GatherBlockQuantized)"
     assert 0 < m["draft_cost"] and m["dims"]["n_layers"] == 1
     same, spec = greedy_equal(bundle)
     assert same and spec.stats["draft_kind"] == "hybrid"

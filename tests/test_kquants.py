@@ -70,26 +70,35 @@ def mixed_gguf(path, layers=2, tied=True):
 def graphs(request, tmp_path_factory):
     """The float graph of a mixed GGUF (as the int4 build exports it: lm_head untied) and its
     rewrite over the file's blocks."""
-    from specedge.models import for_hf_model
-
     from spec_export.gguf_blocks import repack_int4
-    from spec_export.load import load_hf_model
-    from spec_export.onnx_fused import export_fused_llama
 
     tied = request.param == "tied"
     root = tmp_path_factory.mktemp("kquants")
+    path = float_graph(root, tied)
+    record = repack_int4(root / "fp32.onnx", root / "int4.onnx", path, tied=tied)
+    fp32, int4 = (onnx.load(str(root / f"{g}.onnx")).graph for g in ("fp32", "int4"))
+    return path, fp32, int4, record, tied
+
+
+def float_graph(root, tied: bool):
+    """The mixed GGUF under `root`/m and its float graph `root`/fp32.onnx, exported as the int4
+    build exports it (lm_head untied); untied, its weights in an external data file, as a large
+    model's are (read one by one)."""
+    from specedge.models import for_hf_model
+
+    from spec_export.load import load_hf_model
+    from spec_export.onnx_fused import export_fused_llama
+
     (root / "m").mkdir()
     path = mixed_gguf(root / "m" / "mixed.gguf", tied=tied)
     hf, _ = load_hf_model(str(path))
     module = for_hf_model(hf, 64)
     module.untie_lm_head()
     export_fused_llama(module, root / "fp32.onnx", 64)
-    if not tied:  # weights in an external data file, as a large model's are: read one by one
+    if not tied:
         onnx.save_model(onnx.load(str(root / "fp32.onnx")), str(root / "fp32.onnx"),
                         save_as_external_data=True, location="fp32.onnx.data", size_threshold=0)
-    record = repack_int4(root / "fp32.onnx", root / "int4.onnx", path, tied=tied)
-    fp32, int4 = (onnx.load(str(root / f"{g}.onnx")).graph for g in ("fp32", "int4"))
-    return path, fp32, int4, record, tied
+    return path
 
 
 def run_between(graph, x: str, y: str, feed: np.ndarray) -> np.ndarray:
@@ -187,13 +196,66 @@ def test_a_kquant_bundle_records_its_blocks_and_decodes_exactly(bundle):
     m = json.loads((bundle / "manifest.json").read_text())
     q = m["target"]["quantization"]
     assert set(q["gguf_blocks"]) == set(KINDS) and "re_quantized" not in q
-    assert m["draft"]["quantization"]["gguf_blocks"]["Q6_K"] == 2  # layer 0's v and down
+    # the draft model keeps its 4-bit blocks; its 5/6/8-bit ones are re-quantized to 4 bits
+    d = m["draft"]["quantization"]
+    assert d["gguf_blocks"] == {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1}  # gate, up; the tied head
+    assert d["re_quantized"]["gguf_blocks"] == {"Q4_K": 1, "Q5_K": 1, "Q6_K": 2}  # q|k|v, o, down
+    assert d["re_quantized"]["symmetric"] is False
     print("int4 parity vs the de-quantized model", m["target"]["parity"]["int4"])
     gen = spec_runtime.load(bundle)
     gen.eos_token_ids = frozenset()
     for prompt in ["hello world", "abc abc abc abc", "def f(x):\n    return"]:
         spec = gen.generate(prompt, max_new_tokens=24, gamma=4)
         assert spec.tokens == gen.generate(prompt, max_new_tokens=24, use_draft=False).tokens
+
+
+def test_int4_weights_gguf_keeps_every_block_of_a_draft_model(tmp_path):
+    (tmp_path / "m").mkdir()
+    target = mixed_gguf(tmp_path / "m" / "target.gguf")
+    draft = mixed_gguf(tmp_path / "m" / "draft.gguf", layers=1)
+    b = build_bundle(str(target), str(draft), tmp_path / "b", max_len=96, precision="int4",
+                     int4_weights="gguf", progress=False)
+    q = json.loads((b / "manifest.json").read_text())["draft"]["quantization"]
+    assert q["gguf_blocks"]["Q6_K"] == 2 and "re_quantized" not in q  # layer 0's v and down
+
+
+def test_only_4bit_keeps_the_4bit_blocks_and_requantizes_the_rest(tmp_path):
+    """A draft model's graph (repack_int4 only_4bit): weights of Q4_0/Q4_1/Q4_K blocks are the
+    file's, bit for bit; each other one is within one step of its block's asymmetric 4-bit
+    grid (scale = the block's range, 0 included, over 15) of the float weight."""
+    from spec_export.gguf_blocks import repack_int4
+
+    path = float_graph(tmp_path, tied=False)
+    record = repack_int4(tmp_path / "fp32.onnx", tmp_path / "int4.onnx", path, tied=False,
+                         only_4bit=True)
+    fp32 = onnx.load(str(tmp_path / "fp32.onnx")).graph
+    int4 = onnx.load(str(tmp_path / "int4.onnx")).graph
+    inits = {t.name: numpy_helper.to_array(t, base_dir=str(tmp_path)) for t in fp32.initializer}
+    # the MatMuls whose rows are all 4-bit blocks in MIX (layer 1's q|k|v mixes Q5_0, Q8_0, Q5_1)
+    four = ("layers.0/mlp/gate_proj", "layers.0/mlp/up_proj", "layers.1/attn/o_proj",
+            "layers.1/mlp/down_proj")
+    exact = requantized = 0
+    for n in (n for n in fp32.node if n.op_type == "MatMul" and n.input[1] in inits):
+        w = inits[n.input[1]]  # [K, N]
+        got = run_between(int4, n.input[0], n.output[0], np.eye(len(w), dtype=np.float32)[None])[0]
+        if any(f in n.name for f in four):
+            assert np.array_equal(got, w), n.name
+            exact += 1
+            continue
+        blocks = w.T.reshape(w.shape[1], -1, 32)  # [N, K/32, 32]
+        step = (np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)) / 15
+        err = np.abs(got.T.reshape(blocks.shape) - blocks).max(-1)
+        assert np.all(err <= step * 1.001 + 1e-7), n.name
+        assert not np.array_equal(got, w), n.name  # rounded again: not the file's blocks
+        requantized += 1
+    assert exact == 4 and requantized == 7  # both layers' q|k|v, 0's o and down, 1's gate and
+    # up, the lm_head (Q5_K)
+    assert record["gguf_blocks"] == {"Q4_0": 1, "Q4_1": 2, "Q4_K": 1}
+    assert set(record["re_quantized"]["gguf_blocks"]) == {"Q4_K", "Q5_0", "Q5_1", "Q5_K",
+                                                          "Q6_K", "Q8_0"}
+    nbits = [n for n in int4.node if n.op_type == "MatMulNBits"]
+    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
+    assert sum(len(n.input) >= 4 and n.input[3] != "" for n in nbits) >= 7  # zero points
 
 
 def test_a_position_scores_the_same_in_a_step_and_a_verify_call(bundle):
