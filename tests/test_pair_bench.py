@@ -274,3 +274,36 @@ def test_step_bytes_of_an_openvino_ir(tmp_path):
         for a, b, p in edges) + "</edges></net>"
     (tmp_path / "m.xml").write_text(xml)
     assert model_files.step_bytes(tmp_path / "m.bin") == 256 + 8
+
+
+def test_draft_agreement_counts_what_hugging_face_predicts(llama_pair, tmp_path, capsys):
+    """benchmarks/draft_agreement.py on the tiny pair's draft graph against the target's greedy
+    outputs, checked with the draft model's own logits in transformers (teacher-forced)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import draft_agreement
+
+    t_dir, d_dir, bundle = llama_pair
+    target = AutoModelForCausalLM.from_pretrained(t_dir).eval()
+    draft = AutoModelForCausalLM.from_pretrained(d_dir).eval()
+    prompts = [("code", [5, 17, 99, 3, 42]), ("chat", [8, 8, 120, 7])]
+    runs, want = [], {}
+    for i, (kind, ids) in enumerate(prompts):
+        with torch.no_grad():
+            out = target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            logits = draft(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1:]
+        want[kind] = int((logits.argmax(-1) == torch.tensor(out)).sum())
+        runs.append({"system": "target-only", "prompt": i, "repeat": 0, "tokens": out})
+    race = tmp_path / "race.json"
+    race.write_text(json.dumps({"prompts": [{"kind": k, "ids": ids} for k, ids in prompts],
+                                "runs": runs}))
+    assert 0 < sum(want.values()) < 40  # neither none nor all: the count means something
+    draft_agreement.main(["--race", str(race), str(bundle / "draft.onnx")])
+    line = capsys.readouterr().out
+    total = sum(want.values())
+    assert f"= target's token {total / 40:.3f} of 40" in line
+    assert f"code {want['code'] / 20:.3f}" in line and f"chat {want['chat'] / 20:.3f}" in line
