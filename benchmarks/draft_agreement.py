@@ -5,8 +5,8 @@ Agreement: each graph is run teacher-forced over a pair race's prompts followed 
 own greedy output (the target-only rows of `benchmarks/pair.py`'s JSON), one call per prompt
 scoring every output position; the share of positions whose argmax is the target's next token
 is what a greedy draft's proposals are accepted at, position by position. Step: a 1-token call at
-position 300 (or a shorter cache's last), the graphs timed alternately (7 rounds of 15 calls, order rotating; one session's
-calls never interleave with another's, as in step_time.py).
+position 300 (or a shorter cache's last), the graphs timed alternately (7 rounds of 15 calls,
+order rotating; one session's calls never interleave with another's, as in step_time.py).
 
     python benchmarks/draft_agreement.py --race OUT/fp32/pair-fp32.json GRAPH.onnx [GRAPH.onnx ...]
 
@@ -26,13 +26,11 @@ ROUNDS, CALLS, POSITION = 7, 15, 300
 
 
 def session(path: Path, threads: int):
-    import onnxruntime as ort
+    """The runtime's own CPU session (spec_runtime.ort_engine.make_session), not spinning
+    between calls, as a bundle's draft and target sessions that take turns are."""
+    from spec_runtime.ort_engine import make_session
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    so.add_session_config_entry("session.force_spinning_stop", "1")
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return make_session(path, threads=threads, spinning=False)
 
 
 def feeds(s, ids: list[int], position: int, num_logits: int) -> dict:

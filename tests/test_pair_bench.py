@@ -1,5 +1,6 @@
 """The pair race's bookkeeping (benchmarks/pair.py, pair_report.py, model_files.py) on runs
-written by hand: every expected figure below is computed by hand from those runs."""
+written by hand: every expected figure below is computed by hand from those runs; and
+draft_agreement.py's counts, against transformers."""
 
 import sys
 from pathlib import Path
@@ -280,6 +281,7 @@ def test_draft_agreement_counts_what_hugging_face_predicts(llama_pair, tmp_path,
     """benchmarks/draft_agreement.py on the tiny pair's draft graph against the target's greedy
     outputs, checked with the draft model's own logits in transformers (teacher-forced)."""
     import json
+    import re
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -290,13 +292,16 @@ def test_draft_agreement_counts_what_hugging_face_predicts(llama_pair, tmp_path,
     target = AutoModelForCausalLM.from_pretrained(t_dir).eval()
     draft = AutoModelForCausalLM.from_pretrained(d_dir).eval()
     prompts = [("code", [5, 17, 99, 3, 42]), ("chat", [8, 8, 120, 7])]
-    runs, want = [], {}
+    runs, want, close = [], {}, {}
     for i, (kind, ids) in enumerate(prompts):
         with torch.no_grad():
             out = target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
             logits = draft(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1:]
         want[kind] = int((logits.argmax(-1) == torch.tensor(out)).sum())
+        # positions whose top two logits are too close for another CPU's kernels to order alike
+        top2 = logits.topk(2, -1).values
+        close[kind] = int((top2[:, 0] - top2[:, 1] < 1e-3).sum())
         runs.append({"system": "target-only", "prompt": i, "repeat": 0, "tokens": out})
     race = tmp_path / "race.json"
     race.write_text(json.dumps({"prompts": [{"kind": k, "ids": ids} for k, ids in prompts],
@@ -304,6 +309,7 @@ def test_draft_agreement_counts_what_hugging_face_predicts(llama_pair, tmp_path,
     assert 0 < sum(want.values()) < 40  # neither none nor all: the count means something
     draft_agreement.main(["--race", str(race), str(bundle / "draft.onnx")])
     line = capsys.readouterr().out
-    total = sum(want.values())
-    assert f"= target's token {total / 40:.3f} of 40" in line
-    assert f"code {want['code'] / 20:.3f}" in line and f"chat {want['chat'] / 20:.3f}" in line
+    assert "of 40 (" in line
+    for kind in want:
+        got = round(float(re.search(rf"{kind} ([0-9.]+)", line).group(1)) * 20)
+        assert abs(got - want[kind]) <= close[kind], (kind, got, want[kind], close[kind])
