@@ -313,3 +313,65 @@ def test_draft_agreement_counts_what_hugging_face_predicts(llama_pair, tmp_path,
     for kind in want:
         got = round(float(re.search(rf"{kind} ([0-9.]+)", line).group(1)) * 20)
         assert abs(got - want[kind]) <= close[kind], (kind, got, want[kind], close[kind])
+
+
+def test_tree_gain_rounds_by_hand():
+    """benchmarks/tree_gain.py's tokens per round, counted by hand on one rank sequence: ranks
+    1 1 2 1 3 (the target's token is the draft's 1st, 1st, 2nd, 1st, 3rd choice)."""
+    import numpy as np
+
+    import tree_gain
+
+    rank = np.array([1, 1, 2, 1, 3])
+    # chain γ 2, start by start: t0 takes 1,1 and the target's (3); t1 takes 1, stops at the 2
+    # (2); t2 stops at once (1); t3 takes 1, stops (2); t4 stops (1)
+    assert tree_gain.tokens_per_round(rank, 2) == (3 + 2 + 1 + 2 + 1) / 5
+    # top-2 leaves at depth 0: the 2 at t2 is taken (2 instead of 1); the 3 at t4 is not
+    assert tree_gain.tokens_per_round(rank, 2, depth=1, k=2) == (3 + 2 + 2 + 2 + 1) / 5
+    # leaves at depths 0 and 1: t1's miss at depth 1 is now a leaf (3); top-3 leaves also take
+    # t3's 3 at depth 1 (3) and t4's 3 at depth 0 (2)
+    assert tree_gain.tokens_per_round(rank, 2, depth=2, k=2) == (3 + 3 + 2 + 2 + 1) / 5
+    assert tree_gain.tokens_per_round(rank, 2, depth=2, k=3) == (3 + 3 + 2 + 3 + 2) / 5
+    # a chain longer than what is left of the output stops at its end: γ 8 from t0 takes 1,1
+    assert tree_gain.tokens_per_round(rank, 8) == (3 + 2 + 1 + 2 + 1) / 5
+    rows = {(g, d, k): n for g, d, k, n in tree_gain.shapes(5, max_gamma=3)}
+    assert rows[(3, 0, 1)] == 4 and rows[(2, 2, 2)] == 5 and rows[(1, 1, 3)] == 4
+    assert (3, 1, 2) in rows and (3, 2, 2) not in rows  # 6 rows: over the budget
+    assert tree_gain.price({1: 0.1, 5: 0.2}, 3) == pytest.approx(0.15)
+
+
+def test_tree_gain_ranks_are_the_draft_models_ranks_in_hugging_face(llama_pair, tmp_path,
+                                                                      capsys):
+    """tree_gain's rank of each target token among the draft graph's logits, against the draft
+    model's own logits in transformers (teacher-forced); then the whole report on the tiny pair."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import draft_agreement
+    import tree_gain
+
+    t_dir, d_dir, bundle = llama_pair
+    target = AutoModelForCausalLM.from_pretrained(t_dir).eval()
+    draft = AutoModelForCausalLM.from_pretrained(d_dir).eval()
+    ids = [5, 17, 99, 3, 42]
+    with torch.no_grad():
+        out = target.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        logits = draft(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1:]
+    own = logits[torch.arange(len(out)), torch.tensor(out)]
+    want = 1 + (logits > own[:, None]).sum(-1)
+    # logits within 1e-3 of the target token's may order either way on another CPU's kernels
+    slack = ((logits - own[:, None]).abs() < 1e-3).sum(-1) - 1
+    got = tree_gain.ranks(draft_agreement.session(bundle / "draft.onnx", 2),
+                          [("code", ids, out)])[0]
+    assert (want > 1).any() and (want == 1).any()  # some misses, some hits: ranks matter here
+    assert all(abs(int(g) - int(w)) <= int(s) for g, w, s in zip(got, want, slack)), (got, want)
+    race = tmp_path / "race.json"
+    race.write_text(json.dumps({"prompts": [{"kind": "code", "ids": ids}], "runs": [
+        {"system": "target-only", "prompt": 0, "repeat": 0, "tokens": out}]}))
+    tree_gain.main(["--race", str(race), "--draft", str(bundle / "draft.onnx"),
+                    "--rows", "1,5", str(bundle / "target.onnx")])
+    report = capsys.readouterr().out
+    assert "16 positions" in report and "best chain: γ" in report and "tree / chain:" in report
