@@ -238,7 +238,7 @@ def markdown(report: dict) -> str:
 
 
 def write(report: dict, args) -> None:
-    from compare import write_results
+    from compare_report import write_results
 
     report = build(report, args)
     write_results(args.out / f"pair-{args.precision}", report, markdown(report))
