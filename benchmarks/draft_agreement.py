@@ -55,13 +55,18 @@ def agreement(s, cases: list[tuple[str, list[int], list[int]]]) -> dict:
     return out
 
 
+def fitting_position(s, position: int, rows: int = 1) -> int:
+    """`position`, or the latest at which a call of `rows` tokens fits a shorter static cache."""
+    slots = min((i.shape[2] for i in s.get_inputs() if i.name.startswith("past_")
+                 and isinstance(i.shape[2], int)), default=position + rows + 1)
+    return min(position, slots - rows - 1)
+
+
 def step_times(sessions: list) -> list[float]:
     """Median 1-token step of each session at POSITION (or the last slot of a shorter cache)."""
     calls = []
     for s in sessions:
-        slots = min((i.shape[2] for i in s.get_inputs() if i.name.startswith("past_")
-                     and isinstance(i.shape[2], int)), default=POSITION + 2)
-        calls.append(feeds(s, [1], min(POSITION, slots - 2), 1))
+        calls.append(feeds(s, [1], fitting_position(s, POSITION), 1))
     for s, f in zip(sessions, calls):
         s.run(["logits"], f)
     times: list[list[float]] = [[] for _ in sessions]

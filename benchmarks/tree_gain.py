@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from draft_agreement import feeds, session
+from draft_agreement import feeds, fitting_position, session
 
 CALLS = 11
 
@@ -74,9 +74,7 @@ def shapes(max_rows: int, max_gamma: int = 16):
 def call_times(s, rows: list[int], position: int = 100) -> dict[int, float]:
     """Median seconds of a call scoring `n` rows at `position` (or as late as a shorter cache
     allows), for each n."""
-    slots = min((i.shape[2] for i in s.get_inputs() if i.name.startswith("past_")
-                 and isinstance(i.shape[2], int)), default=position + max(rows) + 1)
-    position = min(position, slots - max(rows) - 1)
+    position = fitting_position(s, position, max(rows))
     out = {}
     for n in rows:
         f = feeds(s, [1] * n, position, n)  # a call's time does not depend on the ids
