@@ -26,6 +26,7 @@ ARCHITECTURES = ("decoder-only", "encoder-decoder")
 # graphs every model entry (target, and a model draft) must hold, per architecture
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
+AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_BYTES = 255  # a file name, on every common file system
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
@@ -137,6 +138,11 @@ def validate(m: dict) -> None:
     _integer(m, "max_gamma", "", 1, max_len - 1 if max_len > 1 else 1)
     if m.get("default_gamma") != "auto":
         _integer(m, "default_gamma", "", 1, m["max_gamma"])
+    elif not isinstance(m.get("schema_version"), int) or m["schema_version"] < AUTO_SINCE:
+        # an older writer never wrote "auto": such a manifest was edited, not built
+        raise _bad("default_gamma", "auto", f"schema_version {m.get('schema_version')!r} "
+                   f"predates it (\"auto\" is read since schema {AUTO_SINCE}); it must be an "
+                   f"integer in [1, {m['max_gamma']}]")
     _integer(m, "prefill_chunk", "", 1)
     _precision(m, "")
     files = _require(m, "files", dict, "")

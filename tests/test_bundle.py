@@ -160,6 +160,9 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
         (lambda b: (b / "manifest.json").write_text("{not json"), "not valid JSON"),
         (lambda b: edit_manifest(b, lambda m: m.update(schema_version=99)), "upgrade specedge"),
         (lambda b: edit_manifest(b, lambda m: m.update(schema_version=0)), "re-run"),
+        # "auto" came with schema 3: a schema-2 manifest that holds it was edited, not built
+        (lambda b: edit_manifest(b, lambda m: m.update(schema_version=2, default_gamma="auto")),
+         "default_gamma is 'auto': schema_version 2 predates it"),
         (lambda b: edit_manifest(b, lambda m: m["files"]["tokenizer.json"].update(sha256="0" * 64)),
          "sha256"),
         (lambda b: edit_manifest(b, lambda m: m.pop("target")), "target is missing"),
@@ -169,7 +172,7 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
             kv_cache="paged")), "kv_cache 'paged'"),
     ],
     ids=["truncated-graph", "missing-graph", "no-manifest", "bad-json", "newer-schema",
-         "older-schema", "sha-mismatch", "missing-key", "wrong-max-len", "unknown-draft",
+         "older-schema", "auto-in-schema-2", "sha-mismatch", "missing-key", "wrong-max-len", "unknown-draft",
          "unknown-kv-cache"],
 )
 def test_damaged_bundle_is_refused_with_a_hint(bundle_copy, damage, match):
