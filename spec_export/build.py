@@ -377,7 +377,10 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
-    write_manifest(tmp, manifest)
+    write_manifest(tmp, manifest)  # the bundle is whole: the runtime can load it to measure
+    from .costs import measure_costs
+
+    write_manifest(tmp, replace(manifest, costs=measure_costs(tmp)))
 
 
 def _check_seq2seq_options(precision: str, plan, kernels: str) -> None:

@@ -12,8 +12,6 @@ the target's float32 graph file, not from a second export.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,20 +208,13 @@ def remove_graph(path: Path) -> None:
 
 
 def step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int = 15) -> float:
-    """The draft's 1-token step time over the target's (medians, after a 32-token prefill),
-    through the runtime's engine on this machine."""
+    """The draft's 1-token step time over the target's (medians of `steps` calls, after a
+    prefill), through the runtime's engine on this machine."""
+    from .costs import median_call_s
     from .parity import open_decoder
 
     def step_s(entry: ModelEntry) -> float:
-        engine = open_decoder(directory / entry.graphs["decoder"].file)
-        tokens = np.arange(3, 35 + steps, dtype=np.int64) % entry.vocab_size
-        engine.forward(tokens[:32], 0, 1)
-        times = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            engine.forward(tokens[32 + i : 33 + i], 32 + i, 1)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_call_s(open_decoder(directory / entry.graphs["decoder"].file), 1, steps)
 
     return round(min(10.0, step_s(draft) / step_s(target)), 3)
 

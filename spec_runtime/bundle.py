@@ -31,6 +31,7 @@ from .errors import BundleError
 from .generator import Generator
 from .manifest import MANIFEST, REBUILD, TokenizerEntry, read_manifest, unreadable
 from .manifest_checks import check_file_hashes, check_unchanged, regular_file, snapshot
+from .stats import Costs
 
 DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
@@ -145,4 +146,5 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         manifest=manifest,
         bundle_dir=bundle_dir,
         generation_defaults=manifest.generation,
+        costs=Costs(**manifest.costs) if manifest.costs else None,
     )

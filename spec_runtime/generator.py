@@ -34,7 +34,7 @@ from .loop import AUTO_START, RequestState, generate_tokens
 from .request import (MAX_NEW_TOKENS, SAMPLING_ARGS, GenerationOptions, GenerationResult, Request,
                       TextStream, check_capacity)
 from .sampling import SamplingParams
-from .stats import DecodeStats, Recorder
+from .stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, check_text, texts, token_list
 
 
@@ -56,6 +56,7 @@ class Generator:
         bundle_dir=None,
         generation_defaults: dict | None = None,
         row_check=None,
+        costs: Costs | None = None,
         clock=time.perf_counter,
     ):
         self.target = target
@@ -74,6 +75,10 @@ class Generator:
         # leaves a sampling argument unset (None) gets, before SamplingParams' own defaults
         self.generation_defaults = dict(generation_defaults or {})
         self.clock = clock
+        # auto γ's prices for seeded sampling (loop.GammaPolicy): the bundle's, measured at
+        # build; else what is known without measuring (a lookup costs nothing, a hybrid's model
+        # its draft_cost)
+        self.costs = costs or unmeasured_costs(draft)
         # rows.RowCheck: how the target's 1-token calls are made, and what the load measured
         self.row_check = row_check
         # ids past the target's vocabulary are padding, never input (a draft with a smaller
@@ -167,8 +172,10 @@ class Generator:
         # "auto" starts from the bundle's γ, or from AUTO_START where "auto" is its default
         start = self.default_gamma if self.default_gamma != "auto" else \
             min(AUTO_START, self.max_gamma)
+        # a seeded sample is reproducible: its rounds' lengths must not follow its timings
+        costs = self.costs if params.seed is not None and not params.greedy else None
         return Request(options, ids, prefix, params, gamma, start, self.max_gamma,
-                       self.eos_token_ids)
+                       self.eos_token_ids, costs)
 
     def _request_of(self, prompt, options: GenerationOptions) -> Request:
         """generate/stream's request: `prompt` itself when it is one (then with no options of
@@ -398,3 +405,12 @@ def _result(tokens: list[int], text: str | None, stats: DecodeStats,
             token_logprobs: list | None) -> GenerationResult:
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
     return GenerationResult(list(tokens), text, stats.to_dict(), stats.finish_reason, logprobs)
+
+
+def unmeasured_costs(draft) -> Costs:
+    """Auto γ's prices where none were measured: a draft without engines (prompt lookup) steps
+    for free, a hybrid's model at its draft_cost, any other model at UNMEASURED_DRAFT_STEP;
+    verified rows at the paper's price, nothing."""
+    if draft is None or not draft_engines(draft):
+        return Costs(0.0)
+    return Costs(float(getattr(draft, "draft_cost", UNMEASURED_DRAFT_STEP)))

@@ -22,7 +22,7 @@ from .drafts import Draft
 from .engine import Engine
 from .request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
-from .stats import DecodeStats, Recorder, best_gamma_and_speedup, confidence_floor
+from .stats import Costs, DecodeStats, Recorder, best_gamma_and_speedup, confidence_floor
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
 AUTO_START = 4  # the γ "auto" starts from where it is the bundle's default
@@ -46,18 +46,30 @@ class GammaPolicy:
     on a CPU (benchmarks/results/step-time.json), which shortens γ; acceptance is not i.i.d. (a
     draft that has agreed tends to go on agreeing), which lengthens it. On the 1.5B pair
     (README, A 1.5B target drafted by its 0.5B sibling) the floor stops rounds where a fixed γ
-    drafts the tokens the target rejects, and lets sure runs go past it."""
+    drafts the tokens the target rejects, and lets sure runs go past it.
 
-    def __init__(self, gamma: int | str, start: int, max_gamma: int, greedy: bool = False):
+    The prices c and row_cost are this generation's own timings, unless `costs` fixes them:
+    a sampled round's length decides which random draws go where, so a seeded sample is
+    reproducible only when its γ depends on nothing but counts (the β sums and acceptances,
+    themselves functions of the draws) and on prices fixed before it starts
+    (Generator.request gives a seeded request the bundle's, measured at build). Greedy output
+    does not depend on γ at all: its rounds keep the live prices."""
+
+    def __init__(self, gamma: int | str, start: int, max_gamma: int, greedy: bool = False,
+                 costs: Costs | None = None):
         self.auto = gamma == "auto"
         self.greedy = greedy
         self.gamma = start if self.auto else int(gamma)
         self.max_gamma = max_gamma
+        self.costs = costs
         self.floor: float | None = None  # None: draft exactly γ
 
     def next(self, stats: DecodeStats) -> int:
         if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
-            c, row_cost = stats.c, stats.row_cost
+            if self.costs is None:
+                c, row_cost = stats.c, stats.row_cost
+            else:
+                c, row_cost = self.costs.draft_step, self.costs.verify_row
             self.gamma, speedup = best_gamma_and_speedup(stats.accepted_by_position, stats.alpha,
                                                          c, self.max_gamma, row_cost)
             if self.greedy:
@@ -112,7 +124,7 @@ class RequestState:
         self.max_new_tokens = request.max_new_tokens
         self.logprobs = request.logprobs
         self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma,
-                                 request.params.greedy)
+                                 request.params.greedy, request.costs)
         self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
         self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder

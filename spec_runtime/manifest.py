@@ -29,11 +29,11 @@ from pathlib import Path
 
 from .contract import graph_devices
 from .errors import BundleError
-from .manifest_checks import (REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes, check_inside, depth,
-                              regular_file, sha256_file, unreadable, validate)
+from .manifest_checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes,
+                              check_inside, depth, regular_file, sha256_file, unreadable, validate)
 
-__all__ = ["BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest", "ModelEntry",
-           "REBUILD", "TokenizerEntry", "read_manifest", "sha256_file", "unreadable",
+__all__ = ["COSTS", "BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest",
+           "ModelEntry", "REBUILD", "TokenizerEntry", "read_manifest", "sha256_file", "unreadable",
            "write_manifest"]
 
 SCHEMA_VERSION = 3
@@ -129,6 +129,10 @@ class Manifest:
     # use for what a request leaves unset: {"temperature", "top_k", "top_p", "min_p",
     # "repetition_penalty"} (absent = greedy, no truncation, no penalty)
     generation: dict = field(default_factory=dict)
+    # auto γ's prices, in target steps, measured at build on the building machine (stats.Costs:
+    # {"draft_step", "verify_row"}); a seeded sample's rounds take them instead of their own
+    # timings. Absent in bundles built before they were measured: an older reader ignores them.
+    costs: dict = field(default_factory=dict)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -163,6 +167,8 @@ class Manifest:
             d["engines"] = self.engines
         if self.generation:
             d["generation"] = dict(self.generation)
+        if self.costs:
+            d["costs"] = dict(self.costs)
         if self.encoder_decoder:
             d.update(max_source_len=self.max_source_len,
                      decoder_start_token_id=self.decoder_start_token_id)
@@ -192,7 +198,8 @@ class Manifest:
             decoder_start_token_id=d.get("decoder_start_token_id"),
             files={n: FileEntry(f["bytes"], f["sha256"]) for n, f in d["files"].items()},
             created_by=d.get("created_by") or {}, schema_version=d["schema_version"],
-            engines=d.get("engines") or {}, generation=d.get("generation") or {})
+            engines=d.get("engines") or {}, generation=d.get("generation") or {},
+            costs=d.get("costs") or {})
 
 
 def _model(d: dict) -> ModelEntry:

@@ -165,6 +165,24 @@ def validate(m: dict) -> None:
     _check_distinct_graphs(m)
     _check_engines(m.get("engines"), files)
     _check_generation(m.get("generation"))
+    _check_costs(m.get("costs"))
+
+
+# auto γ's prices measured at build (stats.Costs): each key's largest sensible value
+COSTS = {"draft_step": 10.0, "verify_row": 1.0}
+
+
+def _check_costs(costs) -> None:
+    """Auto γ's prices, in target steps: both keys, finite numbers in [0, their bound]."""
+    if costs is None:
+        return
+    if not isinstance(costs, dict) or set(costs) != set(COSTS):
+        raise _bad("costs", costs, f"it must be an object of {list(COSTS)}")
+    for key, most in COSTS.items():
+        value = costs[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value <= most:  # NaN fails this too
+            raise _bad(f"costs.{key}", value, f"it must be a number in [0, {most:g}]")
 
 
 GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")

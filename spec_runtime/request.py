@@ -24,6 +24,7 @@ import numpy as np
 
 from .errors import CacheCapacityError, InputError
 from .sampling import SamplingParams, check_sampling
+from .stats import Costs
 from .text import stop_strings
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
@@ -106,6 +107,8 @@ class Request:
     gamma_start: int
     max_gamma: int
     eos_token_ids: frozenset[int]
+    # auto γ's prices when fixed (a seeded sample: loop.GammaPolicy); None: this run's timings
+    costs: Costs | None = None
 
     @property
     def max_new_tokens(self) -> int:

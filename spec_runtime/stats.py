@@ -85,6 +85,20 @@ def confidence_floor(speedup: float, alpha: float, c: float, row_cost: float = 0
     return min(1.0, max(0.0, speedup * (c + row_cost) / alpha))
 
 
+@dataclass(frozen=True)
+class Costs:
+    """What auto γ prices a round at, in target steps (1-token target calls): one draft step,
+    and each verified row past the first. Fixed for a request whose decisions must not follow
+    its own timings (loop.GammaPolicy)."""
+
+    draft_step: float
+    verify_row: float = 0.0
+
+
+# a draft step's price where nothing was measured (HybridDraft's default draft_cost too)
+UNMEASURED_DRAFT_STEP = 0.5
+
+
 def row_cost(call_rows: dict[int, tuple[float, int]]) -> float:
     """Extra cost per scored row relative to a 1-row call, fitted as t(r) = a + b·(r − 1) by
     least squares over {rows: [total seconds, calls]} of the target calls after the prefill;

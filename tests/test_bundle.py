@@ -167,12 +167,14 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
          "sha256"),
         (lambda b: edit_manifest(b, lambda m: m.pop("target")), "target is missing"),
         (lambda b: edit_manifest(b, lambda m: m.update(max_len=200)), "max_len"),
+        (lambda b: edit_manifest(b, lambda m: m["costs"].update(verify_row=float("nan"))),
+         "costs.verify_row is nan"),
         (lambda b: edit_manifest(b, lambda m: m["draft"].update(kind="eagle")), "draft.kind"),
         (lambda b: edit_manifest(b, lambda m: m["target"]["graphs"]["decoder"].update(
             kv_cache="paged")), "kv_cache 'paged'"),
     ],
     ids=["truncated-graph", "missing-graph", "no-manifest", "bad-json", "newer-schema",
-         "older-schema", "auto-in-schema-2", "sha-mismatch", "missing-key", "wrong-max-len", "unknown-draft",
+         "older-schema", "auto-in-schema-2", "sha-mismatch", "missing-key", "wrong-max-len", "nan-cost", "unknown-draft",
          "unknown-kv-cache"],
 )
 def test_damaged_bundle_is_refused_with_a_hint(bundle_copy, damage, match):

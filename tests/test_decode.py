@@ -1,6 +1,8 @@
 """The decode loop on toy numpy engines: sequence-level exactness, greedy equality, seeds, stops,
 capacity, γ policy and the statistics' invariants."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from scipy import stats as sps
@@ -127,6 +129,14 @@ def timed(mix, target_s=0.004, draft_s=0.001, row_s=0.0, **kw):
     return Generator(target, draft, clock=clock, **kw)
 
 
+def live(gen, prompt, **options):
+    """A seeded sample whose auto γ prices its own measured timings: a seeded Request is given
+    the generator's fixed prices (tests/test_reproducible.py); these tests are of the live ones."""
+    request = gen.request(prompt, **options)
+    assert request.costs is not None
+    return gen.generate(replace(request, costs=None))
+
+
 def test_stats_invariants():
     gen = make("model", max_gamma=8)
     r = gen.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=3, gamma=4)
@@ -205,13 +215,13 @@ def test_bad_prompts_are_refused(prompt, match):
 def test_auto_gamma_grows_with_a_perfect_draft_and_stays_small_with_a_poor_one():
     """Target calls cost 4 ms, draft calls 0.2 ms (c = 0.05): a perfect draft drafts as long as
     allowed; an unrelated one is kept short, at the γ the paper's formula gives for its α."""
-    r = timed(mix=0.0, draft_s=0.0002, max_gamma=6).generate(
-        PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
+    r = live(timed(mix=0.0, draft_s=0.0002, max_gamma=6),
+             PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
     assert r.stats["alpha"] == 1.0 and r.stats["c"] == pytest.approx(0.05)
     assert max(r.stats["gammas_used"]) == 6  # (the last rounds are cut to max_new_tokens)
 
-    r = timed(mix=1.0, draft_s=0.0002, max_gamma=6).generate(  # an unrelated draft
-        PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
+    r = live(timed(mix=1.0, draft_s=0.0002, max_gamma=6),  # an unrelated draft
+             PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
     alpha, c = r.stats["alpha"], r.stats["c"]
     assert alpha < 0.7 and c == pytest.approx(0.05)
     settled = r.stats["gammas_used"][-4:-1]  # α measured over most of the run by then
@@ -227,7 +237,7 @@ def test_auto_gamma_counts_what_each_verified_row_costs():
     used = {}
     for row_delay in (0.0, 0.0024):
         gen = timed(mix=0.35, draft_s=0.0002, row_s=row_delay, max_gamma=6)
-        r = gen.generate(PROMPT, max_new_tokens=60, temperature=1.0, seed=2, gamma="auto")
+        r = live(gen, PROMPT, max_new_tokens=60, temperature=1.0, seed=2, gamma="auto")
         assert 0.5 < r.stats["alpha"] < 0.95, r.stats["alpha"]
         used[row_delay] = sorted(r.stats["gammas_used"][4:-2])
         print(f"row_delay {row_delay}: alpha {r.stats['alpha']:.2f} row_cost "

@@ -1,0 +1,65 @@
+"""What a draft step and a verified row cost on the building machine, measured through the
+runtime's own engines: the prices auto γ takes for a seeded sample (the manifest's `costs`),
+whose rounds must not follow its own timings (spec_runtime/loop.py, GammaPolicy), and the
+hybrid draft's `draft_cost`.
+
+Every time is the median of a few calls at one position after a prefill (rollback is a
+position: a call at the same position writes the same cache slots again), so that a short
+cache still holds the widest call and no call's time includes a cache growing under it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from spec_runtime.manifest import COSTS
+
+PREFILL = 32  # tokens before the timed calls (fewer where the cache is short)
+CALLS = 7  # timed calls per median, after one untimed
+
+
+def median_call_s(engine, rows: int, calls: int = CALLS) -> float:
+    """Median seconds of `engine.forward` scoring `rows` tokens at one position, after a prefill
+    of up to PREFILL tokens; the engine's 1-token form (rows.py) is what a 1-row call runs."""
+    prefill = max(1, min(PREFILL, engine.max_len - rows))
+    tokens = (np.arange(prefill + rows, dtype=np.int64) + 3) % engine.vocab_size
+    engine.reset()
+    engine.forward(tokens[:prefill], 0, 1)
+    feed = tokens[prefill:]
+    engine.forward(feed, prefill, rows)  # untimed: the first call of a shape pays for its setup
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        engine.forward(feed, prefill, rows)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_costs(bundle_dir: Path) -> dict:
+    """{"draft_step", "verify_row"} for the bundle in `bundle_dir` on this machine: a draft
+    model's 1-token step over the target's (0 for prompt lookup, which runs no graph), and the
+    extra time of each row of a γ+1-row verify call (γ = max_gamma) past the first, over a
+    1-token step; each clamped to the range the manifest reader accepts."""
+    from spec_runtime.bundle import load_bundle
+
+    gen = load_bundle(bundle_dir, check_files=False)
+    engines = [gen.target, *gen.draft.engines] if gen.draft is not None else [gen.target]
+    if gen.encoder_decoder:  # the decoders read the encoder's output: give them a source
+        source = np.arange(3, 3 + min(8, gen.manifest.max_source_len), dtype=np.int64)
+        for engine in engines:
+            engine.encode_source(source % engine.vocab_size)
+    rows = min(gen.max_gamma + 1, gen.target.max_len - 1)
+    step = median_call_s(gen.target, 1)
+    verify = median_call_s(gen.target, rows)
+    draft_step = median_call_s(engines[1], 1) / step if len(engines) > 1 else 0.0
+    verify_row = (verify / step - 1.0) / (rows - 1) if rows > 1 else 0.0
+    return {"draft_step": _clamp(draft_step, COSTS["draft_step"]),
+            "verify_row": _clamp(verify_row, COSTS["verify_row"])}
+
+
+def _clamp(value: float, most: float) -> float:
+    return round(min(most, max(0.0, value)), 4)
