@@ -108,7 +108,12 @@ def build_summary(bundle_dir) -> str:
             f"{m.prefill_chunk}"
     if m.encoder_decoder:
         cache += f", max_source_len {m.max_source_len}"
-    rows += [("cache", cache), ("size", f"{_mb(total)} in {len(m.files) + 1} files")]
+    rows.append(("cache", cache))
+    if m.costs:  # what auto γ prices a seeded sample's rounds at
+        rows.append(("costs", f"auto γ's prices: a draft step {m.costs['draft_step']:.3g}, a "
+                              f"verified row past the first {m.costs['verify_row']:.3g} target "
+                              f"steps (measured on this machine)"))
+    rows.append(("size", f"{_mb(total)} in {len(m.files) + 1} files"))
     rows += [("warning", w) for w in (_low_agreement(role, e) for role, e in m.models()) if w]
     build = m.created_by.get("build") if isinstance(m.created_by, dict) else None
     if isinstance(build, dict) and build.get("stages"):
