@@ -428,6 +428,44 @@ def test_a_build_killed_mid_swap_gets_its_old_bundle_back(tmp_path):
     work = output.BuildDir(out)
     os.replace(out, work.root / "old")
     os.close(work._lock)  # what the kernel does when the process dies
+    work._journal.close()
     assert output.clean_stale_temporaries(tmp_path) == [work.root]
     assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
     assert os.listdir(tmp_path) == ["bundle"]
+
+
+# -- names as long as the file system allows ------------------------------------------------
+
+
+def test_an_out_name_of_the_longest_legal_length_builds(tmp_path, target):
+    """A name of NAME_MAX bytes is legal: its temporary directory's name, which adds a dot and
+    a suffix, is shortened to fit (was: refused, naming the hidden temporary path)."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    out = tmp_path / ("b" * limit)
+    r = build(target, out)
+    assert r.exit_code == 0, r.output
+    assert (out / "manifest.json").is_file() and os.listdir(tmp_path) == [out.name]
+
+
+def test_a_long_names_temporary_directory_is_still_found_and_matched_to_its_out(tmp_path):
+    """The shortened temporary name still reads as a build's, and the marker, not the name,
+    says which --out it belongs to: a bundle a killed build had moved aside goes back there.
+    (A name of multi-byte characters: shortened by bytes, never inside a character.)"""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    name = "é" * ((limit - 1) // 2) + "a" * ((limit - 1) % 2 + 1)
+    assert len(name.encode()) == limit
+    out = tmp_path / name
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    (out / "manifest.json").write_text(json.dumps({"format": "specedge-bundle", "files": {
+        "tokenizer.json": {}}}))
+    work = output.BuildDir(out)
+    assert len(os.fsencode(work.root.name)) <= limit
+    assert output.TMP_PATTERN.match(work.root.name) and work.root.name.startswith(".éé")
+    os.replace(out, work.root / "old")
+    os.close(work._lock)  # what the kernel does when the process dies
+    work._journal.close()
+    assert output.stale_temporaries(tmp_path) == ([work.root], [])
+    assert output.clean_stale_temporaries(tmp_path) == [work.root]
+    assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
+    assert os.listdir(tmp_path) == [name]
