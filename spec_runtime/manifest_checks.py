@@ -73,8 +73,9 @@ def name_too_long(path) -> str | None:
         most = os.pathconf(os.sep, "PC_PATH_MAX")
     except (OSError, ValueError, AttributeError):
         return None
-    if most > 0 and len(os.fsencode(full)) >= most:
-        return f"it is {len(os.fsencode(full))} bytes long, and a path may be at most {most - 1}"
+    size = len(os.fsencode(full))
+    if most > 0 and size >= most:
+        return f"it is {size} bytes long, and a path may be at most {most - 1} bytes"
     return None
 
 
