@@ -242,6 +242,8 @@ class Deletions:
             monkeypatch.setattr(mod, name, wrapper)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Deletions reads where a "
+                    "directory descriptor points from /proc")
 def test_no_build_deletes_a_file_it_did_not_write(tmp_path, target, monkeypatch):
     """Over a fresh build, a rebuild, a refused build, a failed build and a build beside the
     leftovers of killed ones, every deletion is of a file this or an earlier build wrote: a
