@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
@@ -22,36 +25,130 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's process
         return True
+    except (OverflowError, ValueError):  # larger than any process id: no process holds it
+        return False
     return True
+
+
+PID_LINE = re.compile(r"[1-9][0-9]{0,9}\n?")  # what a pid file holds: one process id
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @contextlib.contextmanager
 def pid_file_of(path):
     """While the server runs, `path` holds its process id (for `kill $(cat PATH)`, which cannot
-    reach another user's server as `pkill -f` can); removed at exit. A file that names a live
-    process is refused: it is another server's."""
+    reach another user's server as `pkill -f` can); removed at exit if it is still the file
+    written here. Written only where no file is, or over a stale pid file (a process id of a
+    process that has ended); anything else at `path` is someone's file, and is refused: a
+    running process's pid file, a file holding anything but a process id, a symbolic link
+    (writing through it would overwrite its target), a directory or a FIFO."""
     if path is None:
         yield
         return
     path = Path(path)
-    try:
-        old = int(path.read_text().strip())
-    except (OSError, ValueError):
-        old = None
-    if old is not None and old != os.getpid() and _alive(old):
-        raise BadInput(f"--pid-file {str(path)!r} names a running process ({old}), another "
-                       f"server's: stop it (kill {old}) or choose another file")
-    try:
-        path.write_text(f"{os.getpid()}\n")
-    except OSError as e:
-        raise BadInput(f"--pid-file {str(path)!r} cannot be written ({e.strerror}): choose a "
-                       f"writable path") from None
+    old = _existing_pid(path)
+    if old is not None:
+        if old.pid != os.getpid() and _alive(old.pid):
+            raise BadInput(f"--pid-file {str(path)!r} names a running process ({old.pid}), "
+                           f"another server's: stop it (kill {old.pid}) or choose another file")
+        _remove_stale(path, old)
+    ours = _create(path)
     try:
         yield
     finally:
-        with contextlib.suppress(OSError, ValueError):
-            if int(path.read_text().strip()) == os.getpid():
-                path.unlink()
+        _remove_own(path, ours)
+
+
+class _PidFile(NamedTuple):
+    pid: int
+    st: os.stat_result  # its identity when it was read
+
+
+def _existing_pid(path: Path) -> _PidFile | None:
+    """The pid file at `path`, None where there is no file; BadInput for a file that is not a
+    pid file, which is kept as it is."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _unwritable(path, e) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise BadInput(f"--pid-file {str(path)!r} is a symbolic link, and a pid file is never "
+                       f"written through one (that would overwrite its target): give the path "
+                       f"of a new file")
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"--pid-file {str(path)!r} exists and is not a regular file: give the "
+                       f"path of a new file")
+    text = _read_small(path)
+    if text is None or not PID_LINE.fullmatch(text):
+        raise BadInput(f"--pid-file {str(path)!r} exists and does not hold a process id, so it "
+                       f"is not a pid file, and it is kept: give the path of a new file (or "
+                       f"remove that one, if it is not needed)")
+    return _PidFile(int(text), st)
+
+
+def _read_small(path: Path) -> str | None:
+    """The text of a file of a few bytes (a pid file's size), None for a larger or unreadable
+    one; never through a link, never blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 64)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data.decode("ascii", errors="replace") if len(data) < 64 else None
+
+
+def _remove_stale(path: Path, old: _PidFile) -> None:
+    """Unlink the stale pid file that was read, unless another file took its place since."""
+    try:
+        st = os.lstat(path)
+        if _identity(st) == _identity(old.st):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise _unwritable(path, e) from None
+
+
+def _create(path: Path) -> os.stat_result:
+    """Write this process's id to a new file at `path` (never through a link, never over a
+    file that appeared meanwhile); returns its identity, to recognise it at exit."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    except FileExistsError:
+        raise BadInput(f"--pid-file {str(path)!r} was created by another process while this "
+                       f"server started: stop that process, or choose another file") from None
+    except OSError as e:
+        raise _unwritable(path, e) from None
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_own(path: Path, ours: os.stat_result) -> None:
+    """Unlink `path` if it is still the file `_create` wrote and still holds this process's
+    id: a file someone put in its place, or edited, is theirs."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if _identity(st) == _identity(ours) and _read_small(path) == f"{os.getpid()}\n":
+            os.unlink(path)
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_mtime_ns  # an inode number alone may be reused
+
+
+def _unwritable(path: Path, e: OSError) -> BadInput:
+    return BadInput(f"--pid-file {str(path)!r} cannot be written ({e.strerror}): choose a "
+                    f"writable path")
 
 
 @click.command(cls=BundleCommand)

@@ -298,6 +298,7 @@ def list_bundles(dirs, as_json):
 
 
 @main.command()
+@input_errors
 def where():
     """Print the default bundle directory."""
     from spec_runtime.bundle import default_bundle_dir

@@ -19,8 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from spec_runtime.contract import KERNELS, PRECISIONS
-from spec_runtime.manifest import Manifest, TokenizerEntry, write_manifest
+from spec_runtime.manifest import MANIFEST, Manifest, TokenizerEntry, write_manifest
 
+from .journal import will_write
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
 from .quality import PARITY_PROMPT, QUANT_PROMPTS
 from .sources import BuildError, default_target, load_model, model_spec
@@ -361,6 +362,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
                          int4_weights=int4_weights, max_source_len=max_source_len, encdec=encdec,
                          tokenizer=t_tok, eos=eos)
     stage("write bundle")
+    will_write(tmp / "tokenizer.json")
     t_tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
     manifest = Manifest(
         architecture="encoder-decoder" if encdec else "decoder-only",
@@ -377,10 +379,13 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
+    will_write(tmp / (MANIFEST + ".tmp"), renamed_to=tmp / MANIFEST)  # write_manifest's names
     write_manifest(tmp, manifest)  # the bundle is whole: the runtime can load it to measure
     from .costs import measure_costs
 
-    write_manifest(tmp, replace(manifest, costs=measure_costs(tmp)))
+    costs = measure_costs(tmp)
+    will_write(tmp / (MANIFEST + ".tmp"), renamed_to=tmp / MANIFEST)
+    write_manifest(tmp, replace(manifest, costs=costs))
 
 
 def _check_seq2seq_options(precision: str, plan, kernels: str) -> None:

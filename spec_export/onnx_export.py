@@ -20,6 +20,8 @@ import torch
 
 from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
 
+from .journal import will_write
+
 ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
 GRAPH_ROOM = 64 * 2**20  # what the graph itself (nodes, names) may take beside the weights
 # dim names the runtime may read; torch.export calls them s0 / u0 / ...
@@ -145,6 +147,7 @@ class WeightFile:
 
     def __init__(self, graph_path: str | os.PathLike):
         self.path = Path(str(graph_path) + ".data")
+        will_write(self.path)
         self._file = open(self.path, "wb")
         self.bytes = 0
 
@@ -178,7 +181,9 @@ def save_graph(proto: onnx.ModelProto, path: str | os.PathLike) -> bool:
     it (inside the bundle directory, where the runtime requires every file to be)."""
     path = Path(path)
     external = sum(t.ByteSize() for t in proto.graph.initializer) >= ONNX_SIZE_LIMIT - GRAPH_ROOM
+    will_write(path)
     if external:
+        will_write(path.with_name(path.name + ".data"))
         onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)
     else:

@@ -55,6 +55,7 @@ from specedge.models.llama import rope_table
 from spec_runtime import gqa_window
 from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
 
+from .journal import will_write
 from .onnx_export import (WeightFile, check_contract, check_max_len, describe, io_names,
                           module_dims, save_graph, weights_external)
 
@@ -208,6 +209,7 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
         model.graph.initializer.append(g.initializers.pop())
     if weights is not None:
         weights.close()
+        will_write(path)
         onnx.save_model(model, str(path))  # the graph itself; its weights are written already
         external = True
     else:

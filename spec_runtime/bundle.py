@@ -29,7 +29,8 @@ from .drafts import open_draft
 from .engines import open_engine
 from .errors import BundleError
 from .generator import Generator
-from .manifest import MANIFEST, REBUILD, TokenizerEntry, read_manifest, unreadable
+from .manifest import (MANIFEST, REBUILD, TokenizerEntry, name_too_long, read_manifest,
+                       unreadable)
 from .manifest_checks import check_file_hashes, check_unchanged, regular_file, snapshot
 from .stats import Costs
 
@@ -38,16 +39,27 @@ DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
 def data_dir() -> Path:
     """$XDG_DATA_HOME/specedge (~/.local/share/specedge): where the default bundle lives."""
-    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(data) / "specedge"
+    data = os.environ.get("XDG_DATA_HOME")
+    return _usable("$XDG_DATA_HOME", data, Path(data) / "specedge") if data \
+        else Path.home() / ".local" / "share" / "specedge"
 
 
 def default_bundle_dir() -> Path:
     """Where `specexport build` writes and `specrun` looks without flags: $SPECEDGE_BUNDLE, else
     $XDG_DATA_HOME/specedge/default (~/.local/share/specedge/default)."""
-    if os.environ.get(DEFAULT_BUNDLE_ENV):
-        return Path(os.environ[DEFAULT_BUNDLE_ENV]).expanduser()
+    value = os.environ.get(DEFAULT_BUNDLE_ENV)
+    if value:
+        return _usable(f"${DEFAULT_BUNDLE_ENV}", value, Path(value).expanduser())
     return data_dir() / "default"
+
+
+def _usable(variable: str, value: str, path: Path) -> Path:
+    """`path`, from an environment variable's `value`, unless no file system can hold it."""
+    why = name_too_long(path / MANIFEST)
+    if why:
+        raise BundleError(f"{variable} {value!r} cannot name a directory: {why}: set it to a "
+                          f"shorter path")
+    return path
 
 
 def load_tokenizer(path: Path):

@@ -30,11 +30,12 @@ from pathlib import Path
 from .contract import graph_devices
 from .errors import BundleError
 from .manifest_checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes,
-                              check_inside, depth, regular_file, sha256_file, unreadable, validate)
+                              check_inside, depth, name_limit, name_too_long, regular_file,
+                              sha256_file, unreadable, validate)
 
 __all__ = ["COSTS", "BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest",
-           "ModelEntry", "REBUILD", "TokenizerEntry", "read_manifest", "sha256_file", "unreadable",
-           "write_manifest"]
+           "ModelEntry", "REBUILD", "TokenizerEntry", "name_limit", "name_too_long",
+           "read_manifest", "sha256_file", "unreadable", "write_manifest"]
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMAS = (1, 2, 3)
@@ -234,6 +235,9 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
     exist with its recorded size and sha256."""
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST
+    why = name_too_long(path)
+    if why:
+        raise BundleError(f"no bundle can be at {str(bundle_dir)!r}: {why}: give a shorter path")
     if not bundle_dir.is_dir():
         raise BundleError(f"no bundle at {str(bundle_dir)!r}: build one there with "
                           f"`specexport build --out {shlex.quote(str(bundle_dir))}`")
@@ -277,12 +281,14 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
     """Record size and sha256 of every file in `bundle_dir`, then write manifest.json last (to a
-    temporary name first, so that a manifest is whole or absent). Returns what was written,
+    temporary name first, so that a manifest is whole or absent; a file of that name, which
+    the caller may have created empty beforehand, is not a bundle file). Returns what was written,
     read back through the reader: the writer never writes what the reader would refuse."""
-    files = {p.name: FileEntry(p.stat().st_size, sha256_file(p))
-             for p in sorted(Path(bundle_dir).iterdir()) if p.is_file() and p.name != MANIFEST}
-    written = Manifest.from_json(replace(manifest, files=files).to_json())
     tmp = Path(bundle_dir) / (MANIFEST + ".tmp")
+    files = {p.name: FileEntry(p.stat().st_size, sha256_file(p))
+             for p in sorted(Path(bundle_dir).iterdir())
+             if p.is_file() and p.name not in (MANIFEST, tmp.name)}
+    written = Manifest.from_json(replace(manifest, files=files).to_json())
     tmp.write_text(json.dumps(written.to_json(), indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, Path(bundle_dir) / MANIFEST)
     return written

@@ -40,6 +40,46 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def name_limit(directory) -> int:
+    """The longest file name, in bytes, that the file system holding `directory` (or its
+    nearest existing parent) allows: its NAME_MAX, else MAX_NAME_BYTES."""
+    d = os.path.abspath(directory)
+    while True:
+        try:
+            limit = os.pathconf(d, "PC_NAME_MAX")
+            return limit if limit > 0 else MAX_NAME_BYTES
+        except (OSError, ValueError):
+            pass
+        except AttributeError:  # no pathconf (Windows)
+            return MAX_NAME_BYTES
+        if os.path.dirname(d) == d:
+            return MAX_NAME_BYTES
+        d = os.path.dirname(d)
+
+
+def name_too_long(path) -> str | None:
+    """Why the file system would refuse `path` as too long (ENAMETOOLONG, whose message names
+    neither the part nor the limit), or None: a component longer than NAME_MAX of the file
+    system that would hold it, or the whole longer than PATH_MAX."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    for part in reversed(Path(full).parts[1:]):
+        size, limit = len(os.fsencode(part)), name_limit(parent)
+        if size > limit:
+            shown = part if len(part) <= 24 else part[:24] + "..."
+            return (f"its component {shown!r} is {size} bytes, and a path component may be at "
+                    f"most {limit} bytes there")
+        parent = os.path.dirname(parent)
+    try:
+        most = os.pathconf(os.sep, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):
+        return None
+    size = len(os.fsencode(full))
+    if most > 0 and size >= most:
+        return f"it is {size} bytes long, and a path may be at most {most - 1} bytes"
+    return None
+
+
 def regular_file(path: Path, name: str | None = None) -> os.stat_result:
     """`path`'s stat, if it is a regular file (through links); BundleError if it is missing or
     is something else (a FIFO would block the first read forever, a device read forever)."""

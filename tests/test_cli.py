@@ -170,3 +170,45 @@ def test_max_len_defaults_to_the_models_own_position_limit(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["max_len"] == 512
     assert_input_error(run(specexport, "build", "--target", t, "--draft", "ngram", "--out",
                            tmp_path / "c", "--max-len", 1024, "--quiet"), "n_positions=512")
+
+
+# -- names longer than the file system allows -----------------------------------------------
+
+
+def _too_long(tmp_path):
+    """A path under tmp_path with one component a byte longer than its file system allows."""
+    import os
+
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    return tmp_path / ("n" * (limit + 1)), limit
+
+
+@pytest.mark.parametrize("command", [
+    ("specrun", "generate", "-b", "{long}", "hi"), ("specrun", "check", "-b", "{long}"),
+    ("specrun", "bench", "-b", "{long}"), ("specrun", "list", "{long}"),
+    ("specrun", "list", "{long}/inside"), ("specexport", "build", "--out", "{long}"),
+    ("specexport", "build", "--out", "{long}/bundle"), ("specexport", "verify", "-b", "{long}"),
+    ("specexport", "build", "--target", "{long}"),
+    ("specexport", "build", "--draft-model", "{long}", "--out", "{tmp}/b"),
+    ("specrun", "where", "$SPECEDGE_BUNDLE"), ("specrun", "list", "$SPECEDGE_BUNDLE"),
+    ("specrun", "generate", "hi", "$SPECEDGE_BUNDLE"), ("specrun", "list", "$XDG_DATA_HOME"),
+], ids=lambda c: " ".join(c[:3]))
+def test_a_path_component_past_the_name_limit_is_one_line(tmp_path, monkeypatch, command):
+    """ENAMETOOLONG names neither the part nor the limit: each entry point says which value,
+    and that a component may be at most NAME_MAX bytes (the file system's own, as pathconf
+    reports it), in one line with exit code 2 (was: an OSError traceback)."""
+    long, limit = _too_long(tmp_path)
+    tool, *args = command
+    if args[-1].startswith("$"):
+        monkeypatch.setenv(args.pop()[1:], str(long))
+    args = [a.format(long=long, tmp=tmp_path) for a in args]
+    r = run(specrun if tool == "specrun" else specexport, *args)
+    assert_input_error(r, str(long), f"{limit + 1} bytes", f"at most {limit} bytes")
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pid_file_past_the_name_limit_is_one_line(tmp_path):
+    long, _ = _too_long(tmp_path)
+    r = run(specrun, "serve", "-b", tmp_path, "--port", 0, "--pid-file", long)
+    assert_input_error(r, str(long), "File name too long")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spec_export import output
+from spec_export.journal import will_write
 from specedge.cli.specexport import main as specexport
 from helpers import assert_input_error, run
 
@@ -233,13 +234,16 @@ class Deletions:
             real = getattr(mod, name)
 
             def wrapper(path, *args, _real=real, **kwargs):
-                if kwargs.get("dir_fd") is None:  # rmtree's own calls are inside its root
-                    self.paths.append(Path(os.path.abspath(path)))
+                fd = kwargs.get("dir_fd")
+                where = os.readlink(f"/proc/self/fd/{fd}") if fd is not None else ""
+                self.paths.append(Path(os.path.abspath(os.path.join(where, path))))
                 return _real(path, *args, **kwargs)
 
             monkeypatch.setattr(mod, name, wrapper)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Deletions reads where a "
+                    "directory descriptor points from /proc")
 def test_no_build_deletes_a_file_it_did_not_write(tmp_path, target, monkeypatch):
     """Over a fresh build, a rebuild, a refused build, a failed build and a build beside the
     leftovers of killed ones, every deletion is of a file this or an earlier build wrote: a
@@ -283,21 +287,28 @@ def start_build(target, out: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_killed_builds_leftover_is_removed_by_the_next_build(tmp_path, target):
-    theirs = user_files(tmp_path)
-    out = tmp_path / "bundle"
+def killed_build(target, out: Path) -> Path:
+    """The temporary directory of a build into `out` killed with SIGKILL as it writes its
+    first graph."""
     proc = start_build(target, out)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if any((p / "bundle" / "target.onnx").exists() for p in tmp_path.glob(".bundle.tmp-*")):
+        if any((p / "bundle" / "target.onnx").exists() for p in out.parent.glob(".bundle.tmp-*")):
             proc.send_signal(signal.SIGKILL)  # the OOM killer or a CI timeout: no cleanup
             break
         time.sleep(0.02)
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the build ended before it could be killed"
-    left = list(tmp_path.glob(".bundle.tmp-*"))
+    left = list(out.parent.glob(".bundle.tmp-*"))
     assert len(left) == 1 and not out.exists()
-    assert output.stale_temporaries(tmp_path) == (left, [])
+    assert output.stale_temporaries(out.parent) == (left, [])
+    return left[0]
+
+
+def test_a_killed_builds_leftover_is_removed_by_the_next_build(tmp_path, target):
+    theirs = user_files(tmp_path)
+    out = tmp_path / "bundle"
+    left = [killed_build(target, out)]
 
     r = build(target, out)
     assert r.exit_code == 0, r.output
@@ -306,9 +317,86 @@ def test_a_killed_builds_leftover_is_removed_by_the_next_build(tmp_path, target)
     assert {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("bundle/")} == theirs
 
 
+def test_files_written_into_a_killed_builds_directory_survive_the_next_build(tmp_path,
+                                                                            target):
+    """The next build removes only what the killed one recorded creating: files put into its
+    temporary directory or its bundle/ afterwards stay, with the directory, which is named
+    with what it holds and the command that removes it, and which no later build takes for
+    its own."""
+    out = tmp_path / "bundle"
+    root = killed_build(target, out)
+    (root / "notes.txt").write_text("mine")
+    (root / "bundle" / "mine.txt").write_text("mine too")
+    (root / "bundle" / "sub").mkdir()
+    (root / "bundle" / "sub" / "data.bin").write_bytes(b"\0\1")
+    before = snapshot(root)
+    theirs = {k: v for k, v in before.items()
+              if k in ("notes.txt", "bundle/mine.txt", "bundle/sub/data.bin")}
+    assert len(theirs) == 3 and "bundle/target.onnx" in before  # and the killed build's own
+    r = build(target, out)
+    assert r.exit_code == 0, r.output
+    assert snapshot(root) == theirs
+    assert sorted(os.listdir(root)) == ["bundle", "notes.txt"]  # marker and journal gone too
+    assert f"kept {root}: it holds 'bundle/mine.txt', 'bundle/sub/data.bin', 'notes.txt', " \
+        f"which no build wrote" in r.stderr
+    assert f"rm -r {root}" in r.stderr and "Traceback" not in r.output
+    assert (out / "manifest.json").is_file()
+    assert output.stale_temporaries(tmp_path) == ([], [root])  # reported, never removed
+
+
+def test_only_the_files_a_build_recorded_are_removed(tmp_path):
+    """A file put in place of one the build wrote is someone else's; a name killed between its
+    two journal lines (before its writer wrote a byte) is the build's only while empty."""
+    work = output.BuildDir(tmp_path / "bundle")
+    for name in ("target.onnx", "tokenizer.json"):
+        will_write(work.bundle / name)
+        (work.bundle / name).write_text("the build's")
+    graph = work.bundle / "target.onnx"
+    with open(graph):  # held open: the new file cannot reuse the graph's inode number
+        graph.unlink()
+        graph.write_text("someone's, under the graph's name")
+    for name in ("a.onnx", "b.onnx"):  # the first line only, as a kill would leave it
+        os.write(work._journal._fd, (json.dumps({"create": f"bundle/{name}"}) + "\n").encode())
+    (work.bundle / "a.onnx").write_bytes(b"")
+    (work.bundle / "b.onnx").write_text("someone's")
+    theirs = {k: v for k, v in snapshot(work.root).items()
+              if k in ("bundle/target.onnx", "bundle/b.onnx")}
+    work.close()
+    assert snapshot(work.root) == theirs and len(theirs) == 2
+
+
+def test_every_file_a_build_writes_is_recorded_before_it_exists(tmp_path, target, monkeypatch):
+    """An int8 target, an int4 self draft, the weights beside each graph (the 2 GB rule forced
+    on a tiny model: <graph>.data): at the swap every file of the new bundle is one the
+    journal owns (recorded, and still of the recorded identity), and a build that fails there
+    leaves nothing behind."""
+    from spec_export import onnx_export
+    from spec_export.journal import recorded
+
+    monkeypatch.setattr(onnx_export, "ONNX_SIZE_LIMIT", onnx_export.GRAPH_ROOM + 1)
+    owned = {}
+
+    def check_then_fail(work):
+        records = recorded(work.root)
+        for p in work.bundle.iterdir():
+            record = records.get(f"bundle/{p.name}")
+            owned[p.name] = record is not None and record.owns(p.lstat())
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(work.out))
+
+    monkeypatch.setattr(output.BuildDir, "commit", check_then_fail)
+    r = run(specexport, "build", "--target", target, "--draft", "self", "--precision", "int8",
+            "--out", tmp_path / "b", "--max-len", 64, "--quiet")
+    assert_input_error(r, "No space left on device")
+    assert {"manifest.json", "tokenizer.json", "target.onnx.data", "draft.onnx.data"} <= \
+        owned.keys(), owned
+    assert all(owned.values()), owned
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_running_builds_directory_is_left_alone(tmp_path):
     """Its lock is held: not stale, not even reported; once it closes, it is gone."""
     work = output.BuildDir(tmp_path / "bundle")
+    will_write(work.bundle / "target.onnx")  # how every writer of the build creates its files
     (work.bundle / "target.onnx").write_bytes(b"half written")
     assert output.stale_temporaries(tmp_path) == ([], [])
     assert output.clean_stale_temporaries(tmp_path) == []
@@ -342,6 +430,44 @@ def test_a_build_killed_mid_swap_gets_its_old_bundle_back(tmp_path):
     work = output.BuildDir(out)
     os.replace(out, work.root / "old")
     os.close(work._lock)  # what the kernel does when the process dies
+    work._journal.close()
     assert output.clean_stale_temporaries(tmp_path) == [work.root]
     assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
     assert os.listdir(tmp_path) == ["bundle"]
+
+
+# -- names as long as the file system allows ------------------------------------------------
+
+
+def test_an_out_name_of_the_longest_legal_length_builds(tmp_path, target):
+    """A name of NAME_MAX bytes is legal: its temporary directory's name, which adds a dot and
+    a suffix, is shortened to fit (was: refused, naming the hidden temporary path)."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    out = tmp_path / ("b" * limit)
+    r = build(target, out)
+    assert r.exit_code == 0, r.output
+    assert (out / "manifest.json").is_file() and os.listdir(tmp_path) == [out.name]
+
+
+def test_a_long_names_temporary_directory_is_still_found_and_matched_to_its_out(tmp_path):
+    """The shortened temporary name still reads as a build's, and the marker, not the name,
+    says which --out it belongs to: a bundle a killed build had moved aside goes back there.
+    (A name of multi-byte characters: shortened by bytes, never inside a character.)"""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    name = "é" * ((limit - 1) // 2) + "a" * ((limit - 1) % 2 + 1)
+    assert len(name.encode()) == limit
+    out = tmp_path / name
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    (out / "manifest.json").write_text(json.dumps({"format": "specedge-bundle", "files": {
+        "tokenizer.json": {}}}))
+    work = output.BuildDir(out)
+    assert len(os.fsencode(work.root.name)) <= limit
+    assert output.TMP_PATTERN.match(work.root.name) and work.root.name.startswith(".éé")
+    os.replace(out, work.root / "old")
+    os.close(work._lock)  # what the kernel does when the process dies
+    work._journal.close()
+    assert output.stale_temporaries(tmp_path) == ([work.root], [])
+    assert output.clean_stale_temporaries(tmp_path) == [work.root]
+    assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
+    assert os.listdir(tmp_path) == [name]

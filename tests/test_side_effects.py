@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import assert_input_error, run
 
 from specedge.cli.specrun import main as specrun
@@ -88,3 +89,96 @@ def test_a_stale_pid_file_is_replaced_and_an_unwritable_one_refused(llama_pair, 
     assert not stale.exists()
     r = run(specrun, "serve", "-b", llama_pair[2], "--pid-file", tmp_path / "no" / "such.pid")
     assert_input_error(r, "cannot be written", "such.pid")
+
+
+# -- a pid file is written only where no one else's file is ---------------------------------
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+@pytest.mark.parametrize("content", ["notes\n", "", "12 34\n", "1234\nmore\n", "0\n", "-5\n",
+                                     "x" * 4096])
+def test_a_file_that_holds_no_process_id_is_refused_and_kept(tmp_path, content):
+    """A user's file is not a stale pid file: only exactly a process id (and a newline) is."""
+    from specedge.cli.common import BadInput
+    from specedge.cli.serve import pid_file_of
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text(content)
+    with pytest.raises(BadInput) as e:
+        with pid_file_of(notes):
+            pass
+    assert str(notes) in str(e.value) and "does not hold a process id" in str(e.value)
+    assert notes.read_text() == content
+
+
+def test_serve_refuses_a_users_file_as_pid_file_before_loading(tmp_path):
+    """`specrun serve --pid-file notes.txt`: exit 2, one line naming the file, notes.txt intact
+    (the refusal comes before the bundle is read: -b names none here)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("notes\n")
+    r = run(specrun, "serve", "-b", tmp_path / "no-bundle", "--port", "0", "--pid-file", notes)
+    assert_input_error(r, str(notes), "does not hold a process id", "a new file")
+    assert len(r.output.strip().splitlines()) == 1
+    assert notes.read_text() == "notes\n"
+
+
+@pytest.mark.parametrize("target", ["a user's file", "a dead pid", "missing"])
+def test_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path, target):
+    from specedge.cli.common import BadInput
+    from specedge.cli.serve import pid_file_of
+
+    real = tmp_path / "real.txt"
+    content = {"a user's file": "notes\n", "a dead pid": f"{_dead_pid()}\n"}.get(target)
+    if content is not None:
+        real.write_text(content)
+    link = tmp_path / "serve.pid"
+    link.symlink_to(real)
+    with pytest.raises(BadInput, match="symbolic link"):
+        with pid_file_of(link):
+            pass
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert (real.read_text() if real.exists() else None) == content
+
+
+def test_a_fifo_or_directory_is_refused_without_blocking(tmp_path):
+    from specedge.cli.common import BadInput
+    from specedge.cli.serve import pid_file_of
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "dir").mkdir()
+    for path in (fifo, tmp_path / "dir"):
+        with pytest.raises(BadInput, match="not a regular file"):
+            with pid_file_of(path):
+                pass
+    assert fifo.exists() and (tmp_path / "dir").is_dir()
+
+
+def test_a_new_pid_file_holds_our_pid_and_is_removed_at_exit(tmp_path):
+    from specedge.cli.serve import pid_file_of
+
+    path = tmp_path / "serve.pid"
+    with pid_file_of(path):
+        assert path.read_text() == f"{os.getpid()}\n"
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("change", ["replaced", "edited"])
+def test_a_pid_file_someone_changed_while_serving_is_kept_at_exit(tmp_path, change):
+    """At exit only the file written at start, still holding this process's id, is removed."""
+    from specedge.cli.serve import pid_file_of
+
+    path = tmp_path / "serve.pid"
+    with pid_file_of(path):
+        if change == "replaced":
+            with open(path):  # held open: the new file cannot reuse its inode number
+                path.unlink()
+                path.write_text(f"{os.getpid()}\n")  # another file, the same text
+        else:
+            path.write_text("notes\n")
+    assert path.read_text() == (f"{os.getpid()}\n" if change == "replaced" else "notes\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..bundle import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir
 from ..errors import InputError
-from ..manifest import MANIFEST, Manifest, read_manifest
+from ..manifest import MANIFEST, Manifest, name_too_long, read_manifest
 
 
 def _model(entry) -> str:
@@ -32,6 +32,9 @@ def candidates(dirs) -> list[tuple[Path, bool]]:
     if dirs:
         out = []
         for d in map(Path, dirs):
+            why = name_too_long(d / MANIFEST)
+            if why:
+                raise InputError(f"{str(d)!r} cannot be a directory: {why}: give a shorter path")
             if not d.is_dir():
                 raise InputError(f"{str(d)!r} is not a directory: give bundle directories, or "
                                  f"folders that hold them")
