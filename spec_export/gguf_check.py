@@ -235,7 +235,8 @@ def _check_data(layout: GGUFLayout, alignment: int) -> None:
             raise GGUFDamaged(f"truncated at byte {layout.file_bytes}: {what} from byte "
                               f"{layout.data_start + t.offset}, past the end of the file")
         if not 0 <= span - needed < alignment:
-            to = "the end of the file" if last else f"the next tensor's offset ({ordered[k + 1].name!r})"
+            to = ("the end of the file" if last
+                  else f"the next tensor's offset ({ordered[k + 1].name!r})")
             raise GGUFDamaged(f"{what}, but its data spans {span} bytes up to {to}: its bytes "
                               f"do not match its type")
 

@@ -63,7 +63,8 @@ def _gguf_config(layout: GGUFLayout) -> tuple[dict, dict]:
             config[name], keys[name] = value, f"{arch}.{key}"
     tokens = meta.get("tokenizer.ggml.tokens")
     if "vocab_size" not in config and isinstance(tokens, ArrayValue):
-        config["vocab_size"], keys["vocab_size"] = tokens.count, "tokenizer.ggml.tokens (its length)"
+        config["vocab_size"] = tokens.count
+        keys["vocab_size"] = "tokenizer.ggml.tokens (its length)"
     config["tie_word_embeddings"] = all(t.name != "output.weight" for t in layout.tensors)
     return config, keys
 

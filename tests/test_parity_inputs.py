@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import spec_runtime
 from specedge.cli.specexport import main as specexport
-from spec_export.quality import PARITY_PROMPT, PARITY_TOKENS, QUANT_PROMPTS, QUANT_TOKENS, check_inputs
+from spec_export.quality import (PARITY_PROMPT, PARITY_TOKENS, QUANT_PROMPTS, QUANT_TOKENS,
+                                 check_inputs)
 
 WORDS = 320  # 4 specials and w0..w315
 NEW_TOKENS = 12
