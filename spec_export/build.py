@@ -23,7 +23,7 @@ from spec_runtime.manifest import MANIFEST, Manifest, TokenizerEntry, write_mani
 
 from .journal import will_write
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
-from .quality import PARITY_PROMPT, QUANT_PROMPTS
+from .quality import check_inputs
 from .sources import BuildError, default_target, load_model, model_spec
 
 # "auto": fused ONNX Runtime kernels where the architecture has them (onnx_fused.FUSED_FAMILIES),
@@ -329,10 +329,9 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     if max_gamma >= max_len:
         raise BuildError(f"--max-gamma {max_gamma} leaves no room in a cache of --max-len "
                          f"{max_len}: lower --max-gamma or raise --max-len")
-    parity_ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
+    parity_ids, quant_prompts, inputs_note = check_inputs(t_tok, t_model.config.vocab_size)
     if encdec:
         _check_seq2seq_options(precision, plan, kernels)
-    quant_prompts = [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS]
     export = dict(max_len=max_len, parity_ids=parity_ids, stage=stage,
                   quant_prompts=quant_prompts, block_size=block_size, kernels=kernels,
                   float_embedding=float_embedding)
@@ -358,6 +357,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
         check_blocks(t_entry, "--target", int4_weights)
     del t_model  # spent by the export (its weights were freed as they were copied)
     t_entry = replace(t_entry, **t_spec.describe())
+    if inputs_note:
+        t_entry = replace(t_entry, parity={**t_entry.parity, "inputs": inputs_note})
     d_entry = plan.build(tmp, t_exported, t_entry, t_spec, export=export, use_gguf=use_gguf,
                          int4_weights=int4_weights, max_source_len=max_source_len, encdec=encdec,
                          tokenizer=t_tok, eos=eos)

@@ -72,7 +72,8 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     descs = export_seq2seq(model, fp32["encoder"], fp32["decoder"], max_len)
     stage(f"parity {role}")
     source, decoder_ids = parity_inputs(hf_model, parity_ids, max_source_len)
-    diffs = check_parity_seq2seq(hf_model, fp32["encoder"], fp32["decoder"], source, decoder_ids)
+    diffs = check_parity_seq2seq(hf_model, fp32["encoder"], fp32["decoder"], source, decoder_ids,
+                                 name=role)
     for graph, diff in diffs.items():
         if not diff <= FP32_TOLERANCE:
             raise BuildError(
@@ -87,7 +88,8 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
         for g in final:
             quantize_int8(fp32[g], final[g])
             fp32[g].unlink()
-        diffs = check_parity_seq2seq(hf_model, final["encoder"], final["decoder"], source, decoder_ids)
+        diffs = check_parity_seq2seq(hf_model, final["encoder"], final["decoder"], source,
+                                     decoder_ids, name=role)
         worst = max(diffs.values())
         parity.update(max_abs_diff_int8=worst, graphs_int8=diffs,
                       verify_max_abs_diff_int8=worst * VERIFY_DIFF_FACTOR + VERIFY_DIFF_MARGIN)

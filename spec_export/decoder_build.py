@@ -66,7 +66,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     vocab = hf_model.config.vocab_size
     # everything the checks need of the PyTorch model, before its weights move into the export
     plan = plan_calls(hf_reference(hf_model), parity_ids, vocab, max_len,
-                      rng=np.random.default_rng(1), **PARITY)
+                      rng=np.random.default_rng(1), name=path.stem, **PARITY)
     quant_ref = reference_rows(hf_model, quant_prompts, max_len) \
         if precision != "fp32" or keep_fp32 else None
     with consuming(hf_model):
@@ -197,7 +197,8 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
 def _run_plan(path: Path, plan) -> float:
     from .parity import open_decoder, run_calls
 
-    return run_calls(open_decoder(path), plan)
+    # named as the bundle names its model: "target" for target.onnx and target.fp32.onnx
+    return run_calls(open_decoder(path), plan, name=path.name.split(".")[0])
 
 
 def remove_graph(path: Path) -> None:

@@ -15,6 +15,9 @@ GGUF notes (transformers 5.x, checked with SmolLM2-135M-Instruct.Q4_1.gguf):
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,20 +44,68 @@ def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype 
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     if not gguf_file:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
-        model = auto.from_pretrained(source, dtype=dtype, **hub)
+        # a mismatch is refused below, with the tensor's name, instead of transformers' report
+        # table and a RuntimeError pointing at it
+        with _loading_quietly():
+            model, info = auto.from_pretrained(source, dtype=dtype, ignore_mismatched_sizes=True,
+                                               output_loading_info=True, **hub)
+        _refuse_mismatched(info.get("mismatched_keys") or (), "config.json")
         return model.eval(), tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, **hub)
-    model_kwargs = {"gguf_file": gguf_file, "dtype": dtype, **hub}
+    model_kwargs = {"gguf_file": gguf_file, "dtype": dtype, "ignore_mismatched_sizes": True,
+                    "output_loading_info": True, **hub}
     try:
         from transformers import GgufConfig  # transformers >= 5
 
         model_kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
     except ImportError:
         pass  # 4.x always de-quantizes GGUF weights
-    model = auto.from_pretrained(source, **model_kwargs)
+    with _loading_quietly():
+        model, info = auto.from_pretrained(source, **model_kwargs)
+    _refuse_mismatched(info.get("mismatched_keys") or (), "the GGUF metadata")
     _drop_gguf_quantized_flag(model, f"{source}/{gguf_file}")
     return model.eval(), tokenizer
+
+
+class ConfigMismatch(ValueError):
+    """The config's sizes are not the saved weights' (sources.loading_errors names the model)."""
+
+
+def _refuse_mismatched(mismatched, config: str) -> None:
+    """Weights whose shapes are not the ones the config (`config`: where it comes from) makes:
+    it was edited, or belongs to another checkpoint."""
+    mismatched = sorted(mismatched, key=lambda m: m[0])
+    if mismatched:
+        name, saved, built = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        fix = ("correct config.json (it must describe the saved weights)"
+               if config == "config.json" else "the file is damaged: download it again")
+        raise ConfigMismatch(f"{config} does not match the saved weights: {name} is "
+                             f"{list(saved)} in the checkpoint and {list(built)} by {config}"
+                             f"{more}: {fix}")
+
+
+class _NoMismatchReport(logging.Filter):
+    """transformers' loading report table for weights of another shape: refused in one line
+    by _refuse_mismatched instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "MISMATCH" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _loading_quietly():
+    logger, drop = logging.getLogger("transformers.modeling_utils"), _NoMismatchReport()
+    logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            # gguf-py's de-quantization of damaged blocks overflows; what comes of it (weights
+            # that are not finite) is refused by the parity check, in one line
+            warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"gguf\.")
+            yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _drop_gguf_quantized_flag(model, where: str) -> None:

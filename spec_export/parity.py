@@ -18,7 +18,25 @@ import numpy as np
 import torch
 
 from spec_runtime.engines import open_graph
+from spec_runtime.errors import BuildError
 from spec_runtime.manifest import GraphEntry
+
+# why a model's logits are not finite, and the fix: a damaged weight (NaN, or a tensor read with
+# another type's layout) in the PyTorch model, and in the graph also what the export changed
+DAMAGED_WEIGHTS = ("its weights are damaged (a NaN or infinite weight, or a tensor stored in "
+                   "another type than its file says): download the model again")
+GRAPH_NOT_FINITE = ("where the PyTorch model's are finite: the graph does not compute the model "
+                    "(damaged quantized blocks, or an overflow at this precision); download the "
+                    "model again, or use a higher --precision")
+
+
+def require_finite(rows: np.ndarray, what: str, why: str) -> None:
+    """Refuse logits that are not all finite. A NaN compares false with everything, so it would
+    pass any tolerance (max(0.0, nan) is 0.0) and land in the manifest as invalid JSON."""
+    bad = ~np.isfinite(rows)
+    if bad.any():
+        raise BuildError(f"{what} are not finite ({int(bad.sum())} of {bad.size} values NaN or "
+                         f"infinite) on the parity tokens: {why}")
 
 
 def graph_entry(path) -> GraphEntry:
@@ -103,6 +121,7 @@ def plan_calls(
     steps: int,
     verify_len: int,
     rng: np.random.Generator,
+    name: str = "the model",
 ) -> list[Call]:
     """The call sequence a runtime would make, with the reference's rows for each:
 
@@ -115,7 +134,8 @@ def plan_calls(
     `reference(tokens, num_logits)` gives the expected last num_logits rows for the whole
     sequence `tokens` whose K/V the cache holds after the call. The plan holds only numbers:
     the model that computed it can be released before any graph runs (a big model and its
-    graph need not be in memory together).
+    graph need not be in memory together). Rows that are not finite are refused (`name`
+    names the model).
     """
     tokens: list[int] = []  # the sequence whose K/V sits in cache slots [0, position)
     calls: list[Call] = []
@@ -128,6 +148,7 @@ def plan_calls(
         del tokens[pos:]  # rollback: slots >= pos are stale
         tokens.extend(new_ids)
         want = reference(tokens, num_logits)
+        require_finite(want, f"{name}: the PyTorch model's logits", DAMAGED_WEIGHTS)
         calls.append(Call(pos, list(new_ids), num_logits, want, what))
         return want
 
@@ -151,11 +172,14 @@ def plan_calls(
     return calls
 
 
-def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = None) -> float:
-    """Make `calls` on `engine` in order; the worst |logits - reference| over all of them."""
+def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = None,
+              name: str = "the graph") -> float:
+    """Make `calls` on `engine` in order; the worst |logits - reference| over all of them.
+    Logits that are not finite are refused (`name` names the graph)."""
     worst = 0.0
     for c in calls:
         got = engine.forward(np.asarray(c.ids, np.int64), c.position, c.num_logits)
+        require_finite(got, f"{name}: the exported graph's logits", GRAPH_NOT_FINITE)
         diff = float(np.abs(got - c.want).max())
         worst = max(worst, diff)
         if log:
@@ -166,11 +190,11 @@ def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = Non
 
 def drive_calls(engine, reference, prompt_ids: list[int], vocab: int, *, prefill_chunk: int,
                 steps: int, verify_len: int, rng: np.random.Generator,
-                log: Callable[[str], None] | None = None) -> float:
-    """plan_calls against `reference`, then run_calls on `engine`."""
+                log: Callable[[str], None] | None = None, name: str = "the model") -> float:
+    """plan_calls against `reference`, then run_calls on `engine` (`name`: for messages)."""
     calls = plan_calls(reference, prompt_ids, vocab, engine.max_len, prefill_chunk=prefill_chunk,
-                       steps=steps, verify_len=verify_len, rng=rng)
-    return run_calls(engine, calls, log)
+                       steps=steps, verify_len=verify_len, rng=rng, name=name)
+    return run_calls(engine, calls, log, name)
 
 
 @torch.no_grad()
@@ -188,11 +212,16 @@ def quantized_parity(reference, onnx_path, prompts: list[list[int]],
     float PyTorch model or its reference_rows for these prompts at the graph's max_len."""
     from .quantize import distribution_agreement
 
+    name = Path(onnx_path).stem
     engine = open_decoder(onnx_path, threads)
     if not isinstance(reference, list):
         reference = reference_rows(reference, prompts, engine.max_len)
+    reference = np.concatenate(reference)
+    require_finite(reference, f"{name}: the float PyTorch model's logits", DAMAGED_WEIGHTS)
     got_rows = []
     for ids in prompts:
         ids = list(ids)[: engine.max_len]  # a small --max-len holds a prefix of each
         got_rows.append(engine.forward(np.asarray(ids, np.int64), 0, len(ids)).copy())
-    return distribution_agreement(np.concatenate(reference), np.concatenate(got_rows))
+    got = np.concatenate(got_rows)
+    require_finite(got, f"{name}: the exported graph's logits", GRAPH_NOT_FINITE)
+    return distribution_agreement(reference, got)

@@ -18,7 +18,8 @@ import torch
 
 from spec_runtime.engines import open_graph
 
-from .parity import drive_calls, graph_dims, graph_entry
+from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, drive_calls, graph_dims, graph_entry,
+                     require_finite)
 
 
 def _hf_cross_kv(hf_model, src: torch.Tensor, start_id: int) -> list[np.ndarray]:
@@ -47,9 +48,11 @@ def check_parity_seq2seq(
     seed: int = 0,
     threads: int | None = None,
     log: Callable[[str], None] | None = None,
+    name: str = "the model",
 ) -> dict[str, float]:
     """-> {"encoder": max |cross K/V diff|, "decoder": max |logits diff|}. `decoder_ids` is the
-    decoder prompt, starting with the decoder start token."""
+    decoder prompt, starting with the decoder start token. Values that are not finite are
+    refused (`name` names the model)."""
     hf_model.eval()
     decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
     max_len, vocab = graph_dims(decoder)
@@ -64,8 +67,13 @@ def check_parity_seq2seq(
     names = engine.cross_names
     if len(ref) != len(names):
         raise ValueError(f"encoder graph returns {len(names)} cross tensors, the model has {len(ref)}")
-    enc_diff = max(float(np.abs(engine.cross[nm].numpy()[:, :, :n_src] - r).max())
-                   for nm, r in zip(names, ref))
+    got = [engine.cross[nm].numpy()[:, :, :n_src] for nm in names]
+    for r, g in zip(ref, got):
+        require_finite(r, f"{name}: the PyTorch model's cross-attention keys and values",
+                       DAMAGED_WEIGHTS)
+        require_finite(g, f"{name}: the exported encoder's cross-attention keys and values",
+                       GRAPH_NOT_FINITE)
+    enc_diff = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
     if log:
         log(f"{'encode':>8} source={n_src:<4} max|cross diff|={enc_diff:.3g}")
 
@@ -75,5 +83,5 @@ def check_parity_seq2seq(
 
     dec_diff = drive_calls(engine, reference, decoder_ids, hf_model.config.vocab_size,
                            prefill_chunk=prefill_chunk, steps=steps, verify_len=verify_len,
-                           rng=np.random.default_rng(seed + 1), log=log)
+                           rng=np.random.default_rng(seed + 1), log=log, name=name)
     return {"encoder": enc_diff, "decoder": dec_diff}

@@ -1,6 +1,8 @@
 """How close an exported graph must be to the PyTorch model it came from, and on what text
 that is measured. Shared by the build, its encoder-decoder part and `specexport verify`."""
 
+import numpy as np
+
 FP32_TOLERANCE = 1e-3  # max |logits - PyTorch's| of a float32 graph whose logits stay within ±5
 # Past that, float32's rounding grows with the logits: a tiny random model with logits up to 33
 # differed from PyTorch by 2.7e-3 on an AVX-512 machine's kernels and by less than 1e-3 on
@@ -54,3 +56,34 @@ def verify_thresholds(measured: dict) -> dict:
 def broken_quantization(measured: dict) -> bool:
     """A quantized graph no build should write: wrong everywhere, not merely approximate."""
     return measured["top1_agreement"] < MIN_TOP1_AGREEMENT and measured["mean_kl"] > MAX_BROKEN_KL
+
+
+PARITY_TOKENS, QUANT_TOKENS = 32, 48  # tokens of PARITY_PROMPT / each QUANT_PROMPTS text used
+
+
+def check_inputs(tokenizer, vocab_size: int) -> tuple[list[int], list[list[int]], str | None]:
+    """(parity ids, quantized-check ids per QUANT_PROMPTS text, note) as the build and `specexport
+    verify` measure a model. A tokenizer that cannot represent these texts (a word-level
+    vocabulary of its own: every word `<unk>`, or no token at all) gets token ids drawn from
+    its vocabulary instead, the same on every run, as evaluation harnesses do with text a
+    model cannot read; `note` then says so (recorded in the manifest), else None."""
+    texts = [tokenizer(t)["input_ids"] for t in QUANT_PROMPTS]
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    if tokenizer.unk_token_id is not None:
+        special.add(tokenizer.unk_token_id)
+    if all(any(i not in special for i in ids) for ids in texts):
+        return (texts[0][:PARITY_TOKENS], [ids[:QUANT_TOKENS] for ids in texts], None)
+    words = sorted(i for i in tokenizer.get_vocab().values() if i < vocab_size and i not in special)
+    if not words:
+        from spec_runtime.errors import BuildError
+
+        raise BuildError(f"the tokenizer has no ordinary token below the model's vocab_size "
+                         f"{vocab_size} (only special or unknown ones) to check the export on: "
+                         f"give the model's own tokenizer")
+    drawn = [np.random.default_rng(seed).choice(words, QUANT_TOKENS).tolist()
+             for seed in range(len(QUANT_PROMPTS))]
+    encoded = ("no token at all" if not any(texts) else
+               f"{tokenizer.unk_token or 'unknown'} and special tokens only")
+    note = (f"the tokenizer encodes the parity texts as {encoded}: parity ran on token ids "
+            f"drawn from its vocabulary instead (the same on every run)")
+    return drawn[0][:PARITY_TOKENS], drawn, note

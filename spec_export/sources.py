@@ -7,6 +7,7 @@ import contextlib
 import functools
 import importlib.util
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,6 +163,12 @@ def load_model(spec: ModelSpec):
         return load_hf_model(spec.source, gguf_file=spec.gguf_file, local_files_only=offline)
 
 
+def _named(spec: ModelSpec) -> str:
+    """How messages name `spec`: the option and its value (and the GGUF file within it)."""
+    named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
+    return named + (f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else "")
+
+
 @contextlib.contextmanager
 def loading_errors(spec: ModelSpec):
     """Loading `spec` with transformers' progress bars off (our own bar shows the stages; theirs,
@@ -179,30 +186,51 @@ def loading_errors(spec: ModelSpec):
             gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
     except (ImportError, AttributeError):
         pass
+    from .source_checks import check_source
+
     local = Path(spec.source).exists()
     offline = None if local else hub_unreachable()
-    named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
-    gguf = f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else ""
+    named = _named(spec)
     try:
+        check_source(spec, named, offline is not None)
         yield offline is not None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, struct.error, *_config_errors()) as e:
+        # struct.error: a binary file (a GGUF the checks above passed) that its reader could
+        # still not parse
         if isinstance(e, BuildError):
             raise
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        from .load import ConfigMismatch
+
+        if isinstance(e, ConfigMismatch):
+            raise BuildError(f"{named}: {e}") from None
+        lines = [line.strip() for line in str(e).splitlines()]
+        # a config validation error says which field on its first line and why on the next
+        reason = " ".join(lines[:2] if isinstance(e, _config_errors()) else lines[:1]) \
+            or type(e).__name__
         if offline is not None:
             raise BuildError(
-                f"{named}{gguf} is a Hugging Face id, but {offline}, and the model is not in "
+                f"{named} is a Hugging Face id, but {offline}, and the model is not in "
                 f"the local Hugging Face cache: pass a "
                 f"local directory instead (download it where the hub is reachable, e.g. "
                 f"`huggingface-cli download {spec.source} --local-dir DIR`, copy DIR here and "
                 f"give {spec.option or '--target'} DIR), or a .gguf file") from None
         if local:
-            raise BuildError(f"cannot load a model from {named}{gguf}: {reason}; give a "
+            raise BuildError(f"cannot load a model from {named}: {reason}; give a "
                              f"save_pretrained directory (config.json, weights, tokenizer) or a "
                              f".gguf file") from None
-        raise BuildError(f"{named}{gguf} is not a local file or directory, and loading it as a "
+        raise BuildError(f"{named} is not a local file or directory, and loading it as a "
                          f"Hugging Face id failed: {reason}; {SOURCE_FIX} (an id needs network "
                          f"access, or the model in the local Hugging Face cache)") from None
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config value of the wrong type (a float vocab_size, say)
+    that the size checks do not cover: huggingface_hub's strict dataclass validation."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def load_config_and_tokenizer(spec):

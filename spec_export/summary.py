@@ -104,6 +104,8 @@ def build_summary(bundle_dir) -> str:
     rows = [("target", target),
             ("draft", _draft(m))]
     rows += [("parity", _parity(role, e, m.encoder_decoder)) for role, e in m.models()]
+    if (t.parity or {}).get("inputs"):  # the text could not be tokenized: what parity ran on
+        rows.append(("note", t.parity["inputs"]))
     cache = f"max_len {m.max_len}, γ {m.default_gamma} (up to {m.max_gamma}), prefill chunk " \
             f"{m.prefill_chunk}"
     if m.encoder_decoder:

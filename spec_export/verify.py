@@ -21,8 +21,8 @@ from spec_runtime.bundle import default_bundle_dir
 from spec_runtime.errors import BundleError
 from spec_runtime.manifest import Manifest, ModelEntry, read_manifest
 
-from .quality import (FP32_RELATIVE, FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT, PARITY_PROMPT,
-                      QUANT_PROMPTS, broken_quantization, fp32_tolerance)
+from .quality import (FP32_RELATIVE, FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT,
+                      broken_quantization, check_inputs, fp32_tolerance)
 from .sources import ModelSpec, load_model
 
 
@@ -31,7 +31,7 @@ def verify_bundle(bundle_dir=None) -> dict:
     manifest = read_manifest(bundle_dir, check_files=True)
     report = {"bundle": str(bundle_dir), "files": "ok", "graphs": {}}
     t_model, t_tok = load_model(ModelSpec(manifest.target.source, manifest.target.gguf_file))
-    ids = t_tok(PARITY_PROMPT)["input_ids"][:32]
+    ids, quant_ids, _ = check_inputs(t_tok, t_model.config.vocab_size)
     for role, entry in manifest.models():
         model = t_model if role == "target" else \
             load_model(ModelSpec(entry.source, entry.gguf_file))[0]
@@ -51,7 +51,7 @@ def verify_bundle(bundle_dir=None) -> dict:
                                   f"manifest names; re-run `specexport build`")
         if entry.precision != "fp32" and not manifest.encoder_decoder:
             _check_quantized(report["graphs"][f"{role}/decoder"], role, entry, model, bundle_dir,
-                             [t_tok(p)["input_ids"][:48] for p in QUANT_PROMPTS])
+                             quant_ids)
     return report
 
 

@@ -236,6 +236,19 @@ def word_tokenizer(n: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w0")
 
 
+def word_level_tokenizer(words: int = 316) -> PreTrainedTokenizerFast:
+    """A word-level vocabulary of its own, as a user's small model may have: `<pad> </s> <unk>
+    <s>` and the words w0..w{words-1}, split on whitespace and punctuation. Real text is all
+    `<unk>`; transformers' Qwen2 tokenizer class, which rebuilds a byte-level BPE from the
+    vocabulary, encodes it as no token at all."""
+    specials = ["<pad>", "</s>", "<unk>", "<s>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(words)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", bos_token="<s>")
+
+
 def exact_joint_hf(model_dir, prompt, params, vocab: int):
     """P(first 3 new tokens) of the Hugging Face model saved in `model_dir` under target-only
     sampling with `params`, by enumerating every 2-token prefix (vocab² forwards)."""
