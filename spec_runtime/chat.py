@@ -1,6 +1,7 @@
 """Chat templates, rendered the way Hugging Face tokenizers render them (sandboxed jinja2, the
 same globals and filters), with bounds: a bundle's template is code from an untrusted file.
-The bounds live in chat_sandbox.py; in short:
+The bounds live in chat_sandbox.py (the environment) and chat_limits.py (how
+much); in short:
 
 - jinja2's immutable sandbox stops attribute escapes and mutation of the messages;
 - every value that could be large is bounded before it is made, `~` and the output of blocks
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .chat_sandbox import MAX_CHARS, MAX_STEPS, STEPS_PER_MESSAGE, Budget, Limit, environment, \
-    rendering
+from .chat_limits import MAX_CHARS, MAX_STEPS, STEPS_PER_MESSAGE, Budget, Limit, rendering
+from .chat_sandbox import environment
 from .errors import BundleError, InputError, TemplateError
 from .manifest import REBUILD
 

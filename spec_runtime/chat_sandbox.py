@@ -11,7 +11,8 @@ make something large or run long passing through a bound of chat_limits.py.
   operands' lengths before joining; the output buffers of blocks, macros and
   `{% set %}...{% endset %}` count each piece as it is added, and `environment.concat` counts
   before it joins them; slices go through `getitem`; list, tuple and dict literals are
-  measured where they are built (a list nested in itself 60 times prints as 2**60 items);
+  measured where they are built (a list that holds another twice, 60 levels deep, prints
+  2**60 items);
   each loop draws its items through `environment.counted`, one step each (jinja2 has no
   counter of its own: its sandbox bounds `range`, not loops over loops).
 - `finalize`: what `{{ value }}` writes is measured before `str()` writes it.
@@ -26,13 +27,9 @@ import json
 import time
 from functools import lru_cache
 
-from .chat_limits import (MAX_CHARS, MAX_STEPS, STEPS_PER_MESSAGE, Budget, Limit, check_binop,
-                          check_format, check_numbers, check_replace, filter_bound, make,
-                          method_bound, rendering, size_of, step, value_limit)
+from .chat_limits import (Limit, check_binop, check_format, check_numbers, check_replace,
+                          filter_bound, make, method_bound, size_of, step, value_limit)
 from .errors import TemplateError
-
-__all__ = ["MAX_CHARS", "MAX_STEPS", "STEPS_PER_MESSAGE", "Budget", "Limit", "environment",
-           "rendering"]
 
 
 @lru_cache(maxsize=1)

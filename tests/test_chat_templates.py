@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from spec_runtime.chat import render_chat
-from spec_runtime.chat_limits import MAX_CHARS, MAX_STEPS, STEPS_PER_MESSAGE, WORK_FACTOR
+from spec_runtime.chat_limits import MAX_STEPS, STEPS_PER_MESSAGE, WORK_FACTOR
 from spec_runtime.errors import BundleError, TemplateError
 
 SMOLLM2 = (  # HuggingFaceTB/SmolLM2-135M-Instruct, the default bundle's model
