@@ -10,6 +10,13 @@ against the same p' (Leviathan et al. 2023, Algorithm 1, with p' for p), so its 
 distributed exactly as p', and a draft that proposes from the masked q' is accepted as often as
 q' agrees with p'. A row that follows a draft token the grammar refuses is never read: the
 target gives that token probability 0, so it is rejected before the row matters.
+
+The engine never raises on a grammar it cannot follow: it enters an error state (a schema
+whose `anyOf` outgrows a parser row, `{"$ref": "#"}`, which matches no JSON at all, ...), where
+its mask allows only the end of text. So a schema is checked before decoding (`Grammar.
+constraint`: the engine's own validation, then its masks along a short walk of the grammar,
+where those errors show up), and a matcher that fails later, or leaves no token to follow, ends
+the request with a GrammarError, never with an end of text that looks like a finished answer.
 """
 
 from __future__ import annotations
@@ -21,6 +28,15 @@ import numpy as np
 from .errors import InputError, install_extra
 
 FORMATS = ("text", "json_object", "json_schema")
+PROBE_TOKENS = 16  # tokens of the walk that checks a grammar before decoding
+FIX = ("simplify the schema (at most 2000 alternatives in one anyOf, oneOf or enum; no $ref "
+       "that can only refer to itself)")
+
+
+class GrammarError(InputError):
+    """The grammar engine cannot follow a response_format's schema: before decoding (the
+    request is refused) or during it (the request ends with this error, not with an end of
+    text that looks like a finished answer)."""
 
 
 def _llguidance():
@@ -71,11 +87,19 @@ class Grammar:
                                          eos_token=self.eos or None)
 
     def constraint(self, grammar: str) -> "Constraint":
+        """One request's Constraint; InputError if the engine cannot compile `grammar`,
+        GrammarError if it fails along the probe's walk."""
         llg = _llguidance()
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        limits = llg.LLParserLimits(verbose_errors=False)  # errors without the parser's state
+        # the matcher validates the grammar as it compiles it (what validate_grammar does, so
+        # calling that too would compile it twice)
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise InputError(f"response_format cannot be compiled: {matcher.get_error()}")
-        return Constraint(matcher, self.vocab_size, self.eos)
+            raise InputError(f"response_format cannot be compiled: "
+                             f"{_one_line(matcher.get_error())}")
+        constraint = Constraint(matcher, self.vocab_size, self.eos)
+        constraint.probe()
+        return constraint
 
 
 class Constraint:
@@ -92,7 +116,8 @@ class Constraint:
 
     def allowed(self, generated) -> np.ndarray | None:
         """bool [vocab_size]; None after a token the grammar refuses (a rejected draft's
-        position, whose row is never read)."""
+        position, whose row is never read). GrammarError where the engine fails or no token
+        can follow."""
         generated = [int(t) for t in generated]
         same = 0
         for a, b in zip(self.consumed, generated):
@@ -108,8 +133,48 @@ class Constraint:
                 return None
             self.matcher.consume_tokens(rest)
             self.consumed += rest
+        return self._mask()
+
+    def _mask(self) -> np.ndarray:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():  # its mask would allow only the end: not an answer
+            raise GrammarError(f"response_format cannot be followed: the grammar engine "
+                               f"failed {self._where()} "
+                               f"({_one_line(self.matcher.get_error())}); {FIX}")
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-        if not mask.any():  # nothing can follow: only the end is left
-            mask[self.eos] = True
+        if not mask.any():
+            if not self.matcher.is_accepting():
+                raise GrammarError(f"response_format cannot be followed: no token of this "
+                                   f"vocabulary can continue the JSON {self._where()}; {FIX}")
+            mask[self.eos] = True  # complete, and nothing can follow: only the end is left
         return mask
+
+    def _where(self) -> str:
+        n = len(self.consumed)
+        return f"after {n} token{'s' * (n != 1)}" if n else "at the start"
+
+    def probe(self) -> None:
+        """Walk the grammar for up to PROBE_TOKENS tokens (each step the lowest allowed token
+        but the end) on a copy of the matcher: the errors a schema itself causes (a row past
+        the engine's limit, a language with no JSON in it) show up in the first masks, so they
+        are refused before decoding. Errors deeper in are caught as the request decodes."""
+        walk = Constraint(self.matcher.deep_copy(), self.vocab_size, self.eos)
+        for step in range(PROBE_TOKENS + 1):
+            mask = walk._mask()  # GrammarError where the engine fails or nothing can follow
+            mask[walk.eos] = False
+            if step == PROBE_TOKENS or walk.matcher.is_stopped() or not mask.any():
+                return  # far enough, or a whole JSON value with only the end left
+            token = int(np.flatnonzero(mask)[0])
+            walk.matcher.consume_token(token)
+            walk.consumed.append(token)
+
+
+# what the engine's terse messages mean for a schema
+MEANINGS = {"NoExtensionBias": "NoExtensionBias: the schema matches no JSON value"}
+
+
+def _one_line(message: str) -> str:
+    """The engine's message on one line, without its `<state>` block."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith("<"))
+    return MEANINGS.get(text, text[:300])

@@ -220,15 +220,21 @@ CASES = {
                                                                      "100000000"]),
     "template-endless-loops": (set_template(
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
-        ["chat template failed", "took more than 1 s"]),
+        ["chat template failed", "loop iterations"]),
     "template-doubling": (set_template(
         "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
         "{% endfor %}{{ ns.s }}"), ["chat template failed", "characters"]),
     # single calls at C speed, bounded before they run (each would take a GB or more)
     "template-join-of-repeats": (set_template("{{ (['a' * 1000000] * 1000)|join }}"),
                                  ["chat template failed", "characters"]),
-    "template-join-of-a-literal": (set_template("{% set x = 'a' * 600000 %}{{ [x, x]|join }}"),
-                                   ["chat template failed", "the filter 'join'"]),
+    "template-join-separator": (set_template("{{ ('a' * 2000)|list|join('b' * 1000) }}"),
+                                ["chat template failed", "the filter 'join'"]),
+    "template-literal-of-repeats": (set_template("{% set x = 'a' * 600000 %}{{ [x, x]|join }}"),
+                                    ["chat template failed", "a literal"]),
+    # a list that holds another twice, 60 times over: 2**60 items for str() or `==` to walk
+    "template-nested-aliases": (set_template(
+        "{% set ns = namespace(l=[1]) %}{% for i in range(60) %}{% set ns.l = [ns.l, ns.l] %}"
+        "{% endfor %}{{ ns.l }}"), ["chat template failed", "a literal"]),
     "template-tojson-indent": (set_template("{{ (range(1000)|list)|tojson(indent=1000000) }}"),
                                ["chat template failed", "the filter 'tojson'"]),
     "template-indent-string": (set_template("{{ ('a\n' * 1000)|indent('b' * 1000000) }}"),

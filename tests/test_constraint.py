@@ -125,3 +125,125 @@ def test_bad_formats_are_refused_before_decoding(gen):
             gen.generate(PROMPT, max_new_tokens=2, response_format=bad)
     assert gen.generate(PROMPT, max_new_tokens=2, response_format={"type": "text"}).tokens == \
         gen.generate(PROMPT, max_new_tokens=2).tokens
+
+
+def schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+# schemas the grammar engine compiles but cannot follow, each with the engine's own words for
+# why (the oracle: a bare llguidance matcher fails the same way, below)
+UNFOLLOWABLE = {
+    "anyOf-3000": ({"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                               "required": [f"k{i}"]} for i in range(3000)]},
+                   "Current row has 3000 items"),
+    "self-ref": ({"$ref": "#"}, "matches no JSON value"),
+    "mutual-refs": ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                     "$ref": "#/$defs/a"}, "matches no JSON value"),
+    "mutual-required-objects": ({"$defs": {
+        "a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/b"}}, "required": ["x"]},
+        "b": {"type": "object", "properties": {"y": {"$ref": "#/$defs/a"}}, "required": ["y"]}},
+        "$ref": "#/$defs/a"}, "Too many items"),
+}
+
+
+def engine_fails_within(gen, schema, tokens: int) -> bool:
+    """Whether a bare llguidance matcher, fed each step's lowest allowed token, errs within
+    `tokens` tokens (what the engine does with the schema, without our code)."""
+    m = matcher(gen, schema_format(schema))
+    for _ in range(tokens + 1):
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+        if m.is_error():
+            return True
+        allowed = [t for t in np.flatnonzero(bits[: gen.vocab_size]) if t not in
+                   gen.eos_token_ids]
+        if not allowed:
+            return False
+        m.consume_token(int(allowed[0]))
+    return False
+
+
+@pytest.mark.parametrize("name", list(UNFOLLOWABLE))
+def test_a_schema_the_engine_cannot_follow_is_refused_before_decoding(gen, name):
+    """Not `{` or "" with finish_reason "eos": the request is refused when it is made, in one
+    line naming response_format and the engine's reason."""
+    schema, words = UNFOLLOWABLE[name]
+    assert engine_fails_within(gen, schema, 2), "the engine follows this schema after all"
+    with pytest.raises(InputError) as err:
+        gen.request(PROMPT, max_new_tokens=8, response_format=schema_format(schema))
+    message = str(err.value)
+    assert message.startswith("response_format ") and words in message, message
+    assert "\n" not in message and "simplify the schema" in message, message
+
+
+def test_schemas_the_engine_can_follow_still_decode(gen):
+    """The check before decoding refuses no schema the engine follows: recursion with a way
+    out, a large enum, a few hundred alternatives."""
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "children": {
+        "type": "array", "items": {"$ref": "#"}}}, "required": ["name"]}
+    enum = {"enum": [f"v{i}" for i in range(3000)]}
+    some = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                       "required": [f"k{i}"]} for i in range(300)]}
+    for schema in (tree, enum, some):
+        fmt = schema_format(schema)
+        r = gen.generate(PROMPT, max_new_tokens=40, response_format=fmt)
+        assert r.finish_reason in ("eos", "length"), r
+        assert matcher(gen, fmt).validate_tokens(r.tokens) == len(r.tokens)
+
+
+class FailsAfterOneToken:
+    """A real matcher that enters the engine's error state once it has consumed a token, as
+    llguidance does when a schema outgrows its limits mid-way: then its mask allows only the
+    end of text (what the engine gives in that state). Its copies (deep_copy) do not fail, so
+    the check before decoding passes and the failure comes while the request decodes."""
+
+    def __init__(self, inner, eos):
+        self.inner, self.eos, self.consumed = inner, eos, 0
+
+    def consume_tokens(self, tokens):
+        self.consumed += len(tokens)
+        return self.inner.consume_tokens(tokens) and not self.is_error()
+
+    def is_error(self):
+        return self.consumed > 0 or self.inner.is_error()
+
+    def get_error(self):
+        return "Parser Error: forced by the test" if self.consumed else self.inner.get_error()
+
+    def compute_bitmask(self):
+        bits = bytearray(len(self.inner.compute_bitmask()))
+        if not self.is_error():
+            return self.inner.compute_bitmask()
+        for t in self.eos:
+            bits[t // 8] |= 1 << (t % 8)
+        return bytes(bits)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def fails_mid_decode(gen, monkeypatch):
+    real = llg.LLMatcher
+    eos = sorted(gen.eos_token_ids)
+
+    class Matcher:
+        validate_grammar_with_warnings = staticmethod(real.validate_grammar_with_warnings)
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+
+        def __new__(cls, *args, **kwargs):
+            return FailsAfterOneToken(real(*args, **kwargs), eos)
+
+    monkeypatch.setattr(llg, "LLMatcher", Matcher)
+
+
+@pytest.mark.parametrize("use_draft", [True, False])
+def test_an_engine_error_mid_decode_ends_the_request_with_an_error(gen, fails_mid_decode,
+                                                                   use_draft):
+    """Never an end of text after `{`, which would read as a finished answer: the request
+    raises (an InputError: the schema is what the engine could not follow)."""
+    with pytest.raises(InputError, match="grammar engine failed after .*forced by the test"):
+        gen.generate(PROMPT, max_new_tokens=8, response_format=FLAGS, use_draft=use_draft)
+    stream = gen.stream(PROMPT, max_new_tokens=8, response_format=FLAGS, use_draft=use_draft)
+    with pytest.raises(InputError, match="response_format cannot be followed"):
+        list(stream)

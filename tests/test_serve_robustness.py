@@ -13,6 +13,8 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from test_constraint import (UNFOLLOWABLE, fails_mid_decode, gen,  # noqa: F401 (fixtures)
+                             schema_format)
 from test_serve import HELLO, assert_error, chat_body, server, tiny  # noqa: F401 (a fixture)
 
 import spec_runtime
@@ -52,6 +54,8 @@ def leave_after(url, body, seconds):
 
 
 CHAT = "/v1/chat/completions"
+FLAGS_FORMAT = {"type": "json_schema", "json_schema": {"name": "flags", "schema": {
+    "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}}}
 
 
 @pytest.mark.slow  # builds the real default bundle
@@ -199,3 +203,69 @@ def test_a_second_sigterm_ends_every_request_with_its_error(default_bundle):
         assert proc.wait(timeout=60) == 0, "".join(proc.lines)
     assert events[-1] == "data: [DONE]", events[-3:]
     assert json.loads(events[-2][len("data: "):])["error"]["code"] == "shutting_down"
+
+
+def in_process(app, body: dict) -> httpx.Response:
+    """One chat request to `app`, served in this process (no server process to start)."""
+    async def post():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post(CHAT, json=body, timeout=120)
+
+    return asyncio.run(post())
+
+
+def events(r: httpx.Response) -> list:
+    return [line[len("data: "):] for line in r.text.split("\n\n") if line.startswith("data: ")]
+
+
+def test_a_chat_template_that_fails_on_the_messages_is_a_400_naming_its_bound():
+    """The bundle's template serves one message (so it loads) and joins 3,000 copies of 100,000
+    characters with `~` on two: refused before the 300 MB are built, as the client's request
+    (the messages are what set it off), in one line."""
+    from test_runtime_text import make
+
+    from spec_runtime.apps.server import create_app
+
+    template = ("{% if messages|length > 1 %}{% set a = 'x' * 100000 %}{{ "
+                + " ~ ".join(["a"] * 3000) + " }}{% endif %}"
+                "{% for m in messages %}{{ m.content }} {% endfor %}")
+    app = create_app(generator=make(chat_template=template))
+    two = [{"role": "user", "content": "red"}, {"role": "assistant", "content": "sky"}]
+    body = assert_error(in_process(app, {"messages": two, "max_tokens": 2}), 400,
+                        "chat template failed", "'~' would make 300000000 characters",
+                        code="invalid_value")
+    assert "\n" not in body["message"]
+    r = in_process(app, {"messages": two[:1], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("name", list(UNFOLLOWABLE))
+def test_a_schema_the_engine_cannot_follow_is_a_400_before_decoding(gen, name):  # noqa: F811
+    from spec_runtime.apps.server import create_app
+
+    schema, words = UNFOLLOWABLE[name]
+    app = create_app(generator=gen)
+    for stream in (False, True):
+        r = in_process(app, {"messages": HELLO, "max_tokens": 8, "stream": stream,
+                             "response_format": schema_format(schema)})
+        assert_error(r, 400, "response_format", words, param="response_format")
+    assert "specedge_generated_tokens_total 0.0" in app.state.metrics.text().decode()
+
+
+def test_an_engine_error_mid_decode_is_an_error_never_a_stop(gen, fails_mid_decode):  # noqa: F811
+    """The grammar engine fails after the first token: the plain reply is the error (not a 200
+    with `{` and finish_reason "stop"), and the stream ends with an error event and [DONE],
+    with no chunk that finishes the choice."""
+    from spec_runtime.apps.server import create_app
+
+    app = create_app(generator=gen)
+    body = {"messages": HELLO, "max_tokens": 8, "response_format": FLAGS_FORMAT}
+    assert_error(in_process(app, body), 400, "grammar engine failed after",
+                 "forced by the test", param="response_format")
+    sent = events(in_process(app, {**body, "stream": True}))
+    assert sent[-1] == "[DONE]", sent
+    error = json.loads(sent[-2])["error"]
+    assert "grammar engine failed after" in error["message"], error
+    finishes = [c["finish_reason"] for e in sent[:-2] for c in json.loads(e)["choices"]]
+    assert not any(finishes), sent

@@ -1,0 +1,232 @@
+"""How big a chat template's values may grow, and how much work one render may do.
+
+`Budget` is one render's: `limit` on any one value and on the output (the messages' own text
+twice, plus MAX_CHARS), `work` (WORK_FACTOR limits' worth of characters made or walked by the
+bounded operations, in all: every value the template keeps was made by one of them, so this
+bounds the render's peak memory however many values it keeps, and its time spent on text), and
+`steps` (loop iterations and calls). The clock (RENDER_SECONDS) is a backstop, checked at each
+step and each bounded operation, for the work that cannot be counted (`in` over a long string
+in a long loop body). `make` and `step` charge the budget of the render in progress
+(`rendering`), and raise `Limit` past it.
+
+`measure` is the size a value prints as: characters, one per item, nested values counted every
+time they occur, as `join`, `tojson` or `str()` write them. The bounds of the filters and string
+methods that can make more than they read are here too (chat_sandbox.py applies them).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from contextlib import contextmanager
+
+RENDER_SECONDS = 1.0  # a real template renders in well under a millisecond
+MAX_CHARS = 1 << 20  # output beyond the messages' own text; also caps any one value
+WORK_FACTOR = 64  # characters a render may make or walk in all, in units of its value limit
+MAX_STEPS = 20_000  # loop iterations and calls a render may take, plus, per message:
+STEPS_PER_MESSAGE = 100  # (real templates take a few per message)
+MAX_INT_BITS = 4096  # an integer `*` or `**` may make (a chat template counts, no more)
+_WIDTH = re.compile(r"\d{7,}|\*")  # a width or precision of a million or more, or one read
+                                  # from the arguments, in a %- or {}-format
+
+
+class Limit(Exception):
+    """A bound was hit: raised inside the template, reported as a BundleError."""
+
+
+class Budget:
+    """One render's bounds: `limit` on any one value and on the output, `work` characters made
+    or walked in all, `steps` loop iterations and calls, and the clock's backstop."""
+
+    def __init__(self, limit: int, steps: int):
+        self.limit, self.work, self.steps = limit, WORK_FACTOR * limit, steps
+        self.max_work, self.max_steps = self.work, steps
+        self.deadline = time.perf_counter() + RENDER_SECONDS
+
+
+_render_state = threading.local()  # .budget: the budget of the render in progress
+
+
+@contextmanager
+def rendering(budget: Budget):
+    """Charge this thread's bounded operations to `budget` while a render runs."""
+    _render_state.budget = budget
+    try:
+        yield budget
+    finally:
+        del _render_state.budget
+
+
+def _budget() -> Budget:
+    # outside a render (jinja2 folding a constant while it compiles) a fresh one: such work is
+    # bounded by the template's own length
+    budget = getattr(_render_state, "budget", None)
+    return budget if budget is not None else Budget(MAX_CHARS, MAX_STEPS)
+
+
+def value_limit() -> int:
+    return _budget().limit
+
+
+def _clock(budget: Budget) -> None:
+    if time.perf_counter() > budget.deadline:
+        raise Limit(f"rendering took more than {RENDER_SECONDS:g} s")
+
+
+def make(n: int, what: str) -> None:
+    """`what` is about to make (or walk) `n` characters: refused past the limit on one value
+    or past the render's work in all."""
+    budget = _budget()
+    if n > budget.limit:
+        raise Limit(f"{what} would make {n} characters (limit {budget.limit})")
+    budget.work -= n
+    if budget.work < 0:
+        raise Limit(f"{what} passed the {budget.max_work} characters a render may make in "
+                    f"all")
+    _clock(budget)
+
+
+def step() -> None:
+    """One loop iteration or call."""
+    budget = _budget()
+    budget.steps -= 1
+    if budget.steps < 0:
+        raise Limit(f"it ran more than {budget.max_steps} loop iterations and calls")
+    _clock(budget)
+
+
+def measure(value, stop: int) -> tuple[int, int]:
+    """(size, depth): the characters `value` prints as, one more per item, nested values
+    counted every time they occur (`[s] * 1000` is a thousand times `s`: `join` and `tojson`
+    write it so); counting stops past `stop`."""
+    from jinja2.utils import Namespace
+
+    size, deepest, stack = 0, 0, [(value, 1)]
+    while stack and size <= stop:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, str):
+            size += len(v) + (d > 1)  # an item prints its separator, even when empty
+        elif isinstance(v, dict):
+            size += 1
+            stack.extend((x, d + 1) for pair in v.items() for x in pair)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            size += 1
+            stack.extend((x, d + 1) for x in v)
+        elif isinstance(v, Namespace):  # {% set ns.x = ns.x ~ ns.x %} lives in its attributes
+            stack.extend((x, d + 1) for x in v._Namespace__attrs.values())
+        else:
+            size += 24  # a number's or an object's repr
+    return size, deepest
+
+
+def size_of(value) -> int:
+    return measure(value, value_limit())[0]
+
+
+def items_of(value) -> int:
+    return len(value) if isinstance(value, (str, list, tuple, dict, set)) else size_of(value)
+
+
+def fields(fmt: str) -> int:
+    return fmt.count("{") + fmt.count("%")
+
+
+def largest(values) -> int:
+    return max((size_of(v) for v in values), default=0)
+
+
+def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
+    """At most how many characters the filter `name` makes of `value` with these arguments;
+    None for the filters that make no more than they read."""
+    def arg(i, key, default):
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    if name == "join":
+        return size_of(value) + len(str(arg(0, "d", ""))) * items_of(value)
+    if name in ("string", "pprint", "e", "escape", "forceescape", "urlencode", "xmlattr",
+                "urlize", "striptags"):
+        return 6 * size_of(value)  # an escape writes at most 6 characters per character
+    if name == "tojson":
+        size, deepest = measure(value, value_limit())
+        indent = arg(0, "indent", None)
+        width = len(indent) if isinstance(indent, str) else int(indent or 0)
+        return 6 * size + size * width * deepest  # each item on a line of its own, indented
+    if name == "indent" and isinstance(value, str):
+        width = arg(0, "width", 4)
+        width = len(width) if isinstance(width, str) else int(width)
+        return len(value) + (value.count("\n") + 1) * width
+    if name == "wordwrap" and isinstance(value, str):
+        return len(value) * (1 + len(str(arg(3, "wrapstring", None) or "\n")))
+    if name == "format" and isinstance(value, str):
+        return len(value) + fields(value) * largest((*args, *kwargs.values()))
+    if name == "sum":
+        return size_of(value) + size_of(arg(1, "start", 0))
+    if name == "truncate" and isinstance(value, str):
+        return len(value) + len(str(arg(2, "end", "...")))
+    return None
+
+
+def method_bound(name: str, self, args: tuple, kwargs: dict) -> int | None:
+    """The same for a string's methods."""
+    if not isinstance(self, str):
+        return None
+    if name == "join" and args:
+        return size_of(args[0]) + len(self) * items_of(args[0])
+    if name in ("format", "format_map"):
+        return len(self) + fields(self) * largest((*args, *kwargs.values()))
+    if name == "expandtabs":
+        tab = args[0] if args else kwargs.get("tabsize", 8)
+        return len(self) + self.count("\t") * (tab if isinstance(tab, int) else 0)
+    if name == "translate" and args and isinstance(args[0], dict):
+        return len(self) * max(1, largest(args[0].values()))
+    return None
+
+
+def check_numbers(args, kwargs, what: str) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (int, float)) and not isinstance(a, bool) and abs(a) > MAX_CHARS:
+            raise Limit(f"{what} got the number {a!r} (limit {MAX_CHARS})")
+
+
+def check_format(spec, what: str) -> None:
+    if isinstance(spec, str) and _WIDTH.search(spec):
+        raise Limit(f"{what} has a width or precision over {MAX_CHARS - 1} or taken from "
+                    f"its arguments")
+
+
+def check_replace(s, old, new) -> None:
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+        matches = len(s) + 1 if old == "" else s.count(old)
+        make(len(s) + matches * len(new), "replace")
+
+
+def check_binop(operator: str, left, right) -> None:
+    """Bound `left operator right` before it runs: sequences by what the result would print,
+    integers by its bits."""
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                make(size_of(seq) * n, "'*'")
+        if _integer(left) and _integer(right):
+            _check_bits(left.bit_length() + right.bit_length(), "'*'")
+    elif operator == "+" and isinstance(left, (str, list, tuple)) \
+            and isinstance(right, (str, list, tuple)):
+        make(size_of(left) + size_of(right), "'+'")
+    elif operator == "**" and _integer(left) and _integer(right) and abs(left) > 1:
+        _check_bits(abs(left).bit_length() * max(right, 0), "'**'")
+    elif operator == "%":
+        check_format(left, "a %-format")
+        if isinstance(left, str):
+            values = right if isinstance(right, tuple) else (right,)
+            make(len(left) + fields(left) * largest(values), "a %-format")
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_bits(bits: int, what: str) -> None:
+    if bits > MAX_INT_BITS:
+        raise Limit(f"{what} would make an integer of {bits} bits (limit {MAX_INT_BITS})")
