@@ -290,8 +290,7 @@ def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
              if p.is_file() and p.name not in (MANIFEST, tmp.name)}
     written = Manifest.from_json(replace(manifest, files=files).to_json())
     # allow_nan=False: NaN and Infinity are not JSON; a value that is not finite is a bug here
-    tmp.write_text(json.dumps(written.to_json(), indent=2, allow_nan=False) + "
-",
+    tmp.write_text(json.dumps(written.to_json(), indent=2, allow_nan=False) + "\n",
                    encoding="utf-8")
     os.replace(tmp, Path(bundle_dir) / MANIFEST)
     return written
