@@ -188,7 +188,9 @@ def cli_words(message: str) -> str:
     return re.sub(r"^([a-z_]+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
-def read_prompt(prompt, prompt_file):
+def read_prompt(prompt, prompt_file, bundle):
+    """The prompt: the argument, else --prompt-file, else stdin; a file or stdin is read up to
+    what the bundle's cache can use (spec_runtime.limits.read_prompt), never to its end."""
     if prompt is not None and prompt_file is not None:
         raise BadInput("give the prompt as an argument or --prompt-file, not both")
     if prompt is not None:
@@ -198,14 +200,17 @@ def read_prompt(prompt, prompt_file):
             raise BadInput("the prompt argument is not UTF-8 text: convert it, or pass it "
                            "with --prompt-file") from None
         return prompt
-    if prompt_file is not None:
-        data, source = click.open_file(prompt_file, "rb").read(), f"--prompt-file {prompt_file!r}"
-    else:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise BadInput("no prompt: give it as an argument, --prompt-file, or on stdin")
-        data, source = sys.stdin.buffer.read(), "stdin"
+    if prompt_file is None and (sys.stdin is None or sys.stdin.isatty()):
+        raise BadInput("no prompt: give it as an argument, --prompt-file, or on stdin")
+    from spec_runtime.bundle import read_bundle_manifest
+    from spec_runtime.limits import read_prompt as read_bounded_prompt
+
+    manifest = read_bundle_manifest(bundle)
+    if prompt_file is None:
+        return read_bounded_prompt(sys.stdin.buffer, "stdin", manifest)
+    source = f"--prompt-file {prompt_file!r}"
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{source} is not UTF-8 text (byte {e.start}): convert it, e.g. "
-                       f"`iconv -t UTF-8`") from None
+        with click.open_file(prompt_file, "rb") as f:  # "-": stdin, left open
+            return read_bounded_prompt(f, source, manifest)
+    except OSError as e:
+        raise BadInput(f"{source} cannot be read ({e.strerror}): give a readable file") from None

@@ -66,8 +66,8 @@ def generate(prompt, prompt_file, bundle, stream, as_json, device, draft_device,
     """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
     import spec_runtime
 
-    text = read_prompt(prompt, prompt_file)
     options = generation_options(**request)
+    text = read_prompt(prompt, prompt_file, bundle)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     req = in_cli_words(gen.request, text, options)
     if not stream:
@@ -114,6 +114,7 @@ def chat(bundle, system, device, draft_device, threads, **request):
     answer."""
     import spec_runtime
     from spec_runtime.apps.chat_session import ChatSession
+    from spec_runtime.limits import read_prompt_line
 
     options = generation_options(**request)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
@@ -123,9 +124,17 @@ def chat(bundle, system, device, draft_device, threads, **request):
     if interactive:
         click.echo(f"specrun chat · {gen.bundle_dir} · /reset /stats /exit · Ctrl-C stops an "
                    f"answer", err=True)
+    lines = 0
     while True:
         try:
-            line = input("> " if interactive else "")
+            if interactive:  # a terminal's line is bounded by the terminal
+                line = input("> ")
+            else:
+                lines += 1
+                line = read_prompt_line(sys.stdin.buffer, f"stdin line {lines}",
+                                        gen.manifest) if sys.stdin is not None else None
+                if line is None:
+                    break
         except EOFError:
             break
         except KeyboardInterrupt:

@@ -49,6 +49,13 @@ def default_bundle_dir() -> Path:
     return data_dir() / "default"
 
 
+def read_bundle_manifest(bundle_dir=None):
+    """The manifest of the bundle at `bundle_dir` (the default bundle when None), read and
+    checked, its files not hashed: what a caller may know of a bundle before loading it."""
+    return read_manifest(Path(bundle_dir) if bundle_dir is not None else default_bundle_dir(),
+                         check_files=False)
+
+
 def load_tokenizer(path: Path):
     from tokenizers import Tokenizer
 
