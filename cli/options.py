@@ -26,14 +26,31 @@ def bundle_option(fn):
                              "`specexport build` writes without --out: see `specrun where`]")(fn)
 
 
+class Threads(click.ParamType):
+    """--threads: 1 .. the logical CPUs this process may run on (spec_runtime.limits), refused
+    in one line naming the bound."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        from spec_runtime.limits import check_threads
+
+        try:
+            value = int(value)
+        except ValueError:
+            raise BadInput(f"--threads {value!r} is invalid: use an integer >= 1") from None
+        return in_cli_words(check_threads, value)
+
+
 def device_options(fn):
     """--device, --draft-device and --threads, shared by the commands that load a bundle."""
     from spec_runtime.devices import DEVICES
 
     devices = click.Choice(sorted(DEVICES))
-    fn = click.option("--threads", type=click.IntRange(min=1), default=None,
-                      help="CPU threads of each ONNX Runtime session, >= 1 (llama.cpp's -t) "
-                           "[default: the physical cores this process may run on]")(fn)
+    fn = click.option("--threads", type=Threads(), default=None,
+                      help="CPU threads of each ONNX Runtime session, 1..the logical CPUs this "
+                           "process may run on (llama.cpp's -t) [default: the physical cores "
+                           "this process may run on]")(fn)
     fn = click.option("--draft-device", type=devices, default=None,
                       help="where a model draft runs [default: --device], e.g. an int4 draft on "
                            "cpu beside an fp16 target on cuda")(fn)

@@ -1,16 +1,20 @@
-"""What a bundle can hold, checked before anything is read.
+"""What a bundle and this machine can hold, checked before anything is read or allocated.
 
     a prompt from a file or a stream ─ read_prompt / read_prompt_line ─► at most
         prompt_bytes(manifest): the cache's positions × MAX_BYTES_PER_TOKEN. A longer prompt
         cannot fit the cache, so reading more of it (/dev/zero, `yes | ...`) only costs memory;
         read_bounded reads any stream so (a file of many prompts has a bound of its own)
+    threads ─ check_threads ─► at most the logical CPUs this process may run on
 
 Each refusal is an InputError naming the value, the bound, what it comes from and the fix.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
+
+import numpy as np
 
 from .errors import InputError
 
@@ -83,3 +87,31 @@ def read_prompt_line(stream, source: str, manifest) -> str | None:
     if len(text) > limit:
         raise too_long(source, manifest)
     return utf8(text, source)
+
+
+# -- CPU threads ----------------------------------------------------------------------------------
+
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity; all of them where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def check_threads(threads) -> int | None:
+    """`threads` (None: the default, physical cores) as an int, or an InputError: an ONNX Runtime
+    session with more threads than CPUs only has them wait for one another (and a huge count
+    allocates a stack per thread before the first token)."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise InputError(f"threads={threads!r} is invalid: use an integer >= 1, or leave it out "
+                         f"for the physical cores")
+    threads = int(threads)
+    cpus = usable_cpus()
+    if threads > cpus:
+        raise InputError(f"threads={threads} is more than the {cpus} CPUs this process may run "
+                         f"on: use at most {cpus} (threads beyond the CPUs wait for one another), "
+                         f"or leave it out for the physical cores")
+    return threads

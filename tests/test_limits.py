@@ -160,3 +160,29 @@ def test_conversation_lines_are_bounded_one_by_one(llama_pair):
     assert limits.read_prompt_line(stream, "stdin line 2", manifest) == "x" * limit
     with pytest.raises(spec_runtime.InputError, match="stdin line 3 holds more than"):
         limits.read_prompt_line(stream, "stdin line 3", manifest)
+
+
+# -- threads ------------------------------------------------------------------------------------
+
+
+def cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("threads", [cpus() + 1, 100000, 2147483648])
+def test_threads_past_the_cpus_are_refused_before_the_load(tmp_path, threads):
+    """The bundle named does not exist: the refusal comes first, naming the CPUs there are."""
+    one_line(run(specrun, "generate", "hi", "-b", tmp_path / "nothing", "--threads", threads),
+             f"--threads {threads} is more than the {cpus()} CPUs", f"at most {cpus()}")
+    one_line(run(specrun, "serve", "-b", tmp_path / "nothing", "--threads", threads),
+             f"--threads {threads}")
+
+
+def test_threads_in_the_python_api(llama_pair):
+    with pytest.raises(spec_runtime.InputError, match=f"threads={cpus() + 1} is more than"):
+        spec_runtime.load(llama_pair[2], threads=cpus() + 1)
+    for bad in (0, True, 1.5):
+        with pytest.raises(spec_runtime.InputError, match="threads="):
+            spec_runtime.load(llama_pair[2], threads=bad)
+    gen = spec_runtime.load(llama_pair[2], threads=cpus())
+    assert gen.target.session.get_session_options().intra_op_num_threads == cpus()
