@@ -12,7 +12,7 @@ import click
 from spec_runtime.errors import install_extra
 
 from .common import BadInput, BundleCommand, input_errors, library_messages
-from .options import bundle_option, device_options
+from .options import bundle_option, device_options, in_cli_words
 
 
 def _alive(pid: int) -> bool:
@@ -140,9 +140,9 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
     from spec_runtime.apps.run_server import run_uvicorn
     from spec_runtime.apps.server import create_app
 
-    app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
-                     draft_device=draft_device, model_name=model_name,
-                     drain_seconds=drain_seconds, threads=threads)
+    app = in_cli_words(create_app, bundle, slots=slots, queue=queue, api_key=api_key,
+                       device=device, draft_device=draft_device, model_name=model_name,
+                       drain_seconds=drain_seconds, threads=threads)
 
     def ready(server):
         for s in server.servers:

@@ -186,3 +186,61 @@ def test_threads_in_the_python_api(llama_pair):
             spec_runtime.load(llama_pair[2], threads=bad)
     gen = spec_runtime.load(llama_pair[2], threads=cpus())
     assert gen.target.session.get_session_options().intra_op_num_threads == cpus()
+
+
+# -- slots --------------------------------------------------------------------------------------
+
+
+def slot_oracle(bundle):
+    """(bytes of one slot's caches, bytes of the bundle's files): the caches as a loaded
+    generator holds them (numpy buffers of the target and the draft), the files on disk."""
+    gen = spec_runtime.load(bundle)
+    engines = [gen.target, *gen.draft.engines]
+    per_slot = sum(b.nbytes for e in engines for b in e.cache.buffers.values())
+    files = sum(p.stat().st_size for p in bundle.iterdir() if p.name != "manifest.json")
+    return per_slot, files
+
+
+def test_slots_past_the_memory_are_refused_before_the_load(llama_pair, monkeypatch):
+    from spec_runtime.apps import run_server
+
+    bundle = llama_pair[2]
+    per_slot, weights = slot_oracle(bundle)
+    available = 64 << 20
+    monkeypatch.setattr(limits, "available_memory", lambda: available)
+    largest = (available - weights) // per_slot
+    assert 100 < largest < 100000
+    loads = []
+    monkeypatch.setattr(spec_runtime, "load", lambda *a, **k: loads.append(a) or 1 / 0)
+    for slots in (largest + 1, 100000):
+        one_line(run(specrun, "serve", "-b", bundle, "--port", 0, "--slots", slots),
+                 f"--slots {slots} needs", f"use at most {largest} slots", "64.0 MiB")
+    assert loads == []  # refused before the bundle loads
+    monkeypatch.undo()
+    monkeypatch.setattr(limits, "available_memory", lambda: available)
+    served = []
+    monkeypatch.setattr(run_server, "run_uvicorn",
+                        lambda app, *a, **k: served.append(len(app.state.slots.generators)))
+    r = run(specrun, "serve", "-b", bundle, "--port", 0, "--slots", largest)
+    assert r.exit_code == 0 and served == [largest], r.output
+
+
+def test_slots_in_the_python_api(llama_pair, monkeypatch):
+    from spec_runtime.apps.server import create_app
+
+    gen = spec_runtime.load(llama_pair[2])
+    monkeypatch.setattr(limits, "available_memory", lambda: 1 << 20)
+    for source in ({"bundle_dir": llama_pair[2]}, {"generator": gen}):
+        with pytest.raises(spec_runtime.InputError, match="slots=1000 needs"):
+            create_app(slots=1000, **source)
+    assert len(create_app(generator=gen, slots=1).state.slots.generators) == 1
+
+
+def test_available_memory_reads_meminfo(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  8000000 kB\nMemFree:  100 kB\nMemAvailable:  4000000 kB\n")
+    monkeypatch.setattr(limits, "MEMINFO", meminfo)
+    monkeypatch.setattr(limits, "_cgroup_room", lambda: None)
+    assert limits.available_memory() == 4000000 * 1024
+    monkeypatch.setattr(limits, "_cgroup_room", lambda: 1 << 30)  # a container's limit
+    assert limits.available_memory() == 1 << 30

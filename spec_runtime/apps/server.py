@@ -36,7 +36,10 @@ import logging
 import time
 import uuid
 
+from ..devices import device as device_entry
+from ..drafts import draft_engines
 from ..errors import InputError
+from ..limits import check_slots
 from ..request import GenerationOptions
 from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnected,
                        read_json)
@@ -73,15 +76,22 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                generator=None, threads: int | None = None):
     """The ASGI app serving the bundle at `bundle_dir` (the default bundle when None), or an
     already loaded `generator`. The bundle is loaded here, once (`threads`: each CPU session's,
-    default the physical cores); `slots` - 1 forks share its sessions."""
+    default the physical cores); `slots` - 1 forks share its sessions, each with caches of its
+    own: as many as fit the memory available (limits.check_slots, before the load)."""
     from fastapi import FastAPI
 
     check_count("slots", slots, 1)
     check_count("queue", queue, 0)
     if generator is None:
         from .. import load
+        from ..bundle import read_bundle_manifest
 
+        check_slots(slots, read_bundle_manifest(bundle_dir),
+                    {"target": device_entry(device),
+                     "draft": device_entry(draft_device or device, "draft_device")})
         generator = load(bundle_dir, device=device, draft_device=draft_device, threads=threads)
+    elif getattr(generator, "manifest", None) is not None:
+        check_slots(slots, generator.manifest, engine_devices(generator), loaded=True)
     server = Server(generator, slots=slots, queue=queue, api_key=api_key,
                     model_name=model_name, drain_seconds=drain_seconds)
     app = FastAPI(title="specedge", docs_url=None, redoc_url=None, openapi_url=None)
@@ -93,6 +103,13 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     s.generator, s.health, s.active = generator, server.health, server.active
     s.begin_drain, s.end_drain = server.begin_drain, server.end_drain
     return app
+
+
+def engine_devices(gen) -> dict:
+    """{role: Device} of a loaded generator's engines that name theirs (ONNX Runtime's: where
+    their caches live; a native TensorRT engine's are on its GPU)."""
+    engines = {"target": gen.target, "draft": next(iter(draft_engines(gen.draft)), None)}
+    return {role: e.device for role, e in engines.items() if hasattr(e, "device")}
 
 
 def _routes(app, server: "Server") -> None:
