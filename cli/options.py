@@ -8,6 +8,7 @@ request is made from, checked before the bundle loads and refused in the command
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -40,6 +41,28 @@ class Threads(click.ParamType):
         except ValueError:
             raise BadInput(f"--threads {value!r} is invalid: use an integer >= 1") from None
         return in_cli_words(check_threads, value)
+
+
+class FiniteFloat(click.ParamType):
+    """A number option that must be finite (click's FLOAT and FloatRange take nan and inf)
+    and at least `low` (above it, with `open_low`), refused in one line naming the option."""
+
+    name = "float"
+
+    def __init__(self, low: float, open_low: bool = False):
+        self.low, self.open_low = low, open_low
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        above = number > self.low if self.open_low else number >= self.low
+        if math.isfinite(number) and above:
+            return number
+        name = param.opts[0] if param is not None else "the value"
+        raise BadInput(f"{name} {value} is invalid: use a finite number "
+                       f"{'>' if self.open_low else '>='} {self.low:g}")
 
 
 def device_options(fn):

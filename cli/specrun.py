@@ -12,9 +12,9 @@ import sys
 import click
 
 from .common import BundleCommand, input_errors
-from .options import (bundle_option, device_options, gamma_option, generation_options,
-                      in_cli_words, json_option, max_new_tokens_option, no_draft_option,
-                      parse_gamma, parse_gammas, read_prompt, sampling_options)
+from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
+                      generation_options, in_cli_words, json_option, max_new_tokens_option,
+                      no_draft_option, parse_gamma, parse_gammas, read_prompt, sampling_options)
 from .serve import serve
 
 
@@ -262,7 +262,7 @@ CHECK_SETTING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_
               help="length k (>= 1) of the continuations whose joint distribution is compared")
 @click.option("--samples", type=int, default=None,
               help="continuations per mode (speculative, target-only), >= 1 [default: 400]")
-@click.option("--seconds", type=float, default=None,
+@click.option("--seconds", type=FiniteFloat(0, open_low=True), default=None,
               help="time budget; sampling stops when it is spent, and the report says what the "
                    "fewer samples can detect [default: none, all samples are drawn]")
 @sampling_options(CHECK_SETTING, {"temperature": "the sampling setting checked: temperature, "

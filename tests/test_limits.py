@@ -7,6 +7,7 @@ import io
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 
@@ -244,3 +245,67 @@ def test_available_memory_reads_meminfo(tmp_path, monkeypatch):
     assert limits.available_memory() == 4000000 * 1024
     monkeypatch.setattr(limits, "_cgroup_room", lambda: 1 << 30)  # a container's limit
     assert limits.available_memory() == 1 << 30
+
+
+# -- the server's address and durations ---------------------------------------------------------
+
+
+def test_an_address_that_is_not_one_is_refused_before_the_load(tmp_path):
+    one_line(run(specrun, "serve", "-b", tmp_path / "nothing", "--host", "999.1.1.1"),
+             "--host '999.1.1.1'", "127.0.0.1")
+
+
+def test_a_port_in_use_is_refused_before_the_load(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for extra in ([], ["--ray"]):
+            one_line(run(specrun, "serve", "-b", tmp_path / "nothing", "--port", port, *extra),
+                     f"--port {port} is in use", "another port", "0: any free port")
+
+
+def test_the_port_is_bound_before_the_load_and_listens_when_serving_starts():
+    """While the app loads a client is refused, not left waiting; a server that took the port
+    meanwhile (SO_REUSEADDR lets it bind a port nobody listens on) is named when ours would
+    start listening."""
+    from spec_runtime.apps.run_server import bind_sockets, close, run_uvicorn
+
+    sockets = bind_sockets("127.0.0.1", 0)
+    port = sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+            other.listen()
+            with pytest.raises(spec_runtime.InputError, match=f"port={port} is in use"):
+                run_uvicorn(None, "127.0.0.1", port, sockets=sockets)
+    finally:
+        close(sockets)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-1"])
+def test_durations_must_be_finite(tmp_path, value):
+    one_line(run(specrun, "serve", "-b", tmp_path / "nothing", "--drain-seconds", value),
+             f"--drain-seconds {value} is invalid", "finite")
+    one_line(run(specrun, "check", "-b", tmp_path / "nothing", "--seconds", value),
+             f"--seconds {value} is invalid", "finite")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_durations_must_be_finite_in_the_python_api(llama_pair, value):
+    from spec_runtime.apps.server import create_app
+
+    with pytest.raises(spec_runtime.InputError, match=f"drain_seconds {value} is invalid"):
+        create_app(generator=spec_runtime.load(llama_pair[2]), drain_seconds=float(value))
+
+
+@pytest.mark.parametrize("option", ["--temperature", "--top-p", "--min-p",
+                                    "--repetition-penalty", "--presence-penalty",
+                                    "--frequency-penalty"])
+def test_sampling_values_must_be_finite(tmp_path, option):
+    for value in ("nan", "inf", "-inf"):
+        one_line(run(specrun, "generate", "hi", "-b", tmp_path / "nothing", option, value),
+                 f"{option} {value} is invalid")

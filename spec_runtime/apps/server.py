@@ -33,6 +33,7 @@ the same app in each replica (ray_serve.py).
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 
@@ -64,6 +65,15 @@ def check_count(name: str, value, low: int) -> int:
     return value
 
 
+def check_number(name: str, value, low: float) -> float:
+    """`value`, a finite number >= `low` (nan and inf are no duration), or an InputError
+    naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < low:
+        raise InputError(f"{name} {value!r} is invalid: use a finite number >= {low:g}")
+    return float(value)
+
+
 def shutting_down(message: str, **headers) -> APIError:
     return APIError(503, message, type="server_error", code="shutting_down", headers=headers)
 
@@ -82,6 +92,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
 
     check_count("slots", slots, 1)
     check_count("queue", queue, 0)
+    drain_seconds = check_number("drain_seconds", drain_seconds, 0)
     if generator is None:
         from .. import load
         from ..bundle import read_bundle_manifest
