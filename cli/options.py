@@ -8,6 +8,7 @@ request is made from, checked before the bundle loads and refused in the command
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -26,14 +27,53 @@ def bundle_option(fn):
                              "`specexport build` writes without --out: see `specrun where`]")(fn)
 
 
+class Threads(click.ParamType):
+    """--threads: 1 .. the logical CPUs this process may run on (spec_runtime.limits), refused
+    in one line naming the bound."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        from spec_runtime.limits import check_threads
+
+        try:
+            value = int(value)
+        except ValueError:
+            raise BadInput(f"--threads {value!r} is invalid: use an integer >= 1") from None
+        return in_cli_words(check_threads, value)
+
+
+class FiniteFloat(click.ParamType):
+    """A number option that must be finite (click's FLOAT and FloatRange take nan and inf)
+    and at least `low` (above it, with `open_low`), refused in one line naming the option."""
+
+    name = "float"
+
+    def __init__(self, low: float, open_low: bool = False):
+        self.low, self.open_low = low, open_low
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        above = number > self.low if self.open_low else number >= self.low
+        if math.isfinite(number) and above:
+            return number
+        name = param.opts[0] if param is not None else "the value"
+        raise BadInput(f"{name} {value} is invalid: use a finite number "
+                       f"{'>' if self.open_low else '>='} {self.low:g}")
+
+
 def device_options(fn):
     """--device, --draft-device and --threads, shared by the commands that load a bundle."""
     from spec_runtime.devices import DEVICES
 
     devices = click.Choice(sorted(DEVICES))
-    fn = click.option("--threads", type=click.IntRange(min=1), default=None,
-                      help="CPU threads of each ONNX Runtime session, >= 1 (llama.cpp's -t) "
-                           "[default: the physical cores this process may run on]")(fn)
+    fn = click.option("--threads", type=Threads(), default=None,
+                      help="CPU threads of each ONNX Runtime session, 1..the logical CPUs this "
+                           "process may run on (llama.cpp's -t) [default: the physical cores "
+                           "this process may run on]")(fn)
     fn = click.option("--draft-device", type=devices, default=None,
                       help="where a model draft runs [default: --device], e.g. an int4 draft on "
                            "cpu beside an fp16 target on cuda")(fn)
@@ -188,7 +228,9 @@ def cli_words(message: str) -> str:
     return re.sub(r"^([a-z_]+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
-def read_prompt(prompt, prompt_file):
+def read_prompt(prompt, prompt_file, bundle):
+    """The prompt: the argument, else --prompt-file, else stdin; a file or stdin is read up to
+    what the bundle's cache can use (spec_runtime.limits.read_prompt), never to its end."""
     if prompt is not None and prompt_file is not None:
         raise BadInput("give the prompt as an argument or --prompt-file, not both")
     if prompt is not None:
@@ -198,14 +240,17 @@ def read_prompt(prompt, prompt_file):
             raise BadInput("the prompt argument is not UTF-8 text: convert it, or pass it "
                            "with --prompt-file") from None
         return prompt
-    if prompt_file is not None:
-        data, source = click.open_file(prompt_file, "rb").read(), f"--prompt-file {prompt_file!r}"
-    else:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise BadInput("no prompt: give it as an argument, --prompt-file, or on stdin")
-        data, source = sys.stdin.buffer.read(), "stdin"
+    if prompt_file is None and (sys.stdin is None or sys.stdin.isatty()):
+        raise BadInput("no prompt: give it as an argument, --prompt-file, or on stdin")
+    from spec_runtime.bundle import read_bundle_manifest
+    from spec_runtime.limits import read_prompt as read_bounded_prompt
+
+    manifest = read_bundle_manifest(bundle)
+    if prompt_file is None:
+        return read_bounded_prompt(sys.stdin.buffer, "stdin", manifest)
+    source = f"--prompt-file {prompt_file!r}"
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{source} is not UTF-8 text (byte {e.start}): convert it, e.g. "
-                       f"`iconv -t UTF-8`") from None
+        with click.open_file(prompt_file, "rb") as f:  # "-": stdin, left open
+            return read_bounded_prompt(f, source, manifest)
+    except OSError as e:
+        raise BadInput(f"{source} cannot be read ({e.strerror}): give a readable file") from None

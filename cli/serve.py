@@ -15,7 +15,7 @@ import click
 from spec_runtime.errors import install_extra
 
 from .common import BadInput, BundleCommand, input_errors, library_messages
-from .options import bundle_option, device_options
+from .options import FiniteFloat, bundle_option, device_options, in_cli_words
 
 
 def _alive(pid: int) -> bool:
@@ -170,7 +170,7 @@ def _unwritable(path: Path, e: OSError) -> BadInput:
 @click.option("--model-name", default=None,
               help="the name clients send as `model` [default: the target's file or "
                    "repository name]")
-@click.option("--drain-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--drain-seconds", type=FiniteFloat(0), default=30.0, show_default=True,
               help="on SIGTERM or Ctrl-C, how long requests in flight may finish before they "
                    "are cancelled (each gets an error), >= 0")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
@@ -229,26 +229,33 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
                        f"slot{'s' if slots > 1 else ''})", err=True)
 
         with library_messages("spec_runtime", "specrun"):
-            run_ray(bundle, replicas=replicas or 1, slots=slots, queue=queue, host=host,
-                    port=port, api_key=api_key, model_name=model_name, device=device,
-                    draft_device=draft_device, drain_seconds=drain_seconds,
-                    ray_address=ray_address, on_ready=ready_ray)
+            in_cli_words(run_ray, bundle, replicas=replicas or 1, slots=slots, queue=queue,
+                         host=host, port=port, api_key=api_key, model_name=model_name,
+                         device=device, draft_device=draft_device,
+                         drain_seconds=drain_seconds, ray_address=ray_address,
+                         on_ready=ready_ray)
         return
-    from spec_runtime.apps.run_server import run_uvicorn
+    from spec_runtime.apps.run_server import bind_sockets, close, run_uvicorn
     from spec_runtime.apps.server import create_app
 
-    app = create_app(bundle, slots=slots, queue=queue, api_key=api_key, device=device,
-                     draft_device=draft_device, model_name=model_name,
-                     drain_seconds=drain_seconds, threads=threads)
+    # the address first: an unusable one costs no load
+    sockets = in_cli_words(bind_sockets, host, port)
+    try:
+        app = in_cli_words(create_app, bundle, slots=slots, queue=queue, api_key=api_key,
+                           device=device, draft_device=draft_device, model_name=model_name,
+                           drain_seconds=drain_seconds, threads=threads)
 
-    def ready(server):
-        for s in server.servers:
-            for sock in s.sockets:
-                address, bound = sock.getsockname()[:2]
-                click.echo(f"serving {app.state.model_name} on http://{address}:{bound}/v1 "
-                           f"(pid {pid}, {slots} slot{'s' if slots > 1 else ''}, queue {queue})",
-                           err=True)
+        def ready(server):
+            for s in server.servers:
+                for sock in s.sockets:
+                    address, bound = sock.getsockname()[:2]
+                    shown = f"[{address}]" if ":" in address else address
+                    click.echo(f"serving {app.state.model_name} on http://{shown}:{bound}/v1 "
+                               f"(pid {pid}, {slots} slot{'s' if slots > 1 else ''}, queue "
+                               f"{queue})", err=True)
 
-    with library_messages("spec_runtime", "specrun"):
-        run_uvicorn(app, host, port, drain_seconds=drain_seconds, log_level=log_level,
-                    on_ready=ready)
+        with library_messages("spec_runtime", "specrun"):
+            in_cli_words(run_uvicorn, app, host, port, drain_seconds=drain_seconds,
+                         log_level=log_level, on_ready=ready, sockets=sockets)
+    finally:
+        close(sockets)

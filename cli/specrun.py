@@ -12,9 +12,9 @@ import sys
 import click
 
 from .common import BundleCommand, input_errors
-from .options import (bundle_option, device_options, gamma_option, generation_options,
-                      in_cli_words, json_option, max_new_tokens_option, no_draft_option,
-                      parse_gamma, parse_gammas, read_prompt, sampling_options)
+from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
+                      generation_options, in_cli_words, json_option, max_new_tokens_option,
+                      no_draft_option, parse_gamma, parse_gammas, read_prompt, sampling_options)
 from .serve import serve
 
 
@@ -66,8 +66,8 @@ def generate(prompt, prompt_file, bundle, stream, as_json, device, draft_device,
     """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
     import spec_runtime
 
-    text = read_prompt(prompt, prompt_file)
     options = generation_options(**request)
+    text = read_prompt(prompt, prompt_file, bundle)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     req = in_cli_words(gen.request, text, options)
     if not stream:
@@ -114,6 +114,7 @@ def chat(bundle, system, device, draft_device, threads, **request):
     answer."""
     import spec_runtime
     from spec_runtime.apps.chat_session import ChatSession
+    from spec_runtime.limits import read_prompt_line
 
     options = generation_options(**request)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
@@ -123,9 +124,17 @@ def chat(bundle, system, device, draft_device, threads, **request):
     if interactive:
         click.echo(f"specrun chat · {gen.bundle_dir} · /reset /stats /exit · Ctrl-C stops an "
                    f"answer", err=True)
+    lines = 0
     while True:
         try:
-            line = input("> " if interactive else "")
+            if interactive:  # a terminal's line is bounded by the terminal
+                line = input("> ")
+            else:
+                lines += 1
+                line = read_prompt_line(sys.stdin.buffer, f"stdin line {lines}",
+                                        gen.manifest) if sys.stdin is not None else None
+                if line is None:
+                    break
         except EOFError:
             break
         except KeyboardInterrupt:
@@ -253,7 +262,7 @@ CHECK_SETTING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_
               help="length k (>= 1) of the continuations whose joint distribution is compared")
 @click.option("--samples", type=int, default=None,
               help="continuations per mode (speculative, target-only), >= 1 [default: 400]")
-@click.option("--seconds", type=float, default=None,
+@click.option("--seconds", type=FiniteFloat(0, open_low=True), default=None,
               help="time budget; sampling stops when it is spent, and the report says what the "
                    "fewer samples can detect [default: none, all samples are drawn]")
 @sampling_options(CHECK_SETTING, {"temperature": "the sampling setting checked: temperature, "

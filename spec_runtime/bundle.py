@@ -29,6 +29,7 @@ from .drafts import open_draft
 from .engines import open_engine
 from .errors import BundleError
 from .generator import Generator
+from .limits import check_threads
 from .manifest import (MANIFEST, REBUILD, TokenizerEntry, name_too_long, read_manifest,
                        unreadable)
 from .manifest_checks import check_file_hashes, check_unchanged, regular_file, snapshot
@@ -60,6 +61,13 @@ def _usable(variable: str, value: str, path: Path) -> Path:
         raise BundleError(f"{variable} {value!r} cannot name a directory: {why}: set it to a "
                           f"shorter path")
     return path
+
+
+def read_bundle_manifest(bundle_dir=None):
+    """The manifest of the bundle at `bundle_dir` (the default bundle when None), read and
+    checked, its files not hashed: what a caller may know of a bundle before loading it."""
+    return read_manifest(Path(bundle_dir) if bundle_dir is not None else default_bundle_dir(),
+                         check_files=False)
 
 
 def load_tokenizer(path: Path):
@@ -114,7 +122,9 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     """`device` runs the target; `draft_device` (default: the same) a model draft, so that,
     say, an int4 draft drafts on the CPU while an fp16 target verifies on the GPU. `one_row`
     "auto" measures which form of a 1-token target call scores a position like a verify call
-    on this machine (rows.py); "as-is" or "padded" takes that form unmeasured."""
+    on this machine (rows.py); "as-is" or "padded" takes that form unmeasured. `threads`: each
+    CPU session's, at most the CPUs this process may run on (default: the physical cores)."""
+    threads = check_threads(threads)
     target_device = devices.device(device)
     draft_device = devices.device(draft_device or device, "draft_device" if draft_device
                                   else "device")

@@ -210,6 +210,9 @@ def test_threads_sets_each_sessions_cpu_threads(llama_pair, monkeypatch):
         return loaded[-1]
 
     monkeypatch.setattr(spec_runtime, "load", load)
+    from spec_runtime import limits
+
+    monkeypatch.setattr(limits, "usable_cpus", lambda: 4)  # so that 3 is allowed on any machine
     for threads in (1, 3):
         r = run(specrun, "generate", "hi", "-b", llama_pair[2], "--max-new-tokens", 2,
                 "--threads", threads)

@@ -16,12 +16,15 @@ from typing import Callable
 import numpy as np
 
 from ..errors import InputError
+from ..limits import read_bounded, utf8
 from ..stats import expected_speedup, expected_tokens_per_round
 
 KINDS = ("grounded", "chat")
 
 
 QUICK_PROMPTS = 3  # built-in prompts per kind in `specrun bench` without --full
+# a --prompts file: thousands of prompts, hours of measuring; more is a mistake (/dev/zero)
+MAX_PROMPTS_BYTES = 16 << 20
 
 
 def load_prompts(path=None, kind: str = "all", per_kind: int | None = None) -> list[dict]:
@@ -33,12 +36,15 @@ def load_prompts(path=None, kind: str = "all", per_kind: int | None = None) -> l
                           .read_text(encoding="utf-8"))
     else:
         path = Path(path)
+        source = f"--prompts {str(path)!r}"
         try:
-            raw = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"--prompts {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+            with open(path, "rb") as f:
+                raw = utf8(read_bounded(f, MAX_PROMPTS_BYTES, lambda: InputError(
+                    f"{source} holds more than {MAX_PROMPTS_BYTES >> 20} MiB, far more than a "
+                    f"benchmark's prompts (its own take a few kB): split it, or give fewer "
+                    f"prompts")), source)
         except OSError as e:
-            raise InputError(f"--prompts {str(path)!r} cannot be read: {e.strerror}") from None
+            raise InputError(f"{source} cannot be read: {e.strerror}") from None
         if path.suffix == ".json":
             try:
                 data = json.loads(raw)

@@ -58,7 +58,8 @@ from pathlib import Path
 from ..devices import device as device_entry
 from ..errors import InputError, install_extra
 from .openai_api import default_model_name
-from .server import RETRY_AFTER_S, check_count, create_app
+from .run_server import bind_sockets, close
+from .server import RETRY_AFTER_S, check_count, check_number, create_app
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,6 @@ def _ray():
         raise InputError(f"specrun serve --ray needs Ray Serve ({e.name} is not installed): "
                          f"{install_extra('ray')} (on every node of the cluster)") from None
     return ray, serve
-
-
-def _number(name: str, value, low: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
-        raise InputError(f"{name} {value!r} is invalid: use a number >= {low:g}")
-    return float(value)
 
 
 def _bundle(bundle_dir) -> tuple[str, object]:
@@ -122,10 +117,10 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     replicas = check_count("replicas", replicas, 1)
     slots = check_count("slots", slots, 1)
     queue = check_count("queue", queue, 0)
-    drain_seconds = _number("drain_seconds", drain_seconds, 0)
+    drain_seconds = check_number("drain_seconds", drain_seconds, 0)
     if num_cpus is not None:
-        num_cpus = _number("num_cpus", num_cpus, 0)
-    health_check_period_s = _number("health_check_period_s", health_check_period_s, 0.1)
+        num_cpus = check_number("num_cpus", num_cpus, 0)
+    health_check_period_s = check_number("health_check_period_s", health_check_period_s, 0.1)
     gpu = device_entry(device).gpu
     if draft_device is not None:
         gpu = device_entry(draft_device, "draft_device").gpu or gpu
@@ -274,7 +269,8 @@ def run(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 16,
                          f"of the cluster's head (ray start --head), or leave it out")
     if threading.current_thread() is not threading.main_thread():
         raise InputError("run() waits for SIGINT/SIGTERM: call it from the main thread")
-    if ray_address is None:
+    if ray_address is None:  # Ray's proxy will listen here: an address it cannot use fails now
+        close(bind_sockets(host, port))
         _loopback_only_ray()  # before anything imports ray
     app, model = _application(bundle_dir, replicas=replicas, slots=slots, queue=queue,
                               api_key=api_key, model_name=model_name, device=device,

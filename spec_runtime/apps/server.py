@@ -33,10 +33,14 @@ the same app in each replica (ray_serve.py).
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 
+from ..devices import device as device_entry
+from ..drafts import draft_engines
 from ..errors import InputError
+from ..limits import check_slots
 from ..request import GenerationOptions
 from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnected,
                        read_json)
@@ -61,6 +65,15 @@ def check_count(name: str, value, low: int) -> int:
     return value
 
 
+def check_number(name: str, value, low: float) -> float:
+    """`value`, a finite number >= `low` (nan and inf are no duration), or an InputError
+    naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < low:
+        raise InputError(f"{name} {value!r} is invalid: use a finite number >= {low:g}")
+    return float(value)
+
+
 def shutting_down(message: str, **headers) -> APIError:
     return APIError(503, message, type="server_error", code="shutting_down", headers=headers)
 
@@ -73,15 +86,23 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
                generator=None, threads: int | None = None):
     """The ASGI app serving the bundle at `bundle_dir` (the default bundle when None), or an
     already loaded `generator`. The bundle is loaded here, once (`threads`: each CPU session's,
-    default the physical cores); `slots` - 1 forks share its sessions."""
+    default the physical cores); `slots` - 1 forks share its sessions, each with caches of its
+    own: as many as fit the memory available (limits.check_slots, before the load)."""
     from fastapi import FastAPI
 
     check_count("slots", slots, 1)
     check_count("queue", queue, 0)
+    drain_seconds = check_number("drain_seconds", drain_seconds, 0)
     if generator is None:
         from .. import load
+        from ..bundle import read_bundle_manifest
 
+        check_slots(slots, read_bundle_manifest(bundle_dir),
+                    {"target": device_entry(device),
+                     "draft": device_entry(draft_device or device, "draft_device")})
         generator = load(bundle_dir, device=device, draft_device=draft_device, threads=threads)
+    elif getattr(generator, "manifest", None) is not None:
+        check_slots(slots, generator.manifest, engine_devices(generator), loaded=True)
     server = Server(generator, slots=slots, queue=queue, api_key=api_key,
                     model_name=model_name, drain_seconds=drain_seconds)
     app = FastAPI(title="specedge", docs_url=None, redoc_url=None, openapi_url=None)
@@ -93,6 +114,13 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     s.generator, s.health, s.active = generator, server.health, server.active
     s.begin_drain, s.end_drain = server.begin_drain, server.end_drain
     return app
+
+
+def engine_devices(gen) -> dict:
+    """{role: Device} of a loaded generator's engines that name theirs (ONNX Runtime's: where
+    their caches live; a native TensorRT engine's are on its GPU)."""
+    engines = {"target": gen.target, "draft": next(iter(draft_engines(gen.draft)), None)}
+    return {role: e.device for role, e in engines.items() if hasattr(e, "device")}
 
 
 def _routes(app, server: "Server") -> None:
