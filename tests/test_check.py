@@ -223,7 +223,7 @@ def test_check_time_limit(llama_pair):
     [
         (["--tokens", "0"], ["--tokens 0"]),
         (["--samples", "-1"], ["--samples -1"]),
-        (["--seconds", "0"], ["--seconds 0.0"]),
+        (["--seconds", "0"], ["--seconds 0 "]),
         (["--seconds", "nan"], ["--seconds nan"]),
         (["--temperature", "-1"], ["--temperature -1.0"]),
         (["--temperature", "0"], ["greedy"]),
