@@ -9,16 +9,19 @@ Systems (names for --skip; PEERS below says what each runs):
     hf, hf-draft, hf-lookup                      transformers in PyTorch (fp32 table)
     ortgenai, ortgenai-ngram, ortgenai-draft     onnxruntime-genai on its own builds
     openvino, openvino-lookup, openvino-draft    OpenVINO GenAI on optimum-intel's IR
-    llamacpp, llamacpp-lookup                    llama.cpp on the GGUF file (int4 table)
+    llamacpp, llamacpp-ngram, llamacpp-draft     llama.cpp's own llama-server, built natively
+                                                 (llama_server.py), on the GGUF files
     ours: each --specedge NAME=BUNDLE (speculative) and --specedge-target NAME=BUNDLE
     (use_draft=False on the same engines) is a row of its own
 
 Every system runs in a worker process of its own (worker.py; OpenVINO: ov_worker.py in its own
-environment): its peak RSS is its own. The draft-model modes first get a quick sweep of their
-draft length k (and draft precision) on --sweep-prompts prompts; the best goes into the race.
-In the race the systems take turns prompt by prompt (or --turn-prompts prompts a turn), in an
-order that rotates; each system runs all --repeats of a prompt in one turn, after a warm-up on a
-prompt of its own. When the systems'
+environment): its peak RSS is its own. The draft-model modes first get a sweep of their
+draft length k (and draft precision; OpenVINO also its confidence threshold, llama.cpp its
+p_min) on --sweep-prompts prompts, one of each kind; the best goes into the race. The race
+passes over the prompts --repeats times; in each pass the systems take turns prompt by prompt
+(or --turn-prompts prompts a turn), in an order that rotates by one system every turn over all
+passes, so that with at least as many turns as systems each system runs in every slot; a
+system's turn starts with a warm-up on a prompt of its own. When the systems'
 model files do not fit in memory together (--resident auto), each turn starts the system's
 worker and ends it afterwards, so only one model is loaded at a time.
 """
@@ -45,10 +48,13 @@ import real_models
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "pair_prompts.json"
 WARMUP = "Write a haiku about compilers."  # not one of the race's prompts: no shared prefix
-SWEEP_K = (3, 4, 5, 6, 7, 8)
+SWEEP_K = (2, 3, 4, 5, 6, 8, 10, 12, 16)  # the winner so far was 5-8: room on both sides
+OV_THRESHOLDS = (0.2, 0.4, 0.6)  # assistant_confidence_threshold, instead of a fixed k
+LLAMA_P_MIN = (0.0, 0.75)  # llama.cpp's --spec-draft-p-min: its default, and its docs' example
 PLAIN_OF = {"hf-draft": "hf", "hf-lookup": "hf", "ortgenai-ngram": "ortgenai",
             "ortgenai-draft": "ortgenai", "openvino-lookup": "openvino",
-            "openvino-draft": "openvino", "llamacpp-lookup": "llamacpp"}
+            "openvino-draft": "openvino", "llamacpp-ngram": "llamacpp",
+            "llamacpp-draft": "llamacpp"}
 PEERS = tuple(["hf", "ortgenai", "openvino", "llamacpp"] + list(PLAIN_OF))
 
 
@@ -61,7 +67,7 @@ class System:
     plain: str | None = None  # its own target-only row, for "= own greedy"
     weight_bytes: int = 0  # the target's weights a step reads: a plain row's ceiling
     footprint: int = 0  # every model file it loads: its memory estimate
-    sweep_k: tuple = ()  # draft lengths to sweep (option k); () = no sweep
+    sweep: tuple = ()  # per-call options to sweep ({"k": 5}, {} = its own default); () = none
     options: dict = field(default_factory=dict)  # per-call options the sweep chose
     what: str = ""
 
@@ -89,7 +95,7 @@ def parse_args(argv=None):
     ap.add_argument("--sweep-k", default=",".join(map(str, SWEEP_K)),
                     help="draft lengths to sweep; '' for no sweep (then --draft-k)")
     ap.add_argument("--draft-k", type=int, default=4, help="draft length without a sweep")
-    ap.add_argument("--sweep-prompts", type=int, default=2,
+    ap.add_argument("--sweep-prompts", type=int, default=3,
                     help="prompts of the sweep (the first of code, then chat, then grounded)")
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
     ap.add_argument("--limit", type=int, help="first N prompts of each kind")
@@ -98,10 +104,15 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eos", choices=["stop", "continue"], default="stop")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
-    ap.add_argument("--llamacpp-lookup", type=int, default=10,
-                    help="LlamaPromptLookupDecoding num_pred_tokens")
+    ap.add_argument("--llama-cpp-bin", type=Path,
+                    help="directory of a native llama.cpp build's llama-server (default: "
+                    "$LLAMA_CPP_BIN; benchmarks/README.md says how to build it)")
     ap.add_argument("--llamacpp-gguf", type=Path,
                     help="llama.cpp's model (default: the target GGUF, int4 table only)")
+    ap.add_argument("--llamacpp-draft-gguf", type=Path,
+                    help="llama.cpp's draft (default: the draft GGUF, int4 table only)")
+    ap.add_argument("--llamacpp-ngram", default="ngram-simple",
+                    help="llama-server --spec-type of the llamacpp-ngram row")
     ap.add_argument("--genai-ngram", default="3,8,chained",
                     help="onnxruntime-genai n-gram: size,max_draft_tokens,chained|plain")
     ap.add_argument("--ov-lookup", default="8,3",
@@ -182,6 +193,7 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
     stop, p = args.eos == "stop", args.precision
     common = {"threads": args.threads, "stop_at_eos": stop}
     sweep = args.sweep_k
+    ks = tuple({"k": k} for k in sweep)
     systems, skipped = [], {}
     hf_t, hf_d = model_files.hf_dir(target), model_files.hf_dir(draft)
     if p == "fp32":
@@ -191,7 +203,7 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
         systems += [
             System("hf", [worker_cmd(hf)], ["-"], "hf", None, st, sf, what="PyTorch eager"),
             System("hf-draft", [worker_cmd({**hf, "assistant": str(hf_d)})], ["0.5B fp32"],
-                   "hf", "hf", st, sf + size(hf_d), (None, *sweep),
+                   "hf", "hf", st, sf + size(hf_d), ({}, *ks) if ks else (),
                    what="assistant_model (the draft at fp32)"),
             System("hf-lookup", [worker_cmd({**hf, "lookup": args.prompt_lookup})], ["-"], "hf",
                    "hf", st, sf, what=f"prompt_lookup_num_tokens {args.prompt_lookup}")]
@@ -214,7 +226,7 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
         System("ortgenai-draft",
                [worker_cmd({**genai, "draft": str(d), "spec": {"max_draft_tokens": args.draft_k}})
                 for d in drafts.values()], [f"0.5B {dp}" for dp in drafts], "ortgenai",
-               "ortgenai", gt, gf + max(map(size, drafts.values())), sweep,
+               "ortgenai", gt, gf + max(map(size, drafts.values())), ks,
                what="draft model (model.draft in genai_config)")]
     why = peers.openvino_missing(args.openvino_python)
     if why:
@@ -234,23 +246,13 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
             System("openvino-draft", [ov_cmd(args, ov_t, "draft", eos_ids, d)
                                       for d in ov_drafts.values()],
                    [f"0.5B {dp}" for dp in ov_drafts], "openvino", "openvino", ot,
-                   of + max(map(size, ov_drafts.values())), sweep,
+                   of + max(map(size, ov_drafts.values())),
+                   ks + tuple({"threshold": t} for t in OV_THRESHOLDS if sweep),
                    what="draft_model (the draft at its CPU defaults)")]
-    gguf = args.llamacpp_gguf or (target if p == "int4" else None)
-    why = peers.llamacpp_missing() or (None if gguf else
-                                       "no fp32 GGUF given (--llamacpp-gguf); the int4 table "
-                                       "has llama.cpp on the GGUF itself")
-    if why:
-        skipped.update({n: why for n in ("llamacpp", "llamacpp-lookup")})
-    else:
-        llama = {**common, "kind": "llamacpp", "gguf": str(gguf), "eos_ids": eos_ids}
-        g, gf = model_files.step_bytes(Path(gguf)), size(gguf)
-        systems += [
-            System("llamacpp", [worker_cmd(llama)], ["-"], "llamacpp", None, g, gf,
-                   what=f"llama-cpp-python on {Path(gguf).name}"),
-            System("llamacpp-lookup", [worker_cmd({**llama, "lookup": args.llamacpp_lookup})],
-                   ["-"], "llamacpp", "llamacpp", g, gf,
-                   what=f"LlamaPromptLookupDecoding {args.llamacpp_lookup}")]
+    try:
+        systems += llamacpp_systems(args, target, draft, common)
+    except Skip as e:
+        skipped.update({n: e.why for n in e.names})
     ours_plain = args.specedge_target[0].partition("=")[0] if args.specedge_target else None
     for flag, use_draft in ((args.specedge_target, False), (args.specedge, True)):
         for item in flag:
@@ -271,74 +273,123 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
     return wanted, skipped
 
 
+def llamacpp_systems(args, target: Path, draft: Path, common: dict) -> list[System]:
+    """llama-server plain, with an n-gram mode, and with the draft (-md), each on a server of
+    its own; the draft row's variants are servers with each --spec-draft-n-max × p_min (this
+    build takes them on the command line only). Skipped (raises Skip) without the binary."""
+    import llama_server
+
+    gguf = args.llamacpp_gguf or (target if args.precision == "int4" else None)
+    dgguf = args.llamacpp_draft_gguf or (draft if args.precision == "int4" else None)
+    why = llama_server.missing(args.llama_cpp_bin) or (
+        None if gguf and dgguf else "no fp32 GGUF pair given (--llamacpp-gguf, "
+        "--llamacpp-draft-gguf); the int4 table has llama.cpp on the GGUF files themselves")
+    if why:
+        raise Skip(why, ("llamacpp", "llamacpp-ngram", "llamacpp-draft"))
+    server = {**common, "kind": "llama-server", "gguf": str(gguf),
+              "binary": str(llama_server.find_binary(args.llama_cpp_bin))}
+    g, gf = model_files.step_bytes(Path(gguf)), size(gguf)
+    variants = [(k, p) for k in (args.sweep_k or (args.draft_k,)) for p in LLAMA_P_MIN]
+    n_maxes = args.sweep_k or (args.draft_k,)
+    return [
+        System("llamacpp", [worker_cmd(server)], ["-"], "llamacpp", None, g, gf,
+               what=f"llama-server on {Path(gguf).name}"),
+        System("llamacpp-ngram", [worker_cmd({**server, "spec_type": args.llamacpp_ngram,
+                                              "n_max": n}) for n in n_maxes],
+               [f"n_max {n}" for n in n_maxes], "llamacpp", "llamacpp", g, gf,
+               ({},) if len(n_maxes) > 1 else (),
+               what=f"llama-server --spec-type {args.llamacpp_ngram}"),
+        System("llamacpp-draft", [worker_cmd({**server, "draft": str(dgguf), "n_max": k,
+                                              "p_min": p}) for k, p in variants],
+               [f"{Path(dgguf).name} n_max {k} p_min {p}" for k, p in variants], "llamacpp",
+               "llamacpp", g, gf + size(dgguf), ({},) if len(variants) > 1 else (),
+               what="llama-server -md (its draft-model mode)")]
+
+
+class Skip(Exception):
+    def __init__(self, why: str, names):
+        super().__init__(why)
+        self.why, self.names = why, names
+
+
 # -- sweep and race -----------------------------------------------------------------------------
 
 def sweep(systems, prompts, args, pool: Pool) -> list[dict]:
-    """Each draft-model mode: every draft variant × k on the sweep prompts, once each; the
-    variant and k with the most tokens per second of wall time go into the race."""
+    """Each draft-model mode: every variant (a command: draft build, or server settings) ×
+    per-call option set (a draft length k, a confidence threshold) on the sweep prompts, once
+    each; the pair with the most tokens per second of wall time goes into the race."""
     kinds = ["code", "chat", "grounded"]
     chosen = [next(p for p in prompts if p["kind"] == k) for k in kinds
               if any(p["kind"] == k for p in prompts)][:args.sweep_prompts]
     rows = []
     for s in systems:
-        if not s.sweep_k:
+        if not s.sweep:
             continue
         best = None
         for i, label in enumerate(s.labels):
             pool.stop(s.name)
             w = pool.start(s, i)
-            for k in s.sweep_k:
+            for options in s.sweep:
                 tokens = wall = 0
                 for p in chosen:
-                    a = w.run(p["ids"], args.max_new_tokens, {"k": k} if k else {})
+                    a = w.run(p["ids"], args.max_new_tokens, options)
                     pool.note_rss(s.name, a)
                     tokens, wall = tokens + len(a["tokens"]), wall + a["wall_s"]
-                rows.append({"system": s.name, "draft": label, "k": k, "new_tokens": tokens,
-                             "wall_s": wall, "tokens_per_s": tokens / wall})
-                print(f"  sweep {s.name} {label} k={k}: {tokens / wall:.2f} tok/s",
+                rows.append({"system": s.name, "draft": label, "options": options,
+                             "k": options.get("k"), "new_tokens": tokens, "wall_s": wall,
+                             "tokens_per_s": tokens / wall})
+                print(f"  sweep {s.name} {label} {options or ''}: {tokens / wall:.2f} tok/s",
                       file=sys.stderr, flush=True)
                 if best is None or tokens / wall > best[0]:
-                    best = (tokens / wall, i, k)
+                    best = (tokens / wall, i, options)
             pool.stop(s.name)
-        _, i, k = best
+        _, i, options = best
         for r in rows:
             if r["system"] == s.name:
-                r["chosen"] = r["draft"] == s.labels[i] and r["k"] == k
-        s.cmds, s.labels, s.options = [s.cmds[i]], [s.labels[i]], ({"k": k} if k else {})
+                r["chosen"] = r["draft"] == s.labels[i] and r["options"] == options
+        s.cmds, s.labels, s.options = [s.cmds[i]], [s.labels[i]], options
     pool.peak.clear()  # the race's own peaks: the sweep ran other variants
     return rows
 
 
+def turns(n_prompts: int, step: int, repeats: int, n_systems: int):
+    """(turn number, repetition, prompt indices) of the race: --repeats passes over the prompts
+    in blocks of `step`; the order of the systems rotates by one every turn, across passes."""
+    t = 0
+    for rep in range(repeats):
+        for first in range(0, n_prompts, step):
+            yield t, rep, list(range(first, min(first + step, n_prompts)))
+            t += 1
+
+
 def race(systems, prompts, args, pool: Pool, failed: dict) -> tuple[list, list]:
-    """Blocks of --turn-prompts prompts; in each block every system takes one turn, in an order
-    that rotates from block to block, and runs the block's prompts × repeats in it."""
+    """Every turn each live system runs the turn's prompts once, in an order rotated by the
+    turn number: over at least as many turns as systems, each system runs in every slot."""
     runs, loads = [], []
-    step = args.turn_prompts
-    for b, first in enumerate(range(0, len(prompts), step)):
-        block = list(enumerate(prompts))[first:first + step]
+    for t, rep, block in turns(len(prompts), args.turn_prompts, args.repeats, len(systems)):
         live = [s for s in systems if s.name not in failed]
-        order = live[b % len(live):] + live[:b % len(live)] if live else []
-        for s in order:
+        order = live[t % len(live):] + live[:t % len(live)] if live else []
+        for slot, s in enumerate(order):
             try:
                 w = pool.start(s)
-                for i, p in block:
-                    for rep in range(args.repeats):
-                        a = w.run(p["ids"], args.max_new_tokens, s.options)
-                        pool.note_rss(s.name, a)
-                        runs.append({"prompt": i, "kind": p["kind"], "repeat": rep,
-                                     "system": s.name, "new_tokens": len(a["tokens"]),
-                                     "wall_s": a["wall_s"],
-                                     "tokens_per_s": len(a["tokens"]) / a["wall_s"],
-                                     "info": a["info"], "tokens": a["tokens"]})
+                for i in block:
+                    p = prompts[i]
+                    a = w.run(p["ids"], args.max_new_tokens, s.options)
+                    pool.note_rss(s.name, a)
+                    runs.append({"prompt": i, "kind": p["kind"], "repeat": rep, "slot": slot,
+                                 "system": s.name, "new_tokens": len(a["tokens"]),
+                                 "wall_s": a["wall_s"],
+                                 "tokens_per_s": len(a["tokens"]) / a["wall_s"],
+                                 "info": a["info"], "tokens": a["tokens"]})
                 pool.end_turn(s.name)
             except (WorkerError, json.JSONDecodeError, BrokenPipeError) as e:
                 pool.stop(s.name)
-                failed[s.name] = f"failed in block {b}: {str(e)[-600:]}"
+                failed[s.name] = f"failed in turn {t}: {str(e)[-600:]}"
                 print(f"  {s.name} FAILED: {failed[s.name]}", file=sys.stderr, flush=True)
-        loads.append({"after_prompt": block[-1][0], "loadavg": os.getloadavg(),
+        loads.append({"after_prompt": block[-1], "repeat": rep, "loadavg": os.getloadavg(),
                       "mem_available": mem_available()})
-        print(f"  prompts {block[0][0] + 1}-{block[-1][0] + 1}/{len(prompts)} done (load "
-              f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+        print(f"  pass {rep + 1}/{args.repeats}, prompts {block[0] + 1}-{block[-1] + 1}/"
+              f"{len(prompts)} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
     return runs, loads
 
 

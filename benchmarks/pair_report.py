@@ -194,7 +194,7 @@ def markdown(report: dict) -> str:
         rss = s.get("peak_rss")
         og = report["own_greedy"].get(name)
         what = s["what"] + (f"; draft {s['draft']}" if s["draft"] != "-" else "") + \
-            (f", k {s['options']['k']}" if s["options"].get("k") else "")
+            (f", {options_text(s['options'])}" if s["options"] else "")
         lines.append(
             f"| {name} | {what} | " + " | ".join(cell(r) for r in rows) +
             f" | {tpc} | {acc}"
@@ -213,9 +213,10 @@ def markdown(report: dict) -> str:
                          f"{b['ceiling_tokens_per_s']:.2f} | {b['fraction']:.2f} |")
     if report["sweep"]:
         lines += ["", "Sweep of the draft-model modes (tok/s over the sweep prompts; * = "
-                  "chosen):", "", "| system | draft | k | tok/s |", "|---|---|---:|---:|"]
+                  "chosen):", "", "| system | draft | option | tok/s |", "|---|---|---|---:|"]
         for r in report["sweep"]:
-            lines.append(f"| {r['system']} | {r['draft']} | {r['k'] or 'default'} | "
+            options = r.get("options", {"k": r["k"]} if r.get("k") else {})
+            lines.append(f"| {r['system']} | {r['draft']} | {options_text(options)} | "
                          f"{r['tokens_per_s']:.2f}{' *' if r.get('chosen') else ''} |")
     if report["targets"]:
         lines += ["", "Targets (ratios of medians in this run):", ""]
@@ -242,3 +243,8 @@ def write(report: dict, args) -> None:
 
     report = build(report, args)
     write_results(args.out / f"pair-{args.precision}", report, markdown(report))
+
+
+def options_text(options: dict) -> str:
+    """A sweep's per-call options as the table shows them: "k 8", "threshold 0.4", "default"."""
+    return ", ".join(f"{k} {v}" for k, v in options.items()) or "default"

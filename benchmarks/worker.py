@@ -12,10 +12,12 @@ SPEC_JSON kinds (every one has "threads" and "stop_at_eos"):
     {"kind": "hf", "model": DIR, "assistant": DIR | null, "lookup": int, "eos_ids": [...]}
     {"kind": "ortgenai", "model": DIR, "draft": DIR | null, "spec": {...} | null, "eos_id": int}
     {"kind": "llamacpp", "gguf": FILE, "lookup": int, "eos_ids": [...]}
+    {"kind": "llama-server", "binary": FILE, "gguf": FILE, "draft": FILE | null,
+     "n_max": int | null, "p_min": float | null, "spec_type": str | null}
 
 The wall time is measured here around the system's own call; the pipe costs nothing. peak_rss
 is this process's own peak RSS (VmHWM): weights, caches and runtime, everything the system
-needs. (The OpenVINO systems run in ov_worker.py, in their own environment, with the same
+needs (llama-server's: the server process's). (The OpenVINO systems run in ov_worker.py, in their own environment, with the same
 protocol.)
 """
 
@@ -55,10 +57,19 @@ def build(spec: dict):
     if kind == "llamacpp":
         return peers.LlamaCpp(threads, spec.get("lookup", 0), stop, spec["eos_ids"],
                               Path(spec["gguf"]))
+    if kind == "llama-server":
+        import llama_server
+
+        draft = Path(spec["draft"]) if spec.get("draft") else None
+        return llama_server.LlamaServer(Path(spec["binary"]), Path(spec["gguf"]), threads, stop,
+                                        draft, spec.get("n_max"), spec.get("p_min"),
+                                        spec.get("spec_type"))
     raise SystemExit(f"unknown system kind {kind!r}")
 
 
-def versions(kind: str) -> dict:
+def versions(kind: str, system) -> dict:
+    if kind == "llama-server":
+        return {"llama.cpp": system.version()}
     out = {}
     for pkg in VERSIONS.get(kind, ()):
         try:
@@ -72,14 +83,18 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     t0 = time.perf_counter()
     system = build(spec)
-    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
-                      "peak_rss": machine.peak_rss(), "versions": versions(spec["kind"])}),
-          flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        run = system.run(request["ids"], request["n"], **request.get("options", {}))
-        print(json.dumps({"tokens": [int(t) for t in run.tokens], "wall_s": run.wall_s,
-                          "info": run.info, "peak_rss": machine.peak_rss()}), flush=True)
+    peak_rss = getattr(system, "peak_rss", machine.peak_rss)  # a server's: its own process's
+    try:
+        print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
+                          "peak_rss": peak_rss(), "versions": versions(spec["kind"], system)}),
+              flush=True)
+        for line in sys.stdin:
+            request = json.loads(line)
+            run = system.run(request["ids"], request["n"], **request.get("options", {}))
+            print(json.dumps({"tokens": [int(t) for t in run.tokens], "wall_s": run.wall_s,
+                              "info": run.info, "peak_rss": peak_rss()}), flush=True)
+    finally:
+        getattr(system, "close", lambda: None)()
 
 
 if __name__ == "__main__":

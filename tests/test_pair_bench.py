@@ -184,18 +184,30 @@ class FakePool:
 
 
 def test_race_turns_rotate_by_block_and_run_every_prompt_and_repeat():
-    """3 systems, 4 prompts, 2 a turn, 2 repeats: 2 blocks, the second starting with the
-    second system; every system runs each prompt twice, inside its own turn."""
+    """3 systems, 4 prompts, 2 a turn, 2 repeats: two passes of 2 turns each, the order
+    rotating by one system every turn across passes; every system runs each prompt twice,
+    once a pass."""
     systems = [pair.System(n, [["x"]], ["-"], "hf") for n in ("a", "b", "c")]
     prompts = [{"kind": "code", "ids": [i]} for i in range(4)]
     args = type("A", (), {"turn_prompts": 2, "repeats": 2, "max_new_tokens": 3})()
     pool = FakePool()
     runs, loads = pair.race(systems, prompts, args, pool, failed={})
-    assert pool.starts == ["a", "b", "c", "b", "c", "a"]
-    assert pool.log[:4] == [("a", 0), ("a", 0), ("a", 1), ("a", 1)]
+    assert pool.starts == list("abc" "bca" "cab" "abc")
+    assert pool.log[:3] == [("a", 0), ("a", 1), ("b", 0)]
     assert sorted((r["system"], r["prompt"], r["repeat"]) for r in runs) == \
         sorted((n, i, k) for n in "abc" for i in range(4) for k in range(2))
-    assert [x["after_prompt"] for x in loads] == [1, 3]
+    assert [x["after_prompt"] for x in loads] == [1, 3, 1, 3]
+
+
+def test_race_puts_every_system_in_every_slot_given_as_many_turns():
+    """5 systems, 3 prompts a pass, 2 passes: 6 turns ≥ 5 systems, so each system runs first,
+    last and everywhere between at least once (the order no longer favours the last rows)."""
+    systems = [pair.System(n, [["x"]], ["-"], "hf") for n in "abcde"]
+    prompts = [{"kind": "code", "ids": [i]} for i in range(3)]
+    args = type("A", (), {"turn_prompts": 1, "repeats": 2, "max_new_tokens": 1})()
+    runs, _ = pair.race(systems, prompts, args, FakePool(), failed={})
+    slots = {n: {r["slot"] for r in runs if r["system"] == n} for n in "abcde"}
+    assert all(s == set(range(5)) for s in slots.values()), slots
 
 
 def _onnx_with_embedding(path, tied: bool):
@@ -375,3 +387,30 @@ def test_tree_gain_ranks_are_the_draft_models_ranks_in_hugging_face(llama_pair, 
                     "--rows", "1,5", str(bundle / "target.onnx")])
     report = capsys.readouterr().out
     assert "16 positions" in report and "best chain: γ" in report and "tree / chain:" in report
+
+
+class SpeedWorker(FakeWorker):
+    """Answers as fast as its variant and option say: tok/s = variant speed × k (threshold 1)."""
+
+    def __init__(self, name, log, speed):
+        super().__init__(name, log)
+        self.speed = speed
+
+    def run(self, ids, n, options):
+        self.log.append((self.name, tuple(options.items())))
+        return {"tokens": [1] * n, "wall_s": n / (self.speed * options.get("k", 1)),
+                "info": {}, "peak_rss": 1}
+
+
+def test_sweep_takes_the_fastest_variant_and_option_and_keeps_only_them():
+    s = pair.System("x-draft", [["v0"], ["v1"]], ["slow", "fast"], "hf",
+                    sweep=({}, {"k": 2}, {"k": 4}, {"threshold": 0.4}))
+    pool = FakePool()
+    pool.peak = {}
+    pool.start = lambda s, i=0: SpeedWorker(s.name, pool.log, (1.0, 3.0)[i])
+    prompts = [{"kind": k, "ids": [i]} for i, k in enumerate(("code", "chat", "grounded"))]
+    args = type("A", (), {"sweep_prompts": 2, "max_new_tokens": 4})()
+    rows = pair.sweep([s], prompts, args, pool)
+    assert len(rows) == 2 * 4 and len(pool.log) == 2 * 4 * 2  # variants × options × prompts
+    assert (s.cmds, s.labels, s.options) == ([["v1"]], ["fast"], {"k": 4})
+    assert [r["chosen"] for r in rows] == [False] * 6 + [True, False]
