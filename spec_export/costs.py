@@ -22,21 +22,42 @@ PREFILL = 32  # tokens before the timed calls (fewer where the cache is short)
 CALLS = 7  # timed calls per median, after one untimed
 
 
-def median_call_s(engine, rows: int, calls: int = CALLS) -> float:
-    """Median seconds of `engine.forward` scoring `rows` tokens at one position, after a prefill
-    of up to PREFILL tokens; the engine's 1-token form (rows.py) is what a 1-row call runs."""
+def _prefilled(engine, rows: int):
+    """Prefill `engine` with up to PREFILL tokens and return (position, the `rows` tokens a
+    timed call scores there); one untimed call of that shape pays for its setup."""
     prefill = max(1, min(PREFILL, engine.max_len - rows))
     tokens = (np.arange(prefill + rows, dtype=np.int64) + 3) % engine.vocab_size
     engine.reset()
     engine.forward(tokens[:prefill], 0, 1)
-    feed = tokens[prefill:]
-    engine.forward(feed, prefill, rows)  # untimed: the first call of a shape pays for its setup
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        engine.forward(feed, prefill, rows)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    engine.forward(tokens[prefill:], prefill, rows)
+    return prefill, tokens[prefill:]
+
+
+def _time_call(engine, pos: int, feed: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    engine.forward(feed, pos, len(feed))
+    return time.perf_counter() - t0
+
+
+def median_call_s(engine, rows: int, calls: int = CALLS) -> float:
+    """Median seconds of `engine.forward` scoring `rows` tokens at one position, after a prefill
+    of up to PREFILL tokens; the engine's 1-token form (rows.py) is what a 1-row call runs."""
+    pos, feed = _prefilled(engine, rows)
+    return statistics.median(_time_call(engine, pos, feed) for _ in range(calls))
+
+
+def median_ratios(calls: list[tuple], rounds: int = CALLS) -> list[float]:
+    """Each call's time over the first's, the median over `rounds` rounds in which the calls
+    (engine, rows) run back to back: a load that comes and goes meets every call of a round
+    alike, where medians taken one call after the other would price one call under the load
+    and the next without it."""
+    prepared = [(engine, *_prefilled(engine, rows)) for engine, rows in calls]
+    ratios = [[] for _ in calls]
+    for _ in range(rounds):
+        times = [_time_call(engine, pos, feed) for engine, pos, feed in prepared]
+        for r, t in zip(ratios, times):
+            r.append(t / times[0])
+    return [statistics.median(r) for r in ratios]
 
 
 def measure_costs(bundle_dir: Path) -> dict:
@@ -53,10 +74,10 @@ def measure_costs(bundle_dir: Path) -> dict:
         for engine in engines:
             engine.encode_source(source % engine.vocab_size)
     rows = min(gen.max_gamma + 1, gen.target.max_len - 1)
-    step = median_call_s(gen.target, 1)
-    verify = median_call_s(gen.target, rows)
-    draft_step = median_call_s(engines[1], 1) / step if len(engines) > 1 else 0.0
-    verify_row = (verify / step - 1.0) / (rows - 1) if rows > 1 else 0.0
+    calls = [(gen.target, 1), (gen.target, rows)] + ([(engines[1], 1)] if len(engines) > 1 else [])
+    _, verify, *draft = median_ratios(calls)
+    draft_step = draft[0] if draft else 0.0
+    verify_row = (verify - 1.0) / (rows - 1) if rows > 1 else 0.0
     return {"draft_step": _clamp(draft_step, COSTS["draft_step"]),
             "verify_row": _clamp(verify_row, COSTS["verify_row"])}
 

@@ -108,3 +108,36 @@ def test_fixed_cost_rounds_keep_the_targets_joint(monkeypatch, costs):
     print(f"{costs}: p-value {p:.4f}, second rounds' γ {sorted(second)}")
     assert p > 1e-4
     assert len(second) >= 2  # the first round's outcome chose the second's length
+
+
+class LoadedEngine:
+    """An engine whose call takes `cost` seconds per row times the machine's load at that
+    moment, on a shared fake clock; the load changes every `period` calls of all engines."""
+
+    max_len, vocab_size = 64, 50
+
+    def __init__(self, machine, cost):
+        self.machine, self.cost = machine, cost
+
+    def reset(self):
+        pass
+
+    def forward(self, tokens, pos, rows):
+        m = self.machine
+        m["now"] += self.cost * len(tokens) * m["loads"][(m["calls"] // m["period"]) % 2]
+        m["calls"] += 1
+
+
+def test_costs_are_priced_under_the_same_load_call_for_call(monkeypatch):
+    """A load that triples every 3 calls (3 engines' calls a round): timed one engine after the
+    other, the target's step is priced under one load and the draft's under another; timed in
+    rounds, each ratio is the engines' own (draft 0.3 of a step, 5 rows 5 steps here)."""
+    from spec_export import costs
+
+    machine = {"now": 0.0, "calls": 0, "period": 3, "loads": (1.0, 3.0)}
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: machine["now"])
+    target, draft = LoadedEngine(machine, 1.0), LoadedEngine(machine, 0.3)
+    # after 2 × 3 untimed setup calls, the rounds of 3 see one load each, alternately
+    step, verify, draft_step = costs.median_ratios([(target, 1), (target, 5), (draft, 1)])
+    assert step == 1.0
+    assert verify == pytest.approx(5.0) and draft_step == pytest.approx(0.3)
