@@ -3,15 +3,22 @@ the output stays the target's distribution (q = 0 outside the kept ids: the resi
 the others), on toy engines with every sampling control, and on exported graphs: greedy equal
 to Hugging Face's generate, sampled joints equal to the target's by enumeration."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
+from helpers import assert_input_error, run
+from tiny_models import llama, save, truncated, word_tokenizer, write_gguf
 from toy_models import ToyEngine, joint_p_value
 
+import spec_runtime
+from spec_export.build import build_bundle
 from spec_runtime import Generator, ModelDraft, NgramDraft, SamplingParams, warp
 from spec_runtime.draft_vocab import KeptVocab
 from spec_runtime.drafts import HybridDraft
+from specedge.cli.specexport import main as specexport
 
 PROMPT = [1, 2, 3, 1, 2]
 VOCAB = 6
@@ -155,16 +162,6 @@ def test_a_trimmed_draft_proposes_only_kept_ids_and_its_q_is_zero_elsewhere():
 
 
 # -- exported graphs ---------------------------------------------------------------------------
-
-import json  # noqa: E402
-
-import torch  # noqa: E402
-from tiny_models import llama, save, truncated, word_tokenizer, write_gguf  # noqa: E402
-
-import spec_runtime  # noqa: E402
-from spec_export.build import build_bundle  # noqa: E402
-from specedge.cli.specexport import main as specexport  # noqa: E402
-from helpers import assert_input_error, run  # noqa: E402
 
 PROMPTS = ["hello world, hello", "the cat sat on the mat", "def f(x):\n    return x"]
 CORPUS = "the quick brown fox jumps over the lazy dog; hello world, hello again.\n" * 20
