@@ -100,13 +100,24 @@ def main(ctx):
 @click.option("--draft-gguf-file", default=None,
               help="the GGUF file's name inside --draft's directory or hub repo [default: "
                    "none; a --draft ending in .gguf names its file itself]")
+@click.option("--draft-vocab", type=int, default=None,
+              help="trim the draft model's output head to N of the target's token ids (its "
+                   "step then reads N head rows; output unchanged: the target still emits any "
+                   "token). Always kept: special and added tokens, EOS/BOS/pad and the chat "
+                   "template's tokens; then the ids most frequent in --draft-vocab-corpus, else "
+                   "in the tokenizer's own order (BPE merges, Unigram scores). 32000 is what "
+                   "EAGLE-3 and FR-Spec drafts keep [default: the whole vocabulary]")
+@click.option("--draft-vocab-corpus", default=None,
+              help="a UTF-8 text file like what the bundle will generate, whose token "
+                   "frequencies (target's tokenizer) choose --draft-vocab's ids [default: the "
+                   "tokenizer's own statistics]")
 @click.option("--quiet", is_flag=True,
               help="no progress bar on stderr; the summary is still printed [default: show "
                    "the bar]")
 @input_errors
 def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
           draft_precision, block_size, kernels, float_embedding, int4_weights, gguf_file,
-          draft_gguf_file, quiet):
+          draft_gguf_file, draft_vocab, draft_vocab_corpus, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
 
@@ -119,6 +130,7 @@ def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_g
                             draft_precision=draft_precision, block_size=block_size,
                             kernels=kernels, float_embedding=float_embedding,
                             int4_weights=int4_weights, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
+                            draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
                             progress=not quiet)
     from spec_export.summary import build_summary
 

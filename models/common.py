@@ -50,6 +50,14 @@ class CachedDecoder(nn.Module):
         if self.lm_head is self.embed:
             self.lm_head = param(self.embed.data.clone())
 
+    def trim_lm_head(self, ids) -> None:
+        """Keep only the lm_head rows `ids` (sorted token ids): the logits are then over those
+        ids alone, in their order, and cost a step their rows only. The embedding stays whole
+        (a tied one is no longer shared): the model still reads every token."""
+        rows = torch.as_tensor(ids, dtype=torch.int64)
+        self.lm_head = param(self.lm_head.data.index_select(0, rows))  # a copy of those rows
+        self.vocab_size = len(rows)
+
 
 def step_masks(n: int, position: torch.Tensor, max_len: int):
     """What n new queries at absolute positions position .. position+n-1 may see.

@@ -12,7 +12,7 @@ GELU, an embedding scale, the attention scale, a sliding window and a RoPE table
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -241,6 +241,10 @@ class Llama(CachedDecoder):
         x = x[:, n - num_logits :]  # [1, num_logits, C]
         logits = F.linear(rms_norm(x, self.norm, self.d.norm_eps), self.lm_head)  # [1, num_logits, V]
         return (logits, *present)
+
+    def trim_lm_head(self, ids) -> None:
+        super().trim_lm_head(ids)
+        self.d = replace(self.d, vocab_size=self.vocab_size)  # the fused writer's logits width
 
     # -- what a family changes --------------------------------------------------------------
 

@@ -19,7 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from spec_runtime.contract import KERNELS, PRECISIONS
-from spec_runtime.manifest import MANIFEST, Manifest, TokenizerEntry, write_manifest
+from spec_runtime.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
+                                   write_manifest)
 
 from .journal import will_write
 from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
@@ -224,6 +225,8 @@ def build_bundle(
     int4_weights: str = "auto",
     gguf_file: str | None = None,
     draft_gguf_file: str | None = None,
+    draft_vocab: int | None = None,
+    draft_vocab_corpus: str | None = None,
     progress: bool = True,
 ) -> Path:
     """Build a bundle and return its directory (default: spec_runtime's default location).
@@ -243,7 +246,10 @@ def build_bundle(
     the lm_head's quantized weights (re-quantized SmolLM2-135M: 88 MB instead of 201 MB);
     `float_embedding` keeps a float32 copy instead.
     `int4_weights`: "gguf" writes a GGUF source's own 4/8-bit blocks (no second rounding: see
-    gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources."""
+    gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources.
+    `draft_vocab` N trims the draft model's head to N of the target's token ids (exact, a
+    cheaper draft step), chosen by frequency in the text file `draft_vocab_corpus` if given,
+    else by the tokenizer's own statistics (draft_vocab.py)."""
     from spec_runtime.bundle import default_bundle_dir
 
     from .draft_plan import plan_drafts
@@ -275,7 +281,8 @@ def build_bundle(
                          f"{t_spec.source!r} is not a GGUF: use --int4-weights quantize")
     plan = plan_drafts(draft, draft_model, t_spec, precision=precision,
                        draft_precision=draft_precision, draft_gguf_file=draft_gguf_file,
-                       int4_weights=int4_weights, kernels=kernels)
+                       int4_weights=int4_weights, kernels=kernels, draft_vocab=draft_vocab,
+                       draft_vocab_corpus=draft_vocab_corpus)
     out = resolve_out(Path(out) if out is not None else default_bundle_dir())
     with file_system_errors(out):
         check_out(out)  # before minutes of work: what is in the way, and why
@@ -323,7 +330,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
                          "that generation can stop")
     encdec = is_encoder_decoder(t_model.config)
     plan.settle(t_model.config, precision)  # what the loaded target allows (a fused graph?)
-    d_config = plan.check_draft_model(t_model, t_tok)  # a mismatched draft: refused before work
+    d_config = plan.check_draft_model(t_model, t_tok, eos)  # refused before work: a mismatch
     if max_len is None:
         max_len = default_max_len([t_model.config] + ([d_config] if d_config else []), encdec)
     if max_gamma >= max_len:
@@ -376,7 +383,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
             vocab_sha256=vocabulary_sha256(load_tokenizer(tmp / "tokenizer.json"))),
         max_source_len=max_source_len if encdec else None,
         decoder_start_token_id=start, generation=generation,
-        created_by={**library_versions(), "build": stage.record()})
+        created_by={**library_versions(), "build": stage.record()},
+        schema_version=lowest_schema(d_entry))
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))

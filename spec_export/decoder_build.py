@@ -50,12 +50,15 @@ class Exported:
 def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, parity_ids,
                          stage, quant_prompts, block_size: int, kernels: str,
                          float_embedding: bool, gguf_path: Path | None = None,
-                         keep_fp32: bool = False, only_4bit: bool = False) -> Exported:
+                         keep_fp32: bool = False, only_4bit: bool = False,
+                         head_ids=None) -> Exported:
     """Export `hf_model` to `path` at `precision`, check it, and return its manifest entry
     (minus source). The HF model is spent: its weights are freed as they are copied. With
     `keep_fp32`, the float32 graph stays (as `path` itself at fp32, else `<stem>.fp32.onnx`)
     for derive_draft, which removes it. `only_4bit`: an int4 graph from a GGUF keeps only the
-    file's 4-bit blocks and re-quantizes the wider ones to 4 bits (a draft model: draft_plan)."""
+    file's 4-bit blocks and re-quantizes the wider ones to 4 bits (a draft model: draft_plan).
+    `head_ids` (sorted token ids, a trimmed draft: draft_vocab.py): the lm_head keeps only those
+    rows, and every check compares the logits at those ids."""
     from specedge.models import for_hf_model
     from specedge.models.common import consuming
 
@@ -63,20 +66,28 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     from .onnx_fused import export_fused_llama
     from .parity import hf_reference, plan_calls, reference_rows
 
-    vocab = hf_model.config.vocab_size
+    vocab = hf_model.config.vocab_size  # the ids the model reads
+    reference = hf_reference(hf_model)
+    if head_ids is not None:
+        reference = _at_ids(reference, head_ids)
     # everything the checks need of the PyTorch model, before its weights move into the export
-    plan = plan_calls(hf_reference(hf_model), parity_ids, vocab, max_len,
+    plan = plan_calls(reference, parity_ids, vocab, max_len,
                       rng=np.random.default_rng(1), name=path.stem, **PARITY)
     quant_ref = reference_rows(hf_model, quant_prompts, max_len) \
         if precision != "fp32" or keep_fp32 else None
+    if quant_ref is not None and head_ids is not None:
+        quant_ref = [rows[:, head_ids] for rows in quant_ref]
     with consuming(hf_model):
         module = for_hf_model(hf_model, max_len)
+    if head_ids is not None:
+        module.trim_lm_head(head_ids)  # before the tie is read: the embedding keeps every row
     kernels = choose_kernels(module, kernels, path.stem)
     tied = module.lm_head is module.embed
     if precision == "int4":
         module.untie_lm_head()  # so that the quantizer reaches the lm_head's MatMul
     dims = {k: getattr(module, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     family = module.model_type
+    module_vocab = module.vocab_size  # the logits' width: `vocab`, or the trimmed head's rows
     fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
     export = export_fused_llama if kernels == "fused" else export_decoder
     desc = export(module, fp32_path, max_len)
@@ -105,9 +116,17 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
                        kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
                        opset=desc["opset"], devices=graph_devices(kernels, precision))
-    entry = ModelEntry(vocab_size=vocab, graphs={"decoder": graph}, precision=precision,
+    entry = ModelEntry(vocab_size=module_vocab, graphs={"decoder": graph}, precision=precision,
                        family=family, dims=dims, parity=parity, quantization=quantization)
     return Exported(entry, fp32_path if keep_fp32 else None, quant_ref, tied)
+
+
+def _at_ids(reference, ids):
+    """`reference` (parity.hf_reference) read at the ids a trimmed head keeps."""
+    def at(tokens, num_logits):
+        return reference(tokens, num_logits)[:, ids]
+
+    return at
 
 
 def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,

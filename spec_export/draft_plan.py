@@ -62,6 +62,15 @@ class Candidate:
     precision: str | None  # None: decided once the model's family is known
     entry: ModelEntry | None = None
     file: str = "draft.onnx"
+    kept: object | None = None  # draft_vocab.VocabChoice: the ids a trimmed head keeps
+    embedding_rows: int | None = None  # the ids its embedding reads (its config's vocab_size)
+
+    def vocab_record(self) -> dict:
+        """The manifest's draft.vocab of a trimmed head (spec_runtime/draft_vocab.py)."""
+        from .draft_vocab import VOCAB_FILE
+
+        return {"file": VOCAB_FILE, "size": len(self.kept.ids),
+                "embedding_rows": self.embedding_rows, "chosen_by": self.kept.chosen_by}
 
 
 @dataclass
@@ -100,10 +109,11 @@ class DraftPlan:
                     self.kind = "ngram"
             # an explicit --draft self on such a target is refused by the export itself
 
-    def check_draft_model(self, t_model, t_tok):
+    def check_draft_model(self, t_model, t_tok, eos=()):
         """Load the draft model's tokenizer and config (not its weights: those come after the
-        target's export) and refuse a draft whose vocabulary is not the target's. Returns the
-        draft's config, or None without a draft model."""
+        target's export) and refuse a draft whose vocabulary is not the target's; with
+        --draft-vocab, choose the ids its head keeps. Returns the draft's config, or None
+        without a draft model."""
         model = next((c for c in self.candidates if c.name == "model"), None)
         if model is None:
             return None
@@ -112,6 +122,17 @@ class DraftPlan:
         config, tok = load_config_and_tokenizer(model.spec)
         check_vocabularies(t_tok, tok)
         from .build_seq2seq import is_encoder_decoder
+
+        if self.draft_vocab is not None:
+            if is_encoder_decoder(config):
+                raise BuildError(f"--draft-vocab {self.draft_vocab} trims a decoder-only "
+                                 f"draft's head; an encoder-decoder ({config.model_type}) draft "
+                                 f"keeps its whole vocabulary: leave --draft-vocab out")
+            from .draft_vocab import choose_ids
+
+            limit = min(t_model.config.vocab_size, config.vocab_size)
+            model.kept = choose_ids(self.draft_vocab, t_tok, eos, limit, self.draft_vocab_corpus)
+            model.embedding_rows = config.vocab_size
 
         if is_encoder_decoder(config) != is_encoder_decoder(t_model.config):
             kinds = {True: "encoder-decoder", False: "decoder-only"}
@@ -170,7 +191,8 @@ class DraftPlan:
 
                     c.entry = export_decoder_model(
                         d_model, tmp / c.file, precision=c.precision, gguf_path=gguf,
-                        only_4bit=int4_weights == "auto", **export).entry
+                        only_4bit=int4_weights == "auto",
+                        head_ids=None if c.kept is None else c.kept.ids, **export).entry
                 del d_model
             c.entry = replace(c.entry, **c.spec.describe())
             check_blocks(c.entry, "--draft" if c.name == "model" else "--target", int4_weights)
@@ -178,7 +200,8 @@ class DraftPlan:
         if self.kind == "ngram":
             return self._record(DraftEntry("ngram", options=options))
         if self.kind == "model" or (self.kind == "self" and not self.lookup):
-            return self._record(DraftEntry("model", self.candidates[0].entry))
+            return self._record(DraftEntry("model", self.candidates[0].entry),
+                                self.candidates[0], tmp)
         from .decoder_build import step_cost
 
         costs = {c.name: step_cost(tmp, c.entry, t_entry) for c in self.candidates}
@@ -204,17 +227,25 @@ class DraftPlan:
                            {**options, "draft_cost": costs[chosen.name]})
         if measured:
             entry = replace(entry, options={**entry.options, "auto_measured": measured})
-        return self._record(entry)
+        return self._record(entry, chosen, tmp)
 
-    def _record(self, entry: DraftEntry) -> DraftEntry:
+    def _record(self, entry: DraftEntry, chosen: Candidate | None = None,
+                tmp: Path | None = None) -> DraftEntry:
         if self.kind == "auto" and self.why:
-            return replace(entry, options={**entry.options, "auto_reason": self.why})
+            entry = replace(entry, options={**entry.options, "auto_reason": self.why})
+        if chosen is not None and chosen.kept is not None:  # a trimmed head: its kept ids
+            from .draft_vocab import VOCAB_FILE, write_ids
+
+            write_ids(tmp / VOCAB_FILE, chosen.kept)
+            entry = replace(entry, options={**entry.options, "vocab": chosen.vocab_record()})
         return entry
 
     # set by plan_drafts
     lookup: bool = True
     target_precision: str = "fp32"
     int4_weights: str = "auto"
+    draft_vocab: int | None = None  # --draft-vocab: the draft model's head keeps that many ids
+    draft_vocab_corpus: str | None = None
 
 
 def _label(c: Candidate) -> str:
@@ -224,7 +255,8 @@ def _label(c: Candidate) -> str:
 
 def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, precision: str,
                 draft_precision: str | None, draft_gguf_file: str | None, int4_weights: str,
-                kernels: str) -> DraftPlan:
+                kernels: str, draft_vocab: int | None = None,
+                draft_vocab_corpus: str | None = None) -> DraftPlan:
     """The build's drafts from its options, before anything is loaded (refusing what cannot be
     made); DraftPlan.settle adjusts them once the target is loaded."""
     if not isinstance(draft, str) or not draft:
@@ -274,7 +306,26 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
                          f"{given.source!r} is not a GGUF: use --int4-weights quantize")
     if len(plan.candidates) > 1:
         plan.candidates[0].file = "draft-self.onnx"
+    if draft_vocab is not None or draft_vocab_corpus is not None:
+        _plan_vocab(plan, draft, draft_vocab, draft_vocab_corpus)
     return plan
+
+
+def _plan_vocab(plan: DraftPlan, draft: str, draft_vocab: int | None,
+                corpus: str | None) -> None:
+    """--draft-vocab trims a draft model's head (the ids: draft_vocab.choose_ids, once the
+    target's tokenizer is loaded); refused where the build makes no draft model."""
+    from .draft_vocab import check_options
+
+    check_options(draft_vocab, corpus)
+    if any(c.name == "model" for c in plan.candidates):
+        plan.draft_vocab, plan.draft_vocab_corpus = draft_vocab, corpus
+        return
+    what = "prompt lookup" if plan.kind == "ngram" or draft == "ngram" else \
+        "the target's own weights"
+    raise BuildError(f"--draft-vocab {draft_vocab} trims a draft model's head, and --draft "
+                     f"{draft} drafts with {what}: give a draft model (--draft SOURCE, or "
+                     f"--draft-model with hybrid or auto), or leave --draft-vocab out")
 
 
 def _no_self_draft(t_spec: ModelSpec, precision: str, draft_precision: str | None,
@@ -303,6 +354,7 @@ def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate],
     runtime's own engines and decode loop: {candidate: {"tok_s", "speedup", ...}}. Exact
     either way (the output is the target's); only the speed differs."""
     from spec_runtime import Generator
+    from spec_runtime.draft_vocab import KeptVocab
     from spec_runtime.drafts import HybridDraft, ModelDraft, NgramDraft
 
     from .parity import open_decoder
@@ -312,7 +364,9 @@ def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate],
     gens = {"target": Generator(target, None, eos_token_ids=eos)}
     for c in candidates:
         engine = open_decoder(tmp / c.entry.graphs["decoder"].file)
-        draft = HybridDraft(ModelDraft(engine), NgramDraft(vocab, **ngram), costs[c.name])
+        kept = None if c.kept is None else KeptVocab(c.kept.ids, vocab)
+        draft = HybridDraft(ModelDraft(engine, kept=kept, input_vocab=c.embedding_rows),
+                            NgramDraft(vocab, **ngram), costs[c.name])
         gens[c.name] = Generator(target, draft, eos_token_ids=eos)
     # a small --max-len holds fewer tokens, and the end of each prompt (its generation prompt)
     new = min(AUTO_TOKENS, max(4, target.max_len // 4))

@@ -73,6 +73,10 @@ def _draft(manifest: Manifest) -> str:
         what = (f"the target's own weights at {m.precision}" if own
                 else f"{m.family or 'model'} from {_source(m)}, {m.precision}")
         what += f", {_mb(_model_bytes(manifest, m))}"
+        if o.get("vocab"):  # a trimmed head: a step reads its kept rows only
+            v = o["vocab"]
+            what += (f", head trimmed to {v['size']} of {v['embedding_rows']} ids "
+                     f"({v['size'] / v['embedding_rows']:.0%} of its rows; by {v['chosen_by']})")
         if d.kind == "hybrid":
             what += ", + prompt lookup"
     else:

@@ -35,6 +35,8 @@ def verify_bundle(bundle_dir=None) -> dict:
     for role, entry in manifest.models():
         model = t_model if role == "target" else \
             load_model(ModelSpec(entry.source, entry.gguf_file))[0]
+        if role == "draft" and "vocab" in manifest.draft.options:
+            _trim_head(model, bundle_dir, manifest)
         for graph, diff in _parity(model, bundle_dir, entry, manifest, ids).items():
             row = {"precision": entry.precision, "max_abs_diff": diff}
             report["graphs"][f"{role}/{graph}"] = row
@@ -53,6 +55,24 @@ def verify_bundle(bundle_dir=None) -> dict:
             _check_quantized(report["graphs"][f"{role}/decoder"], role, entry, model, bundle_dir,
                              quant_ids)
     return report
+
+
+def _trim_head(model, bundle_dir: Path, manifest: Manifest) -> None:
+    """The PyTorch draft's output head cut to the kept ids of its trimmed graph (the bundle's
+    draft.vocab), so that their logits compare id for id; its input embedding stays whole."""
+    import torch
+
+    from spec_runtime.draft_vocab import read_kept_ids
+
+    kept = read_kept_ids(bundle_dir, manifest.draft.options["vocab"], manifest.target.vocab_size,
+                         manifest.tokenizer.eos_token_ids)
+    head = model.get_output_embeddings()
+    rows = torch.as_tensor(kept.ids)
+    trimmed = torch.nn.Linear(head.in_features, kept.size, bias=head.bias is not None)
+    trimmed.weight.data = head.weight.data.index_select(0, rows).clone()
+    if head.bias is not None:
+        trimmed.bias.data = head.bias.data.index_select(0, rows).clone()
+    model.set_output_embeddings(trimmed)
 
 
 def _check_quantized(row: dict, role: str, entry: ModelEntry, model, bundle_dir: Path,

@@ -147,9 +147,15 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the target graph only "
             f"{target.vocab_size}: the tokenizer belongs to another model; {REBUILD}"
         )
+    kept = None
+    if "vocab" in manifest.draft.options:  # a trimmed draft head: its kept ids, checked
+        from .draft_vocab import read_kept_ids
+
+        kept = read_kept_ids(bundle_dir, manifest.draft.options["vocab"], target.vocab_size,
+                             tok.eos_token_ids)
     draft = open_draft(manifest.draft, target.vocab_size,
                        lambda model: open_engine(bundle_dir, manifest, "draft", model,
-                                                 device=draft_device, threads=threads))
+                                                 device=draft_device, threads=threads), kept)
     if check_files:
         check_unchanged(before, snapshot(bundle_dir, [MANIFEST, *manifest.files]), bundle_dir)
     row_check = rows.choose_one_row(target, one_row)

@@ -14,11 +14,12 @@ how much survived verification (`rewind`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from .draft_vocab import KeptVocab
 from .engine import Engine
 from .errors import BundleError, InputError
 from .manifest import REBUILD, DraftEntry, ModelEntry
@@ -75,26 +76,39 @@ class ModelDraft:
     its cache stays in step without an extra call. A token the target emitted outside the
     draft's vocabulary (a target padded to a larger vocabulary) reaches the draft's graph as id 0:
     the draft's guesses only change the speed, never the output distribution.
+
+    With `kept` (draft_vocab.KeptVocab: a head trimmed to some of the target's ids) the graph's
+    logits are over those ids; the draft samples among them and reports q over the target's
+    vocabulary, zero elsewhere. Its embedding still reads `input_vocab` ids.
     """
 
     kind = "model"
 
-    def __init__(self, engine: Engine, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, engine: Engine, clock: Callable[[], float] = time.perf_counter,
+                 kept: KeptVocab | None = None, input_vocab: int | None = None):
+        if kept is not None and kept.size != engine.vocab_size:
+            raise BundleError(f"the draft's kept token ids are {kept.size}, and its graph's "
+                              f"logits are {engine.vocab_size} wide; {REBUILD}")
         self.engine = engine
-        self.vocab_size = engine.vocab_size
+        self.kept = kept
+        self.vocab_size = engine.vocab_size if kept is None else kept.target_vocab
+        self.input_vocab = input_vocab or (engine.vocab_size if kept is None
+                                           else kept.target_vocab)
         self.clock = clock
         self.valid = 0
         self.counters = DraftCounters()
 
     @classmethod
     def from_bundle(cls, entry: DraftEntry, target_vocab: int,
-                    open_engine: Callable[[ModelEntry], Engine]) -> "ModelDraft":
+                    open_engine: Callable[[ModelEntry], Engine],
+                    kept: KeptVocab | None = None) -> "ModelDraft":
         if entry.model is None:
             raise BundleError(f"manifest draft of kind 'model' has no graphs; {REBUILD}")
-        return cls(open_engine(entry.model))
+        rows = entry.options["vocab"]["embedding_rows"] if kept is not None else None
+        return cls(open_engine(entry.model), kept=kept, input_vocab=rows)
 
     def fork(self) -> "ModelDraft":
-        return type(self)(fork_engine(self.engine), self.clock)
+        return type(self)(fork_engine(self.engine), self.clock, self.kept, self.input_vocab)
 
     @property
     def engines(self) -> list[Engine]:
@@ -106,8 +120,8 @@ class ModelDraft:
         self.counters = DraftCounters()
 
     def _forward(self, tokens: np.ndarray, pos: int) -> np.ndarray:
-        if tokens.max() >= self.vocab_size:
-            tokens = np.where(tokens < self.vocab_size, tokens, 0)
+        if tokens.max() >= self.input_vocab:
+            tokens = np.where(tokens < self.input_vocab, tokens, 0)
         t0 = self.clock()
         logits = self.engine.forward(tokens, pos, 1)
         elapsed = self.clock() - t0
@@ -121,39 +135,84 @@ class ModelDraft:
 
     def propose(self, seq, gamma, params, rng, most=None, floor=None):
         limit = gamma if floor is None else max(gamma, most or gamma)
-        tokens = np.empty(limit, dtype=np.int64)
-        # greedy: the argmax is what sampling the one-hot warp(·) would draw, and greedy
-        # verification never reads q, so no V-wide row is built per step (but for the floor,
-        # which reads the draft's probability of its argmax)
-        p_draft = None if params.greedy else np.empty((limit, self.vocab_size), dtype=np.float64)
+        rows = _Rows(params, seq, limit, self.vocab_size, self.kept)
         logits = self._forward(seq[self.valid :], self.valid)
-        self.valid = n = len(seq)
-        # the context each draft position sees, for parameters that read it (penalties)
-        context = np.concatenate([seq, tokens]) if params.reads_context else None
+        self.valid = len(seq)
         sure = 1.0  # the product of the draft's probabilities of its tokens so far
-        for i in range(limit):
-            row = logits[-1]
-            if p_draft is None:
-                _check_finite(row)
-                if context is not None:
-                    row = penalize(row, params, context[: n + i])
-                tokens[i] = row.argmax()
-                if floor is not None:
-                    sure /= np.exp(row - row[tokens[i]]).sum()  # softmax at the argmax
-            else:
-                p_draft[i] = warp(row, params, None if context is None else context[: n + i])
-                tokens[i] = sample(p_draft[i], rng)
-                sure *= p_draft[i, tokens[i]]
-            if context is not None:
-                context[n + i] = tokens[i]
-            if i + 1 == limit or (floor is not None and sure < floor):
+        k = 0
+        while k < limit:
+            p = rows.pick(logits[-1], k, rng, floor is not None)
+            if p is None:
+                break  # no kept id is allowed here (a grammar): the target goes on alone
+            sure *= p
+            k += 1
+            if k == limit or (floor is not None and sure < floor):
                 break  # the last draft token is fed next round, with the correction
-            logits = self._forward(tokens[i : i + 1], self.valid)
+            logits = self._forward(rows.target_tokens(k - 1, k), self.valid)
             self.valid += 1
-        return tokens[: i + 1], None if p_draft is None else p_draft[: i + 1]
+        return rows.target_tokens(0, k), None if rows.p_draft is None else rows.p_draft[:k]
 
     def rewind(self, n_valid: int) -> None:
         self.valid = min(self.valid, n_valid)
+
+
+class _Rows:
+    """How each logits row of a model draft becomes its token and q: in the target's ids, or,
+    for a trimmed head (`kept`), in the kept ids' compact ids (draft_vocab.py), with q written
+    at the target's ids and zero elsewhere."""
+
+    def __init__(self, params: SamplingParams, seq: np.ndarray, limit: int, vocab: int,
+                 kept: KeptVocab | None):
+        self.kept, self.n = kept, len(seq)
+        self.params = params if kept is None else kept.params(params)
+        self.tokens = np.empty(limit, dtype=np.int64)  # in the row's own ids
+        # greedy: the argmax is what sampling the one-hot warp(·) would draw, and greedy
+        # verification never reads q, so no V-wide row is built per step (but for the floor,
+        # which reads the draft's probability of its argmax)
+        self.p_draft = None if params.greedy else (
+            np.empty((limit, vocab)) if kept is None else np.zeros((limit, vocab)))
+        # the context each draft position sees, for parameters that read it (penalties)
+        self.context = None
+        if params.reads_context:
+            own = seq if kept is None else kept.compact(seq)
+            self.context = np.concatenate([own, self.tokens])
+        # a trimmed row is penalized on its own first (a grammar may leave it nothing), then
+        # warped by what is left of `params`: warp's own order, steps 0-3 then 4
+        self.plain = self.params if kept is None else replace(
+            self.params, logit_bias=None, repetition_penalty=1.0, presence_penalty=0.0,
+            frequency_penalty=0.0, constraint=None)
+
+    def pick(self, row: np.ndarray, i: int, rng, floor: bool) -> float | None:
+        """Draw token i from `row`; its probability under q (1 for greedy without a floor), or
+        None when the row allows no token."""
+        params, context = self.params, None
+        if self.context is not None:
+            context = self.context[: self.n + i]
+        if params.greedy or self.kept is not None:
+            _check_finite(row)
+            if context is not None:
+                row = penalize(row, params, context)
+            if self.kept is not None and not np.isfinite(row.max()):
+                return None
+        if params.greedy:
+            token = self.tokens[i] = row.argmax()
+            p = 1.0 / np.exp(row - row[token]).sum() if floor else 1.0  # softmax at the argmax
+        elif self.kept is None:
+            q = self.p_draft[i] = warp(row, params, context)
+            token = self.tokens[i] = sample(q, rng)
+            p = q[token]
+        else:
+            q = warp(row, self.plain)
+            token = self.tokens[i] = sample(q, rng)
+            self.p_draft[i, self.kept.ids] = q
+            p = q[token]
+        if self.context is not None:
+            self.context[self.n + i] = token
+        return float(p)
+
+    def target_tokens(self, start: int, stop: int) -> np.ndarray:
+        own = self.tokens[start:stop]
+        return own if self.kept is None else self.kept.expand(own)
 
 
 class NgramDraft:
@@ -266,8 +325,9 @@ class HybridDraft:
         self.reset()
 
     @classmethod
-    def from_bundle(cls, entry: DraftEntry, target_vocab: int, open_engine) -> "HybridDraft":
-        model = ModelDraft.from_bundle(entry, target_vocab, open_engine)
+    def from_bundle(cls, entry: DraftEntry, target_vocab: int, open_engine,
+                    kept: KeptVocab | None = None) -> "HybridDraft":
+        model = ModelDraft.from_bundle(entry, target_vocab, open_engine, kept)
         ngram = NgramDraft.from_bundle(entry, target_vocab, open_engine)
         try:
             return cls(model, ngram, entry.options.get("draft_cost", 0.5))
@@ -368,20 +428,29 @@ class HybridCounters:
         return self._model.step_time_s
 
 
-# draft kind (the manifest's draft.kind) -> constructor(entry, target vocab, open_engine)
+# draft kind (the manifest's draft.kind) -> constructor(entry, target vocab, open_engine); the
+# kinds in TRIMMABLE also take the kept ids of a trimmed head
 DRAFTS: dict[str, Callable[..., Draft]] = {
     "model": ModelDraft.from_bundle,
     "ngram": NgramDraft.from_bundle,
     "hybrid": HybridDraft.from_bundle,
 }
+TRIMMABLE = ("model", "hybrid")
 
 
 def open_draft(entry: DraftEntry, target_vocab: int,
-               open_engine: Callable[[ModelEntry], Engine]) -> Draft:
+               open_engine: Callable[[ModelEntry], Engine],
+               kept: KeptVocab | None = None) -> Draft:
     """The draft a bundle names, built by its registry entry; `open_engine` opens a model
-    entry's graphs on the bundle's device."""
+    entry's graphs on the bundle's device. `kept`: the kept ids of a draft whose head is
+    trimmed (the manifest's draft.vocab), for the kinds that hold a model draft."""
     if entry.kind not in DRAFTS:
         raise BundleError(f"manifest draft.kind {entry.kind!r} is not one this runtime knows "
                           f"({sorted(DRAFTS)}): upgrade specedge (`pip install -U specedge`), or "
                           f"{REBUILD}")
-    return DRAFTS[entry.kind](entry, target_vocab, open_engine)
+    if kept is None:
+        return DRAFTS[entry.kind](entry, target_vocab, open_engine)
+    if entry.kind not in TRIMMABLE:
+        raise BundleError(f"manifest draft.vocab is set on a draft of kind {entry.kind!r}, and "
+                          f"only a model draft's head is trimmed ({list(TRIMMABLE)}); {REBUILD}")
+    return DRAFTS[entry.kind](entry, target_vocab, open_engine, kept)

@@ -16,6 +16,10 @@ the upgrade command, an older one with the rebuild command):
     when present.
 3 — `default_gamma` may be "auto" (the runtime chooses each round's draft length: loop.py's
     GammaPolicy); a version-2 reader would refuse the string, hence the new version.
+4 — a model draft may hold `draft.vocab` (a head trimmed to some of the target's ids, listed in
+    a bundle file: draft_vocab.py); a version-3 reader would take its logits for ids 0..N-1.
+    A build writes 4 only for such a draft (`lowest_schema`), so that older readers keep
+    reading the others.
 """
 
 from __future__ import annotations
@@ -29,16 +33,17 @@ from pathlib import Path
 
 from .contract import graph_devices
 from .errors import BundleError
-from .manifest_checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, check_file_hashes,
+from .manifest_checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE,
+                              check_file_hashes,
                               check_inside, depth, name_limit, name_too_long, regular_file,
                               sha256_file, unreadable, validate)
 
 __all__ = ["COSTS", "BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest",
-           "ModelEntry", "REBUILD", "TokenizerEntry", "name_limit", "name_too_long",
-           "read_manifest", "sha256_file", "unreadable", "write_manifest"]
+           "ModelEntry", "REBUILD", "TokenizerEntry", "lowest_schema", "name_limit",
+           "name_too_long", "read_manifest", "sha256_file", "unreadable", "write_manifest"]
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMAS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (1, 2, 3, 4)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few kB; the chat template is the largest part
@@ -228,6 +233,11 @@ def _model_json(m: ModelEntry) -> dict:
                               "opset": g.opset, "kernels": g.kernels, "kv_cache": g.kv_cache,
                               "devices": list(g.devices or graph_devices(g.kernels, m.precision))}
                        for name, g in m.graphs.items()}}
+
+
+def lowest_schema(draft: DraftEntry) -> int:
+    """The oldest schema that describes a bundle with this draft: what a build writes."""
+    return VOCAB_SINCE if "vocab" in draft.options else VOCAB_SINCE - 1
 
 
 def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:

@@ -27,6 +27,7 @@ ARCHITECTURES = ("decoder-only", "encoder-decoder")
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
+VOCAB_SINCE = 4  # the first schema whose draft may have a trimmed head (draft.vocab)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_BYTES = 255  # a file name, on every common file system
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
@@ -201,11 +202,36 @@ def validate(m: dict) -> None:
     _require(draft, "kind", str, "draft")  # which kinds exist is the draft registry's business
     if "graphs" in draft:  # a draft with graphs of its own: a model entry like the target's
         _check_model(draft, "draft", m, files, max_source_len)
+    _check_draft_vocab(m, draft, files, target["vocab_size"])
     _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
     _check_distinct_graphs(m)
     _check_engines(m.get("engines"), files)
     _check_generation(m.get("generation"))
     _check_costs(m.get("costs"))
+
+
+def _check_draft_vocab(m: dict, draft: dict, files: dict, target_vocab: int) -> None:
+    """draft.vocab, a trimmed head's record: {file (its kept ids), size (the logits' width),
+    embedding_rows (the ids the draft reads), chosen_by}; the ids themselves are checked where
+    they are read (draft_vocab.read_kept_ids)."""
+    if "vocab" not in draft:
+        return
+    vocab = draft["vocab"]
+    if not isinstance(m.get("schema_version"), int) or m["schema_version"] < VOCAB_SINCE:
+        raise _bad("draft.vocab", vocab, f"schema_version {m.get('schema_version')!r} predates "
+                   f"it (a trimmed draft head is read since schema {VOCAB_SINCE})")
+    if "graphs" not in draft or not isinstance(vocab, dict):
+        raise _bad("draft.vocab", vocab, "it must be an object, on a draft with graphs")
+    f = _require(vocab, "file", str, "draft.vocab")
+    if f not in files:
+        raise BundleError(f"manifest draft.vocab.file {f!r} is not among the files; {REBUILD}")
+    size = _integer(vocab, "size", "draft.vocab", 1, target_vocab)
+    if size != draft["vocab_size"]:
+        raise _bad("draft.vocab.size", size, f"it must be the draft's vocab_size "
+                   f"{draft['vocab_size']} (its logits' width)")
+    _integer(vocab, "embedding_rows", "draft.vocab", size)
+    if not isinstance(vocab.get("chosen_by", ""), str):
+        raise _bad("draft.vocab.chosen_by", vocab["chosen_by"], "it must be a string")
 
 
 # auto γ's prices measured at build (stats.Costs): each key's largest sensible value

@@ -372,3 +372,76 @@ def test_a_file_swapped_between_the_check_and_the_load_is_refused(bundle_copy, m
     monkeypatch.setattr(bundle, "load_tokenizer", swap_then_load)
     with pytest.raises(BundleError, match="changed while it loaded.*target.onnx"):
         spec_runtime.load(bundle_copy)
+
+
+# -- a trimmed draft head's kept ids (draft.vocab) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trimmed_bundle(llama_pair, tmp_path_factory):
+    from spec_export.build import build_bundle
+
+    target, draft, _ = llama_pair
+    return build_bundle(str(target), str(draft), tmp_path_factory.mktemp("trimmed") / "b",
+                        max_len=32, draft_vocab=100, progress=False)
+
+
+def kept_ids(edit):
+    """Rewrite the kept ids with `edit` and fix their hash: only the id checks can catch it."""
+    def damage(b):
+        path = b / "draft-vocab.json"
+        ids = json.loads(path.read_text())["kept_ids"]
+        path.write_text(json.dumps({"kept_ids": edit(ids)}))
+        rehash(b, "draft-vocab.json")
+    return damage
+
+
+def narrower(b):
+    """One id fewer, and the manifest's size, vocab_size and logits width all edited to match:
+    only ONNX Runtime's view of the graph disagrees."""
+    kept_ids(lambda ids: ids[:-1])(b)
+
+    def fix(m):
+        m["draft"]["vocab"]["size"] = m["draft"]["vocab_size"] = 99
+        logits = next(o for o in graph(m, "draft")["outputs"] if o["name"] == "logits")
+        logits["shape"][-1] = 99
+    edit_manifest(b, fix)
+
+
+TRIMMED_CASES = {
+    "unsorted": (kept_ids(lambda ids: [ids[1], ids[0], *ids[2:]]),
+                 ["draft-vocab.json", "not strictly increasing"]),
+    "repeated": (kept_ids(lambda ids: [ids[0], *ids[:-1]]), ["not strictly increasing"]),
+    "negative": (kept_ids(lambda ids: [-1, *ids[1:]]), ["not strictly increasing"]),
+    "out-of-range": (kept_ids(lambda ids: [*ids[:-1], 100000]),
+                     ["holds id 100000, outside the target's vocabulary"]),
+    "wrong-count": (kept_ids(lambda ids: ids[:-1]), ["lists 99 ids", "100 wide"]),
+    "narrower-graph": (narrower, ["draft.onnx", "logits"]),
+    "missing-eos": (kept_ids(lambda ids: sorted(set(ids) - {2} | {min(set(range(259)) - set(ids))})),
+                    ["lacks the end-of-sequence id 2"]),
+    "not-json": (lambda b: ((b / "draft-vocab.json").write_text("[1, 2"),
+                            rehash(b, "draft-vocab.json")), ["is not JSON"]),
+    "no-list": (lambda b: ((b / "draft-vocab.json").write_text('{"kept_ids": "0-99"}'),
+                           rehash(b, "draft-vocab.json")), ["no kept_ids list"]),
+    "schema-3": (lambda b: edit_manifest(b, lambda m: m.update(schema_version=3)),
+                 ["draft.vocab", "schema_version 3 predates it"]),
+    "size-not-the-width": (lambda b: edit_manifest(
+        b, lambda m: m["draft"]["vocab"].update(size=50)), ["draft.vocab.size is 50"]),
+    "file-unlisted": (lambda b: edit_manifest(
+        b, lambda m: m["draft"]["vocab"].update(file="other.json")), ["'other.json'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TRIMMED_CASES))
+def test_damaged_kept_ids_are_refused_at_load_and_by_the_cli(trimmed_bundle, tmp_path, case):
+    bundle = tmp_path / "b"
+    shutil.copytree(trimmed_bundle, bundle)
+    spec_runtime.load(bundle)  # whole, it loads
+    damage, words = TRIMMED_CASES[case]
+    damage(bundle)
+    with pytest.raises(BundleError) as err:
+        spec_runtime.load(bundle)
+    message = str(err.value)
+    assert all(w in message for w in words) and "\n" not in message, message
+    r = run(specrun, "generate", "hi", "--bundle", bundle, "--max-new-tokens", 3)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and words[0] in r.stderr, r.stderr
