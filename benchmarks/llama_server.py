@@ -60,8 +60,9 @@ def server_command(binary: Path, gguf: Path, threads: int, n_ctx: int, port: int
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-c", str(n_ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port),
            "--no-webui"]
-    if draft is not None:
-        cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads), "-cd", str(n_ctx)]
+    if draft is not None:  # this build infers no type from a plain model's GGUF: name it
+        cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        spec_type = spec_type or "draft-simple"
     if spec_type is not None:
         cmd += ["--spec-type", spec_type]
     if n_max is not None:

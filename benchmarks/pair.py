@@ -363,12 +363,16 @@ def turns(n_prompts: int, step: int, repeats: int, n_systems: int):
 
 
 def race(systems, prompts, args, pool: Pool, failed: dict) -> tuple[list, list]:
-    """Every turn each live system runs the turn's prompts once, in an order rotated by the
-    turn number: over at least as many turns as systems, each system runs in every slot."""
+    """Every turn each live system runs the turn's prompts once, in an order rotated by
+    `stride` systems a turn: over at least as many turns as systems (stride 1) each system
+    runs in every slot; over fewer, the stride spreads each system's slots from first to last."""
     runs, loads = [], []
+    n_turns = args.repeats * -(-len(prompts) // args.turn_prompts)
+    stride = max(1, len(systems) // n_turns)
     for t, rep, block in turns(len(prompts), args.turn_prompts, args.repeats, len(systems)):
         live = [s for s in systems if s.name not in failed]
-        order = live[t % len(live):] + live[:t % len(live)] if live else []
+        shift = t * stride % len(live) if live else 0
+        order = live[shift:] + live[:shift]
         for slot, s in enumerate(order):
             try:
                 w = pool.start(s)

@@ -2,6 +2,7 @@
 written by hand: every expected figure below is computed by hand from those runs; and
 draft_agreement.py's counts, against transformers."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -210,6 +211,18 @@ def test_race_puts_every_system_in_every_slot_given_as_many_turns():
     assert all(s == set(range(5)) for s in slots.values()), slots
 
 
+def test_fewer_turns_than_systems_spread_each_systems_slots_first_to_last():
+    """8 systems, 2 turns a pass, 2 passes: 4 turns, a stride of 2 systems a turn, so each
+    system runs in 4 slots 2 apart, one of them in the first half and one in the second."""
+    systems = [pair.System(n, [["x"]], ["-"], "hf") for n in "abcdefgh"]
+    prompts = [{"kind": "code", "ids": [i]} for i in range(2)]
+    args = type("A", (), {"turn_prompts": 1, "repeats": 2, "max_new_tokens": 1})()
+    runs, _ = pair.race(systems, prompts, args, FakePool(), failed={})
+    for n in "abcdefgh":
+        slots = sorted({r["slot"] for r in runs if r["system"] == n})
+        assert len(slots) == 4 and min(slots) < 4 <= max(slots), (n, slots)
+
+
 def _onnx_with_embedding(path, tied: bool):
     """An embedding table [100, 8] float32 (3200 B) gathered through a Reshape, an output
     matrix [8, 100] (3200 B; the table's transpose when tied) and a [8, 8] layer (256 B)."""
@@ -414,3 +427,68 @@ def test_sweep_takes_the_fastest_variant_and_option_and_keeps_only_them():
     assert len(rows) == 2 * 4 and len(pool.log) == 2 * 4 * 2  # variants × options × prompts
     assert (s.cmds, s.labels, s.options) == ([["v1"]], ["fast"], {"k": 4})
     assert [r["chosen"] for r in rows] == [False] * 6 + [True, False]
+
+
+FAKE_SERVER = r'''#!/usr/bin/env python3
+"""A stand-in llama-server: /health, and /completion answering the next ids after the prompt's
+last, recording each request body and its command line in the file named by $FAKE_LOG."""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+log = os.environ["FAKE_LOG"]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.reply({"status": "ok"} if self.path == "/health" else {"build_info": "b1-fake"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(log, "a") as f:
+            f.write(json.dumps({"argv": argv, "body": body}) + "\n")
+        last = body["prompt"][-1]
+        n = body["n_predict"]
+        self.reply({"tokens": [last + 1 + i for i in range(n)], "content": "",
+                    "timings": {"prompt_ms": 1.0, "predicted_ms": 2.0, "draft_n": 6,
+                                "draft_n_accepted": 4}})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_llama_server_rows_send_ids_greedy_without_prompt_cache_and_read_ids_back(
+        tmp_path, monkeypatch):
+    import llama_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_SERVER)
+    binary.chmod(0o755)
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "log.jsonl"))
+    monkeypatch.delenv(llama_server.BIN_ENV, raising=False)
+    assert llama_server.missing(tmp_path) is None and llama_server.missing(tmp_path / "x")
+    server = llama_server.LlamaServer(llama_server.find_binary(tmp_path), tmp_path / "t.gguf",
+                                      threads=2, stop_at_eos=False, draft=tmp_path / "d.gguf",
+                                      n_max=8, p_min=0.75)
+    try:
+        run = server.run([5, 9, 11], 7)
+        assert server.version() == "b1-fake"
+    finally:
+        server.close()
+    assert run.tokens == list(range(12, 19))
+    # 7 tokens: 1 from the prefill, 6 from rounds that kept 4 drafts → 2 verify calls
+    assert run.info["accepted"] == 4 and run.info["proposed"] == 6
+    assert run.info["target_calls"] == 1 + (7 - 1 - 4)
+    (sent,) = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    body, argv = sent["body"], sent["argv"]
+    assert body["prompt"] == [5, 9, 11] and body["n_predict"] == 7
+    assert body["cache_prompt"] is False and body["ignore_eos"] is True
+    assert body["temperature"] == 0 and body["top_k"] == 1 and body["return_tokens"] is True
+    assert argv[argv.index("-md") + 1] == str(tmp_path / "d.gguf")
+    assert argv[argv.index("--spec-type") + 1] == "draft-simple"
+    assert argv[argv.index("--spec-draft-n-max") + 1] == "8"
+    assert argv[argv.index("--spec-draft-p-min") + 1] == "0.75"
