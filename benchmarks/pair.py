@@ -19,9 +19,8 @@ environment): its peak RSS is its own. The draft-model modes first get a sweep o
 draft length k (and draft precision; OpenVINO also its confidence threshold, llama.cpp its
 p_min) on --sweep-prompts prompts, one of each kind; the best goes into the race. The race
 passes over the prompts --repeats times; in each pass the systems take turns prompt by prompt
-(or --turn-prompts prompts a turn), in an order that rotates by one system every turn over all
-passes, so that with at least as many turns as systems each system runs in every slot; a
-system's turn starts with a warm-up on a prompt of its own. When the systems'
+(or --turn-prompts prompts a turn), in an order that rotates every turn over all passes (see
+race); a system's turn starts with a warm-up on a prompt of its own. When the systems'
 model files do not fit in memory together (--resident auto), each turn starts the system's
 worker and ends it afterwards, so only one model is loaded at a time.
 """
