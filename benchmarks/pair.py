@@ -351,9 +351,9 @@ def sweep(systems, prompts, args, pool: Pool) -> list[dict]:
     return rows
 
 
-def turns(n_prompts: int, step: int, repeats: int, n_systems: int):
+def turns(n_prompts: int, step: int, repeats: int):
     """(turn number, repetition, prompt indices) of the race: --repeats passes over the prompts
-    in blocks of `step`; the order of the systems rotates by one every turn, across passes."""
+    in blocks of `step`, turns numbered across the passes."""
     t = 0
     for rep in range(repeats):
         for first in range(0, n_prompts, step):
@@ -368,7 +368,7 @@ def race(systems, prompts, args, pool: Pool, failed: dict) -> tuple[list, list]:
     runs, loads = [], []
     n_turns = args.repeats * -(-len(prompts) // args.turn_prompts)
     stride = max(1, len(systems) // n_turns)
-    for t, rep, block in turns(len(prompts), args.turn_prompts, args.repeats, len(systems)):
+    for t, rep, block in turns(len(prompts), args.turn_prompts, args.repeats):
         live = [s for s in systems if s.name not in failed]
         shift = t * stride % len(live) if live else 0
         order = live[shift:] + live[:shift]
