@@ -45,6 +45,7 @@ class Exported:
     fp32_path: Path | None  # the float32 graph, kept when asked to (keep_fp32)
     quant_reference: list | None  # the float model's rows on QUANT_PROMPTS
     tied: bool
+    follow_reference: list | None = None  # its greedy continuations of them (parity.py)
 
 
 def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, parity_ids,
@@ -64,7 +65,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
 
     from .onnx_export import export_decoder
     from .onnx_fused import export_fused_llama
-    from .parity import hf_reference, plan_calls, reference_rows
+    from .parity import greedy_continuations, hf_reference, plan_calls, reference_rows
 
     vocab = hf_model.config.vocab_size  # the ids the model reads
     reference = hf_reference(hf_model)
@@ -77,6 +78,9 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
         if precision != "fp32" or keep_fp32 else None
     if quant_ref is not None and head_ids is not None:
         quant_ref = [rows[:, head_ids] for rows in quant_ref]
+    # a trimmed head cannot decode the float model's continuation: only its rows are compared
+    follow_ref = greedy_continuations(hf_model, quant_prompts, max_len) \
+        if quant_ref is not None and head_ids is None else None
     with consuming(hf_model):
         module = for_hf_model(hf_model, max_len)
     if head_ids is not None:
@@ -106,7 +110,8 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
         quantization, parity[precision] = _lower(fp32_path, path, precision, quant_prompts,
                                                  quant_ref, block_size=block_size, tied=tied,
                                                  float_embedding=float_embedding,
-                                                 gguf_path=gguf_path, only_4bit=only_4bit)
+                                                 gguf_path=gguf_path, only_4bit=only_4bit,
+                                                 follow_ref=follow_ref)
         if not keep_fp32:
             remove_graph(fp32_path)
     if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
@@ -118,7 +123,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
                        opset=desc["opset"], devices=graph_devices(kernels, precision))
     entry = ModelEntry(vocab_size=module_vocab, graphs={"decoder": graph}, precision=precision,
                        family=family, dims=dims, parity=parity, quantization=quantization)
-    return Exported(entry, fp32_path if keep_fp32 else None, quant_ref, tied)
+    return Exported(entry, fp32_path if keep_fp32 else None, quant_ref, tied, follow_ref)
 
 
 def _at_ids(reference, ids):
@@ -150,7 +155,8 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
     quantization, parity[precision] = _lower(src, path, precision, quant_prompts,
                                              target.quant_reference, block_size=block_size,
                                              tied=target.tied, float_embedding=float_embedding,
-                                             gguf_path=gguf_path, model=model)
+                                             gguf_path=gguf_path, model=model,
+                                             follow_ref=target.follow_reference)
     del model
     if src.name != target.entry.graphs["decoder"].file:
         remove_graph(src)
@@ -172,7 +178,7 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
 
 def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, block_size: int,
            tied: bool, float_embedding: bool, gguf_path: Path | None, model=None,
-           only_4bit: bool = False):
+           only_4bit: bool = False, follow_ref=None):
     """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
     `precision` to `dst` and measure it against the float model: (quantization record, parity
     record). Refuses a graph that no longer computes the model."""
@@ -191,7 +197,7 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
         quantization = quantize.convert_fp16(src, dst, model=model)
     else:
         quantization = quantize.quantize_int8(src, dst, block_size, model=model)
-    agree = quantized_parity(quant_ref, dst, quant_prompts)
+    agree = quantized_parity(quant_ref, dst, quant_prompts, follow=follow_ref)
     parity = dict(agree, verify_thresholds=verify_thresholds(agree))
     if precision == "fp16":
         parity["tolerance"] = FP16_TOLERANCE

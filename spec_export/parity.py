@@ -21,6 +21,8 @@ from spec_runtime.engines import open_graph
 from spec_runtime.errors import BuildError
 from spec_runtime.manifest import GraphEntry
 
+from .quality import FOLLOW_TOKENS
+
 # why a model's logits are not finite, and the fix: a damaged weight (NaN, or a tensor read with
 # another type's layout) in the PyTorch model, and in the graph also what the export changed
 DAMAGED_WEIGHTS = ("its weights are damaged (a NaN or infinite weight, or a tensor stored in "
@@ -205,11 +207,48 @@ def reference_rows(hf_model, prompts: list[list[int]], max_len: int) -> list[np.
             for ids in prompts]
 
 
+def greedy_continuations(hf_model, prompts: list[list[int]], max_len: int,
+                         n: int = FOLLOW_TOKENS) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the float model's greedy continuation of up to `n` tokens) for each prompt, cut
+    so that both fit the graph's cache: what quantized_parity counts a graph's greedy decoding
+    following."""
+    from transformers import GenerationConfig
+
+    hf_model.eval()
+    # greedy and nothing else: not the model's own defaults (a repetition penalty, sampling)
+    pairs = []
+    with torch.no_grad():
+        for ids in prompts:
+            ids = list(ids)[: max_len - 1]
+            room = min(n, max_len - len(ids))
+            config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                      max_new_tokens=room)
+            out = hf_model.generate(torch.tensor([ids]), generation_config=config)
+            pairs.append((ids, out[0, len(ids):].tolist()))
+    return pairs
+
+
+def followed_tokens(engine, follow: list[tuple[list[int], list[int]]]) -> list[int]:
+    """For each (prompt, float greedy continuation): how many tokens the graph's own greedy
+    decoding of the prompt agrees with the continuation before it first differs. Teacher-forced
+    on the continuation, one call: up to the first difference the two decodings read the same
+    tokens, so the count is exactly that of a step-by-step greedy run."""
+    counts = []
+    for ids, continuation in follow:
+        tokens = np.asarray(list(ids) + continuation[:-1], np.int64)
+        rows = engine.forward(tokens, 0, len(continuation))
+        differs = np.flatnonzero(rows.argmax(-1) != np.asarray(continuation))
+        counts.append(int(differs[0]) if len(differs) else len(continuation))
+    return counts
+
+
 def quantized_parity(reference, onnx_path, prompts: list[list[int]],
-                     threads: int | None = None) -> dict:
+                     threads: int | None = None, follow=None) -> dict:
     """Top-1 agreement and mean KL of a quantized decoder graph against the float model, over
     every position of each prompt (one prefill call returning all rows). `reference` is the
-    float PyTorch model or its reference_rows for these prompts at the graph's max_len."""
+    float PyTorch model or its reference_rows for these prompts at the graph's max_len.
+    With `follow` (greedy_continuations), also "follows_float": how many tokens of each the
+    graph's greedy decoding keeps to, of "follow_tokens"."""
     from .quantize import distribution_agreement
 
     name = Path(onnx_path).stem
@@ -224,4 +263,8 @@ def quantized_parity(reference, onnx_path, prompts: list[list[int]],
         got_rows.append(engine.forward(np.asarray(ids, np.int64), 0, len(ids)).copy())
     got = np.concatenate(got_rows)
     require_finite(got, f"{name}: the exported graph's logits", GRAPH_NOT_FINITE)
-    return distribution_agreement(reference, got)
+    agree = distribution_agreement(reference, got)
+    if follow:
+        agree["follows_float"] = followed_tokens(engine, follow)
+        agree["follow_tokens"] = [len(c) for _, c in follow]
+    return agree

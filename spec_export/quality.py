@@ -59,6 +59,9 @@ def broken_quantization(measured: dict) -> bool:
 
 
 PARITY_TOKENS, QUANT_TOKENS = 32, 48  # tokens of PARITY_PROMPT / each QUANT_PROMPTS text used
+# tokens of the float model's greedy continuation of each QUANT_PROMPTS text that a quantized
+# graph's greedy decoding is measured following (the build summary's "follows the float model")
+FOLLOW_TOKENS = 32
 
 
 def check_inputs(tokenizer, vocab_size: int) -> tuple[list[int], list[list[int]], str | None]:

@@ -1,0 +1,74 @@
+"""How far a quantized graph's greedy output follows the float model's: the build counts, per
+check prompt, the tokens before the two first differ (one teacher-forced call a prompt), records
+them in the manifest and prints them in its summary. Oracle: transformers' greedy `generate` of
+the float model against the graph decoded one token a call."""
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def int8_build(tmp_path_factory):
+    from conftest import build_llama_pair
+
+    # int8: a tiny random model's int4 graph leaves the float model at the first token, which
+    # would not tell a count from an off-by-one row
+    return build_llama_pair(tmp_path_factory.mktemp("int8"), precision="int8")
+
+
+def step_by_step_counts(model_dir, graph) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_export.parity import open_decoder
+    from spec_export.quality import FOLLOW_TOKENS, check_inputs
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    _, prompts, _ = check_inputs(AutoTokenizer.from_pretrained(model_dir), hf.config.vocab_size)
+    # 1-token calls padded to the multi-row kernels the build's one call ran on: on a machine
+    # whose 1-row kernels round otherwise a near tie could flip (rows.py)
+    engine = open_decoder(graph, one_row="padded")
+    counts = []
+    for ids in prompts:
+        with torch.no_grad():  # past an end-of-text token, without the model's own defaults
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=FOLLOW_TOKENS, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, repetition_penalty=1.0)
+        float_tokens = out[0, len(ids):].tolist()
+        ours, row = [], engine.forward(np.asarray(ids, np.int64), 0, 1)
+        while len(ours) < FOLLOW_TOKENS:
+            ours.append(int(row[-1].argmax()))
+            row = engine.forward(np.asarray(ours[-1:], np.int64), len(ids) + len(ours) - 1, 1)
+        same = [a == b for a, b in zip(float_tokens, ours)] + [False]
+        counts.append(same.index(False))
+    return counts
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_the_recorded_counts_are_those_of_step_by_step_greedy_runs(int8_build, role):
+    from spec_export.quality import FOLLOW_TOKENS
+    from spec_export.summary import _parity
+    from spec_runtime.manifest import read_manifest
+
+    target_dir, draft_dir, bundle = int8_build
+    manifest = read_manifest(bundle)
+    entry = manifest.target if role == "target" else manifest.draft.model
+    measured = entry.parity["int8"]
+    want = step_by_step_counts(target_dir if role == "target" else draft_dir,
+                               bundle / entry.graphs["decoder"].file)
+    assert measured["follows_float"] == want
+    assert measured["follow_tokens"] == [FOLLOW_TOKENS] * len(want)
+    line = _parity(role, entry, False)
+    assert "greedy output follows the float model's for " + \
+        ", ".join(f"{n}/{FOLLOW_TOKENS}" for n in want) + " tokens" in line
+
+
+def test_the_counts_tell_apart_what_they_measure(int8_build):
+    """Not all 0 nor all FOLLOW_TOKENS on this pair, so an off-by-one row or a count that
+    stops at the continuation's length would fail the test above."""
+    from spec_export.quality import FOLLOW_TOKENS
+    from spec_runtime.manifest import read_manifest
+
+    manifest = read_manifest(int8_build[2])
+    counts = manifest.target.parity["int8"]["follows_float"] + \
+        manifest.draft.model.parity["int8"]["follows_float"]
+    assert any(0 < n < FOLLOW_TOKENS for n in counts), counts
