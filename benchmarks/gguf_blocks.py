@@ -9,6 +9,8 @@
      blocks        the int4 build's graph (gguf_blocks.py: MatMulNBits at accuracy level 4,
                    offsets as a float MatMul over block sums, zero points centred),
      uncentred     the same with the file's own zero points (offset types only),
+     folded        the offsets rounded into the zero points (codes and scales kept, no
+                   offset MatMul): what dropping the float term would cost (offset types only),
      re-quantized  `--int4-weights quantize`: MatMulNBitsQuantizer, 4-bit, symmetric, block 32.
    What the blocks leave is the 8-bit activations' rounding; re-quantizing adds a second
    rounding of every weight.
@@ -59,6 +61,18 @@ def run(model, x: np.ndarray) -> np.ndarray:
     return sess.run(None, {"x": x[None]})[0][0].astype(np.float64)
 
 
+def folded(b):
+    """`b` with each 32-block's offset rounded into its zero point: scale·(code − zp) + offset
+    = scale·(code − (zp − offset/scale)), zp − offset/scale rounded to a code (and clipped to
+    the code range). Lossy: the weights move by up to half a step a block, all the same way."""
+    from spec_export.gguf_quants import Blocks
+
+    scales = np.where(b.scales == 0, 1, b.scales)
+    real = b.zero_points.astype(np.float64) - b.offsets.astype(np.float64) / scales
+    zp = np.clip(np.rint(real), 0, (1 << b.bits) - 1).astype(np.uint8)
+    return Blocks(b.kind, b.codes, b.scales, b.bits, b.block, zp, None)
+
+
 def requantized(weight: np.ndarray):
     import onnx
 
@@ -103,8 +117,8 @@ def measure(path: Path, per_type: int) -> None:
         share = f"{centred[kind] / blocks[kind]:.4%}" if blocks[kind] else "n/a (symmetric)"
         print(f"| {kind} | {ok}/{total} | {share} |")
 
-    print("\n| type | tensor [N×K] | blocks | uncentred | re-quantized int4 |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| type | tensor [N×K] | blocks | uncentred | folded | re-quantized int4 |")
+    print("|---|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     for kind, tensors in sorted(layer_tensors.items()):
         step = max(1, len(tensors) // per_type)
@@ -120,8 +134,10 @@ def measure(path: Path, per_type: int) -> None:
 
             b = parse(kind, raw)
             uncentred = f"{err(one_matmul(k, n, blocks=b)):.2e}" if b.offsets is not None else ""
+            fold = f"{err(one_matmul(k, n, blocks=folded(b))):.2e}" if b.offsets is not None \
+                else ""
             mine = err(one_matmul(k, n, blocks=b.centred()))
-            print(f"| {kind} | {t.name} [{n}×{k}] | {mine:.2e} | {uncentred} "
+            print(f"| {kind} | {t.name} [{n}×{k}] | {mine:.2e} | {uncentred} | {fold} "
                   f"| {err(requantized(w)):.2e} |")
 
 
