@@ -91,9 +91,10 @@ def main(ctx):
 @click.option("--int4-weights", type=click.Choice(INT4_WEIGHTS), default="auto",
               show_default=True,
               help="int4 from a GGUF: gguf writes the file's own blocks (Q4_0 ... Q6_K, no "
-                   "second rounding), quantize re-quantizes its float weights; auto: gguf for "
-                   "a GGUF target, for a GGUF draft model its 4-bit blocks and the wider ones "
-                   "re-quantized to 4 bits (a faster draft), quantize for other sources")
+                   "second rounding); gguf-4bit its 4-bit blocks and the weights of wider ones "
+                   "(Q5, Q6_K, Q8_0) re-quantized to 4 bits (fewer bytes a step, those weights "
+                   "rounded twice); quantize re-quantizes its float weights; auto: gguf for a "
+                   "GGUF target, gguf-4bit for a GGUF draft model, quantize for other sources")
 @click.option("--gguf-file", default=None,
               help="the GGUF file's name inside --target's directory or hub repo [default: "
                    "none; a --target ending in .gguf names its file itself]")

@@ -31,8 +31,11 @@ from .sources import BuildError, default_target, load_model, model_spec
 # else portable
 KERNEL_CHOICES = ("auto", *KERNELS)
 # int4 weights: "gguf" repacks a GGUF source's own blocks (Q4_0 ... Q6_K: gguf_blocks.py),
-# "quantize" quantizes the float weights with MatMulNBitsQuantizer, "auto" the first for a GGUF
-INT4_WEIGHTS = ("auto", "gguf", "quantize")
+# "gguf-4bit" its 4-bit blocks (Q4_0, Q4_1, Q4_K) and re-quantizes the weights held in wider
+# ones to 4 bits, "quantize" quantizes the float weights with MatMulNBitsQuantizer; "auto":
+# gguf for a GGUF target, gguf-4bit for a GGUF draft model, quantize for other sources
+INT4_WEIGHTS = ("auto", "gguf", "gguf-4bit", "quantize")
+GGUF_WEIGHTS = ("gguf", "gguf-4bit")  # the values that need a GGUF source
 
 
 MAX_LEN = 2048  # the default cache capacity, where the model allows as many positions
@@ -246,7 +249,10 @@ def build_bundle(
     the lm_head's quantized weights (re-quantized SmolLM2-135M: 88 MB instead of 201 MB);
     `float_embedding` keeps a float32 copy instead.
     `int4_weights`: "gguf" writes a GGUF source's own 4/8-bit blocks (no second rounding: see
-    gguf_blocks.py), "quantize" re-quantizes its floats, "auto" the first for GGUF sources.
+    gguf_blocks.py), "gguf-4bit" its 4-bit blocks and the weights of wider ones re-quantized to
+    4 bits (fewer bytes a step, a second rounding of those weights only), "quantize"
+    re-quantizes its floats; "auto": gguf for a GGUF target, gguf-4bit for a GGUF draft
+    model.
     `draft_vocab` N trims the draft model's head to N of the target's token ids (exact, a
     cheaper draft step), chosen by frequency in the text file `draft_vocab_corpus` if given,
     else by the tokenizer's own statistics (draft_vocab.py)."""
@@ -276,9 +282,10 @@ def build_bundle(
                              f": use an integer >= {low}{' or auto' if name == '--gamma' else ''}")
     if gamma != "auto" and gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
-    if int4_weights == "gguf" and precision == "int4" and not t_spec.gguf_file:
-        raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and --target "
-                         f"{t_spec.source!r} is not a GGUF: use --int4-weights quantize")
+    if int4_weights in GGUF_WEIGHTS and precision == "int4" and not t_spec.gguf_file:
+        raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and "
+                         f"--target {t_spec.source!r} is not a GGUF: use --int4-weights "
+                         f"quantize")
     plan = plan_drafts(draft, draft_model, t_spec, precision=precision,
                        draft_precision=draft_precision, draft_gguf_file=draft_gguf_file,
                        int4_weights=int4_weights, kernels=kernels, draft_vocab=draft_vocab,
@@ -359,7 +366,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
 
         t_exported = export_decoder_model(
             t_model, tmp / "target.onnx", precision=precision, keep_fp32=plan.needs_self,
-            gguf_path=t_spec.gguf_path() if use_gguf else None, **export)
+            gguf_path=t_spec.gguf_path() if use_gguf else None,
+            only_4bit=int4_weights == "gguf-4bit", **export)
         t_entry = t_exported.entry
         check_blocks(t_entry, "--target", int4_weights)
     del t_model  # spent by the export (its weights were freed as they were copied)

@@ -136,7 +136,7 @@ def _at_ids(reference, ids):
 
 def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
                  block_size: int, float_embedding: bool,
-                 gguf_path: Path | None = None) -> ModelEntry:
+                 gguf_path: Path | None = None, only_4bit: bool = False) -> ModelEntry:
     """The target's own weights at `precision` (an int4 self draft), made from the target's
     float32 graph, which is then removed unless it is the target itself."""
     import onnx
@@ -156,6 +156,7 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
                                              target.quant_reference, block_size=block_size,
                                              tied=target.tied, float_embedding=float_embedding,
                                              gguf_path=gguf_path, model=model,
+                                             only_4bit=only_4bit,
                                              follow_ref=target.follow_reference)
     del model
     if src.name != target.entry.graphs["decoder"].file:
@@ -246,11 +247,14 @@ def step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int
 
 
 def check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
-    """--int4-weights gguf promised the file's own blocks: refuse a bundle without any."""
-    if int4_weights == "gguf" and entry.precision == "int4" \
+    """--int4-weights gguf (or gguf-4bit) promised the file's own blocks: refuse a bundle
+    without any."""
+    if int4_weights in ("gguf", "gguf-4bit") and entry.precision == "int4" \
             and not (entry.quantization or {}).get("gguf_blocks"):
         from .gguf_quants import KINDS
 
-        raise BuildError(f"{role} {entry.gguf_file!r} has no tensor in {', '.join(KINDS)} "
+        kinds = KINDS if int4_weights == "gguf" else ("Q4_0", "Q4_1", "Q4_K")
+        fix = "quantize" if int4_weights == "gguf" else "gguf (every block type) or quantize"
+        raise BuildError(f"{role} {entry.gguf_file!r} has no tensor in {', '.join(kinds)} "
                          f"blocks matching the model's weights (other block types are "
-                         f"re-quantized): use --int4-weights quantize")
+                         f"re-quantized): use --int4-weights {fix}")

@@ -175,7 +175,8 @@ class DraftPlan:
                 c.entry = derive_draft(t_exported, tmp / c.file, precision=c.precision,
                                        quant_prompts=export["quant_prompts"],
                                        block_size=export["block_size"],
-                                       float_embedding=export["float_embedding"], gguf_path=gguf)
+                                       float_embedding=export["float_embedding"], gguf_path=gguf,
+                                       only_4bit=int4_weights == "gguf-4bit")
             else:
                 stage("load draft")
                 d_model, _ = load_model(c.spec)
@@ -191,7 +192,7 @@ class DraftPlan:
 
                     c.entry = export_decoder_model(
                         d_model, tmp / c.file, precision=c.precision, gguf_path=gguf,
-                        only_4bit=int4_weights == "auto",
+                        only_4bit=int4_weights in ("auto", "gguf-4bit"),
                         head_ids=None if c.kept is None else c.kept.ids, **export).entry
                 del d_model
             c.entry = replace(c.entry, **c.spec.describe())
@@ -279,9 +280,10 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
             raise BuildError(f"--draft self drafts with the target's own weights at a lower "
                              f"precision, and --draft-precision is {own or precision} like "
                              f"--precision: use --precision fp32 --draft-precision int4")
-        if int4_weights == "gguf" and own == "int4" and not t_spec.gguf_file:
-            raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and --target "
-                             f"{t_spec.source!r} is not a GGUF: use --int4-weights quantize")
+        if int4_weights in ("gguf", "gguf-4bit") and own == "int4" and not t_spec.gguf_file:
+            raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and "
+                             f"--target {t_spec.source!r} is not a GGUF: use --int4-weights "
+                             f"quantize")
         return Candidate("self", t_spec, own)
 
     plan = DraftPlan(draft)
@@ -300,10 +302,10 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
         plan.why = why
         if not plan.candidates:
             plan.kind = "ngram"
-    if model is not None and int4_weights == "gguf" and model.precision == "int4" \
+    if model is not None and int4_weights in ("gguf", "gguf-4bit") and model.precision == "int4" \
             and not given.gguf_file:
-        raise BuildError(f"--int4-weights gguf repacks a GGUF file's blocks, and the draft "
-                         f"{given.source!r} is not a GGUF: use --int4-weights quantize")
+        raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and the "
+                         f"draft {given.source!r} is not a GGUF: use --int4-weights quantize")
     if len(plan.candidates) > 1:
         plan.candidates[0].file = "draft-self.onnx"
     if draft_vocab is not None or draft_vocab_corpus is not None:

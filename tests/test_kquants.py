@@ -219,6 +219,60 @@ def test_int4_weights_gguf_keeps_every_block_of_a_draft_model(tmp_path):
     assert q["gguf_blocks"]["Q6_K"] == 2 and "re_quantized" not in q  # layer 0's v and down
 
 
+def test_int4_weights_gguf_4bit_keeps_only_a_targets_4bit_blocks(bundle, tmp_path):
+    """--int4-weights gguf-4bit for the target (and its self draft): the file's Q4_0/Q4_1/Q4_K
+    blocks as they are, every weight in wider blocks re-quantized to 4 bits; decoding stays
+    exact relative to that target, and the second rounding shows (a tiny random model's
+    logits are too flat to rank it against re-quantizing every weight: the real model's
+    numbers: benchmarks/results/qwen-pair/)."""
+    (tmp_path / "m").mkdir()
+    target = mixed_gguf(tmp_path / "m" / "target.gguf")
+    b = build_bundle(str(target), "self", tmp_path / "b", max_len=96, precision="fp32",
+                     int4_weights="gguf-4bit", progress=False)
+    d = json.loads((b / "manifest.json").read_text())["draft"]
+    assert set(d["quantization"]["gguf_blocks"]) <= {"Q4_0", "Q4_1", "Q4_K"}
+    assert set(d["quantization"]["re_quantized"]["gguf_blocks"]) & {"Q5_K", "Q6_K", "Q8_0"}
+    t4 = build_bundle(str(target), "ngram", tmp_path / "t4", max_len=96, precision="int4",
+                      int4_weights="gguf-4bit", progress=False)
+    again = build_bundle(str(target), "ngram", tmp_path / "q", max_len=96, precision="int4",
+                         int4_weights="quantize", progress=False)
+    m = {k: json.loads((p / "manifest.json").read_text())["target"]
+         for k, p in (("blocks", bundle), ("4bit", t4), ("again", again))}
+    q = m["4bit"]["quantization"]
+    assert set(q["gguf_blocks"]) <= {"Q4_0", "Q4_1", "Q4_K"} and q["gguf_blocks"]
+    # every weight with a wider block among its rows (a Q4_K row beside them goes along)
+    assert set(q["re_quantized"]["gguf_blocks"]) >= {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
+    kl = {k: v["parity"]["int4"]["mean_kl"] for k, v in m.items()}
+    print("mean KL against the de-quantized model", kl)
+    assert kl["blocks"] < kl["4bit"]
+    gen = spec_runtime.load(t4)
+    gen.eos_token_ids = frozenset()
+    for prompt in ["hello world", "def f(x):\n    return"]:
+        spec = gen.generate(prompt, max_new_tokens=24, gamma=4)
+        assert spec.tokens == gen.generate(prompt, max_new_tokens=24, use_draft=False).tokens
+
+
+def test_gguf_4bit_without_4bit_blocks_or_a_gguf_is_refused(tmp_path):
+    from click.testing import CliRunner
+    from tiny_models import save
+
+    from spec_export.build import BuildError
+    from specedge.cli.specexport import main as specexport
+
+    t = save(llama(0, layers=1), tmp_path / "hf")
+    r = CliRunner().invoke(specexport, ["build", "--target", str(t), "--precision", "int4",
+                                        "--int4-weights", "gguf-4bit", "--out",
+                                        str(tmp_path / "b"), "--quiet"])
+    assert r.exit_code == 2 and "--int4-weights gguf-4bit repacks a GGUF file's blocks" in r.output
+    assert "is not a GGUF: use --int4-weights quantize" in r.output and "Traceback" not in r.output
+    (tmp_path / "g").mkdir()
+    q8 = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf", qtype="Q8_0")
+    with pytest.raises(BuildError, match=r"no tensor in Q4_0, Q4_1, Q4_K blocks.*--int4-weights "
+                                         r"gguf \(every block type\) or quantize"):
+        build_bundle(str(q8), "ngram", tmp_path / "b2", max_len=64, precision="int4",
+                     int4_weights="gguf-4bit", progress=False)
+
+
 def test_only_4bit_keeps_the_4bit_blocks_and_requantizes_the_rest(tmp_path):
     """A draft model's graph (repack_int4 only_4bit): weights of Q4_0/Q4_1/Q4_K blocks are the
     file's, bit for bit; each other one is within one step of its block's asymmetric 4-bit
