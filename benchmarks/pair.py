@@ -80,8 +80,9 @@ def parse_args(argv=None):
     ap.add_argument("--specedge", action="append", default=[], metavar="NAME=BUNDLE",
                     help="a speculative row of ours (repeatable)")
     ap.add_argument("--specedge-target", action="append", default=[], metavar="NAME=BUNDLE",
-                    help="a target-only row of ours (use_draft=False); the first one is what "
-                    "our speculative rows are compared with for '= own greedy'")
+                    help="a target-only row of ours (use_draft=False): what our speculative "
+                    "rows of the same bundle are compared with for '= own greedy' (the first "
+                    "one for a bundle without its own)")
     ap.add_argument("--specedge-python", type=Path, default=Path(sys.executable),
                     help="python whose spec_runtime runs our rows (default: this one)")
     ap.add_argument("--ours-default", metavar="NAME", help="the row of ours that is the "
@@ -252,24 +253,32 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
         systems += llamacpp_systems(args, target, draft, common)
     except Skip as e:
         skipped.update({n: e.why for n in e.names})
-    ours_plain = args.specedge_target[0].partition("=")[0] if args.specedge_target else None
+    systems += our_systems(args, common)
+    wanted = [s for s in systems if s.name not in args.skip and
+              (not args.only or s.name in args.only)]
+    skipped.update({s.name: "--skip" if s.name in args.skip else "not in --only"
+                    for s in systems if s not in wanted})
+    return wanted, skipped
+
+
+def our_systems(args, common: dict) -> list[System]:
+    """A row per --specedge-target (use_draft=False) and --specedge bundle; a speculative row's
+    "= own greedy" is against the target-only row of its own bundle, else the first one."""
+    plains = [(n, Path(b).resolve()) for n, b in
+              (item.partition("=")[::2] for item in args.specedge_target)]
+    systems = []
     for flag, use_draft in ((args.specedge_target, False), (args.specedge, True)):
         for item in flag:
             name, _, bundle = item.partition("=")
             spec = {**common, "kind": "specedge", "bundle": bundle, "use_draft": use_draft,
                     "gamma": args.gamma}
+            own = next((n for n, b in plains if b == Path(bundle).resolve()),
+                       plains[0][0] if plains else None)
             systems.append(System(name, [worker_cmd(spec, args.specedge_python)], ["-"], "ours",
-                                  ours_plain if use_draft else None, bundle_target_bytes(bundle),
+                                  own if use_draft else None, bundle_target_bytes(bundle),
                                   size(bundle), what=f"bundle {bundle}" +
                                   ("" if use_draft else ", use_draft=False")))
-    wanted = [s for s in systems if s.name not in args.skip and
-              (not args.only or s.name in args.only)]
-    skipped.update({s.name: "--skip" if s.name in args.skip else "not in --only"
-                    for s in systems if s not in wanted})
-    for s in wanted:
-        if s.plain and s.plain not in {w.name for w in wanted}:
-            s.plain = None
-    return wanted, skipped
+    return systems
 
 
 def llamacpp_systems(args, target: Path, draft: Path, common: dict) -> list[System]:

@@ -45,6 +45,8 @@ def own_greedy(runs, systems) -> dict:
             continue
         diffs = {i: first_diff(first[(i, s["plain"])], toks)
                  for (i, n), toks in first.items() if n == name and (i, s["plain"]) in first}
+        if not diffs:  # its target-only row did not run (skipped): nothing to compare with
+            continue
         out[name] = {"equal": sum(d is None for d in diffs.values()), "prompts": len(diffs),
                      "first_diff": {i: d for i, d in diffs.items() if d is not None}}
     return out

@@ -443,3 +443,34 @@ def test_int4_target_only_is_compared_with_llamacpps_plain_decoding():
     assert t["ratio"] == pytest.approx(6 / 9) and not t["met"]
     assert not [x for x in pair_report.targets(s, systems, "fp32", None)
                 if x["kind"] == "all, target-only"]
+
+
+def test_each_speculative_row_is_checked_against_its_own_bundles_target_only_row(llama_pair,
+                                                                                  tmp_path):
+    """Two bundles raced side by side: a speculative row's "= own greedy" names the target-only
+    row of the same bundle directory (their targets differ), and the first target-only row
+    where its bundle has none."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(llama_pair[2], other)
+    args = pair.parse_args(["--out", str(tmp_path / "out"),
+                            "--specedge-target", f"t-a={llama_pair[2]}",
+                            "--specedge-target", f"t-b={other}",
+                            "--specedge", f"s-b={other}", "--specedge", f"s-a={llama_pair[2]}",
+                            "--specedge", f"s-c={other}/."])
+    rows = {s.name: s.plain for s in pair.our_systems(args, {"threads": 1})}
+    assert rows == {"t-a": None, "t-b": None, "s-b": "t-b", "s-a": "t-a", "s-c": "t-b"}
+    args = pair.parse_args(["--out", str(tmp_path / "out"), "--specedge-target",
+                            f"t-a={llama_pair[2]}", "--specedge", f"s-b={other}"])
+    assert [s.plain for s in pair.our_systems(args, {"threads": 1})] == [None, "t-a"]
+
+
+def test_a_draft_row_whose_plain_row_did_not_run_is_not_a_target_only_row():
+    """A peer's draft mode raced without its plain row (--skip): it stays out of the bandwidth
+    table (it is no target-only row) and has no "= own greedy" count (nothing to compare)."""
+    runs = [r for r in RUNS if r["system"] != "ortgenai"]
+    s = pair_report.summarise(runs, SYSTEMS, None)
+    assert "ortgenai-draft" in s["all"]
+    assert set(pair_report.bandwidth_rows(s, SYSTEMS, gbps=20.0)) == {"hf", "ours-target"}
+    assert "ortgenai-draft" not in pair_report.own_greedy(runs, SYSTEMS)
