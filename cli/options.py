@@ -3,18 +3,16 @@
 A command takes an option by its decorator (`@gamma_option()`, `@sampling_options()`...);
 `generation_options` turns a command's request options into the one GenerationOptions its
 request is made from, checked before the bundle loads and refused in the command line's words
-("--top-p 2.0 is invalid", not "top_p=2.0").
+("--top-p 2.0 is invalid", not "top_p=2.0": FLAGS maps each field to its option).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import sys
 
 import click
 
-from spec_runtime.errors import InputError
 from spec_runtime.request import MAX_NEW_TOKENS
 
 from .common import BadInput
@@ -112,52 +110,35 @@ def json_option(help: str):
     return click.option("--json", "as_json", is_flag=True, help=help)
 
 
-# the sampling controls: (option, type, what it does, its value when off; whether the bundle's
-# generation_config may set it)
-SAMPLING = [
-    ("--temperature", float, "sampling temperature, >= 0; 0 = greedy", "0 = greedy", True),
-    ("--top-k", int, "keep the k most likely tokens, >= 0; 0 = all", "0", True),
-    ("--top-p", float, "keep the most likely tokens up to this probability mass, in (0, 1]",
-     "1 = all", True),
-    ("--min-p", float, "drop tokens less likely than min-p × the most likely one, in [0, 1]",
-     "0 = off", True),
-    ("--repetition-penalty", float, "divide the logits of tokens already in the context "
-     "(prompt included), > 0; 1.1-1.3 curbs loops", "1 = off", True),
-    ("--presence-penalty", float, "subtract from the logit of every token generated so far, "
-     "in [-2, 2]", "0 = off", False),
-    ("--frequency-penalty", float, "subtract this × how often a token was generated so far, "
-     "in [-2, 2]", "0 = off", False),
-]
-
-
 def sampling_options(setting: dict | None = None, helps: dict | None = None):
-    """The sampling controls. Without `setting` each defaults to the bundle's generation
-    default (the model's generation_config), else off, and --logit-bias and --seed come with
-    them (generate, chat); with it, the options in it (by parameter name) default to its
+    """The sampling controls, one option each, made from their declaration
+    (spec_runtime.sampling.SAMPLING_FIELDS). Without `setting` each defaults to the bundle's
+    generation default (the model's generation_config) where one may set it, else off
+    (generate, chat); with it, only the options in it (by field name), defaulting to its
     values, shown in the help (check: the setting checked; bench: the temperature). `helps`
-    replaces an option's help (by parameter name) where the command gives it another sense."""
+    replaces an option's help (by field name) where the command gives it another sense."""
+    from spec_runtime.sampling import SAMPLING_FIELDS
+
     def decorate(fn):
         options = []
-        for opt, kind, what, off, bundle in SAMPLING:
-            name = opt[2:].replace("-", "_")
-            if setting is not None and name not in setting:
+        for f in SAMPLING_FIELDS:
+            m = f.metadata
+            if setting is not None and f.name not in setting:
                 continue
-            what = (helps or {}).get(name, what)
+            what = (helps or {}).get(f.name, m["cli"])
             if setting is not None:
-                options.append(click.option(opt, type=kind, default=setting[name],
-                                            show_default=True, help=what))
-                continue
-            default = f"[default: the bundle's, else {off}]" if bundle else f"[default: {off}]"
-            options.append(click.option(opt, type=kind, default=None, help=f"{what} {default}"))
-        if setting is None:
-            options.append(click.option(
-                "--logit-bias", multiple=True, metavar="ID=BIAS",
-                help="add BIAS (in [-100, 100]) to token ID's logit; repeatable; -100 bans a "
-                     "token"))
-            options.append(click.option(
-                "--seed", type=int, default=None,
-                help="random seed, >= 0: the same seed gives the same sample in the same mode "
-                     "(speculative and --no-draft draw differently) [default: random]"))
+                options.append(click.option(FLAGS[f.name], type=type(f.default),
+                                            default=setting[f.name], show_default=True,
+                                            help=what))
+            elif f.name == "logit_bias":
+                options.append(click.option(FLAGS[f.name], multiple=True, metavar="ID=BIAS",
+                                            help=what))
+            else:
+                default = f"[default: the bundle's, else {m['off']}]" if m["bundle"] else \
+                    f"[default: {m['off']}]"
+                kind = int if f.name == "seed" else type(f.default)
+                options.append(click.option(FLAGS[f.name], type=kind, default=None,
+                                            help=f"{what} {default}"))
         for option in reversed(options):
             fn = option(fn)
         return fn
@@ -165,19 +146,12 @@ def sampling_options(setting: dict | None = None, helps: dict | None = None):
     return decorate
 
 
-def parse_gamma(value):
-    """--gamma's value: None, "auto", or an integer (its range is the bundle's, checked when
-    the request is made)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise BadInput(f"--gamma {value!r} is invalid: use an integer or 'auto'") from None
-
-
 def parse_gammas(value: str) -> list:
-    return [parse_gamma(part.strip()) for part in value.split(",")]
+    """bench's --gamma: comma-separated γ values (gamma.parse_gamma each; their range is the
+    bundle's, checked when it is loaded)."""
+    from spec_runtime.gamma import parse_gamma
+
+    return [in_cli_words(parse_gamma, part.strip()) for part in value.split(",")]
 
 
 def parse_logit_bias(values) -> dict | None:
@@ -194,38 +168,39 @@ def parse_logit_bias(values) -> dict | None:
     return out or None
 
 
-def generation_options(*, no_draft: bool = False, gamma=None, logit_bias=(), stop=(),
-                       **values):
+def generation_options(*, no_draft: bool = False, logit_bias=(), stop=(), **values):
     """The GenerationOptions of a command's request options (click's parameter names: the
-    fields', with --no-draft, --logit-bias ID=BIAS and --gamma as typed), checked now, before
-    the bundle loads; BadInput in the command line's words."""
+    fields', with --no-draft and --logit-bias ID=BIAS as typed), made and checked once, now,
+    before the bundle loads; BadInput in the command line's words."""
     from spec_runtime.request import GenerationOptions
 
-    try:
-        return GenerationOptions(use_draft=not no_draft, gamma=parse_gamma(gamma),
-                                 logit_bias=parse_logit_bias(logit_bias), stop=tuple(stop),
-                                 **values)
-    except InputError as e:
-        raise BadInput(cli_words(str(e))) from None
+    return in_cli_words(GenerationOptions, use_draft=not no_draft,
+                        logit_bias=parse_logit_bias(logit_bias), stop=tuple(stop), **values)
 
 
 def in_cli_words(fn, *args, **kwargs):
-    """fn(*args, **kwargs), an InputError about a request's value (γ against the bundle, a
-    logit_bias id against its vocabulary) in the command line's words."""
+    """fn(*args, **kwargs), a FieldError about a request's value (made, or bound to the
+    bundle: γ's range, a logit_bias id against its vocabulary) in the command line's words:
+    the option that sets the field (FLAGS) where the library says the field's name."""
+    from spec_runtime.errors import FieldError
+
     try:
         return fn(*args, **kwargs)
-    except InputError as e:
-        raise BadInput(cli_words(str(e))) from None
+    except FieldError as e:
+        raise BadInput(e.in_words(FLAGS.get(e.field, e.field))) from None
 
 
-def cli_words(message: str) -> str:
-    """A request's message in the command line's words: "top_p=1.5 is invalid" -> "--top-p 1.5
-    is invalid", "logit_bias[5]=200" -> "--logit-bias 5=200", "stop string ''" -> "--stop:
-    stop string ''"."""
-    message = re.sub(r"^logit_bias\[(.*?)\]=", r"--logit-bias \1=", message)
-    message = re.sub(r"^logit_bias token id", "--logit-bias token id", message)
-    message = re.sub(r"^stop string", "--stop: stop string", message)
-    return re.sub(r"^([a-z_]+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+def _flags() -> dict:
+    from spec_runtime.request import OPTION_NAMES
+    from spec_runtime.sampling import cli_flag
+
+    return {**{name: cli_flag(name) for name in OPTION_NAMES}, "use_draft": "--no-draft",
+            "threads": "--threads"}
+
+
+# a request field (GenerationOptions') -> the option that sets it: the field's name with dashes,
+# but use_draft, which --no-draft turns off; and the load's threads
+FLAGS = _flags()
 
 
 def read_prompt(prompt, prompt_file, bundle):

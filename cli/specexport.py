@@ -9,7 +9,7 @@ import click
 from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
 
 from .common import BundleCommand, input_errors, library_messages, sigterm_as_interrupt
-from .options import parse_gamma
+from .options import in_cli_words
 
 BUNDLE_HELP = ("bundle directory [default: $SPECEDGE_BUNDLE, else "
                "~/.local/share/specedge/default: where `specexport build` writes without --out "
@@ -121,12 +121,13 @@ def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_g
           draft_gguf_file, draft_vocab, draft_vocab_corpus, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
+    from spec_runtime.gamma import parse_gamma
 
     with sigterm_as_interrupt(request_interrupt), library_messages("spec_export", "specexport"):
         # a build stopped by a signal removes its temporary directory; one killed outright is
         # cleaned up by the next build (spec_export/output.py)
         path = build_bundle(target, draft, out, draft_model=draft_model, max_len=max_len, max_source_len=max_source_len,
-                            gamma=parse_gamma(gamma), max_gamma=max_gamma,
+                            gamma=in_cli_words(parse_gamma, gamma), max_gamma=max_gamma,
                             prefill_chunk=prefill_chunk, precision=precision,
                             draft_precision=draft_precision, block_size=block_size,
                             kernels=kernels, float_embedding=float_embedding,

@@ -1,7 +1,8 @@
 """specrun: run exact speculative decoding on a specedge bundle.
 
-Each command makes its request once: options.generation_options checks the values before the
-bundle loads, Generator.request binds them to the bundle and the prompt; `serve` lives in
+Each command makes its request once: options.generation_options makes the GenerationOptions
+(each value checked once) before the bundle loads, Generator.request binds them to the bundle
+and the prompt; `serve` lives in
 serve.py, the options every command shares in options.py."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import click
 from .common import BundleCommand, input_errors
 from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
-                      no_draft_option, parse_gamma, parse_gammas, read_prompt, sampling_options)
+                      no_draft_option, parse_gammas, read_prompt, sampling_options)
 from .serve import serve
 
 
@@ -234,7 +235,7 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     from spec_runtime.apps.bench import QUICK_PROMPTS, format_table, load_prompts, run_bench
     from spec_runtime.apps.bench import plot as plot_report
 
-    generation_options(temperature=temperature, max_new_tokens=max_new_tokens)
+    options = generation_options(temperature=temperature, max_new_tokens=max_new_tokens)
     gammas = parse_gammas(gamma) if gamma is not None else ([1, 2, 4, 8] if full else None)
     prompts = load_prompts(prompts_file, kind,
                            per_kind=None if full or prompts_file else QUICK_PROMPTS)
@@ -243,17 +244,23 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     for g in gammas:
         in_cli_words(gen.check_gamma, g)  # every γ before minutes of measuring
     with _Progress(len(gammas) * len(prompts) * repeats, "bench") as progress:
-        report = run_bench(gen, prompts, gammas, temperature=temperature,
-                           max_new_tokens=max_new_tokens, repeats=repeats,
+        report = run_bench(gen, prompts, gammas, options, repeats=repeats,
                            progress=progress.update)
     if plot:
         plot_report(report, plot)
     click.echo(json.dumps(report, indent=2) if as_json else format_table(report))
 
 
-# the setting `specrun check` samples at, unless told otherwise
-CHECK_SETTING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                     presence_penalty=0.0, frequency_penalty=0.0)
+def _check_setting() -> dict:
+    from spec_runtime.sampling import SAMPLING_FIELDS
+
+    return {**{f.name: f.default for f in SAMPLING_FIELDS if f.name not in ("seed", "logit_bias")},
+            "temperature": 1.0}
+
+
+# the setting `specrun check` samples at, unless told otherwise: every control off, at
+# temperature 1
+CHECK_SETTING = _check_setting()
 
 
 @main.command(cls=BundleCommand)
@@ -281,13 +288,12 @@ def check(bundle, tokens, samples, seconds, gamma, seed, as_json, device, draft_
     import spec_runtime
     from spec_runtime.apps.check import DEFAULT_SAMPLES, format_report, run_check
 
-    generation_options(**setting)  # bad values before the bundle loads
+    options = generation_options(gamma=gamma, **setting)  # bad values before the bundle loads
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     samples = DEFAULT_SAMPLES if samples is None else samples
     with _Progress(max(samples, 1), "check") as progress:
-        in_cli_words(gen.check_gamma, parse_gamma(gamma))
-        report = run_check(gen, tokens=tokens, samples=samples, seconds=seconds, seed=seed,
-                           gamma=parse_gamma(gamma), progress=progress.update, **setting)
+        report = in_cli_words(run_check, gen, options, tokens=tokens, samples=samples,
+                              seconds=seconds, seed=seed, progress=progress.update)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     sys.exit(report["exit_code"])
 

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+from spec_runtime.gamma import AUTO
 from spec_runtime.contract import KERNELS, PRECISIONS
 from spec_runtime.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
                                    write_manifest)
@@ -273,14 +274,14 @@ def build_bundle(
         raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
     for name, value, low in (("--max-len", max_len, MIN_MAX_LEN),
                              ("--max-source-len", max_source_len, 1),
-                             ("--gamma", 1 if gamma == "auto" else gamma, 1),
+                             ("--gamma", 1 if gamma == AUTO else gamma, 1),
                              ("--max-gamma", max_gamma, 1), ("--prefill-chunk", prefill_chunk, 1)):
         if value is None and name == "--max-len":
             continue  # the model's own position limit, once it is loaded
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BuildError(f"{name} {'is missing' if value is None else f'{value!r} is invalid'}"
                              f": use an integer >= {low}{' or auto' if name == '--gamma' else ''}")
-    if gamma != "auto" and gamma > max_gamma:
+    if gamma != AUTO and gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
     if int4_weights in GGUF_WEIGHTS and precision == "int4" and not t_spec.gguf_file:
         raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and "

@@ -6,18 +6,22 @@ torch or transformers, and does nothing at import time beyond defining names.
 
 from .drafts import DRAFTS, Draft, ModelDraft, NgramDraft
 from .engine import Engine
-from .errors import BundleError, CacheCapacityError, InputError, NonFiniteLogitsError
+from .errors import BundleError, CacheCapacityError, FieldError, InputError, NonFiniteLogitsError
+from .gamma import AUTO, Gamma
 from .generator import Generator
 from .request import GenerationOptions, GenerationResult, Request, TextStream
 from .sampling import SamplingParams, accept_drafts, sample, warp
 from .stats import expected_speedup, expected_tokens_per_round
 
 __all__ = [
+    "AUTO",
     "DRAFTS",
     "BundleError",
     "CacheCapacityError",
     "Draft",
     "Engine",
+    "FieldError",
+    "Gamma",
     "GenerationOptions",
     "GenerationResult",
     "Generator",

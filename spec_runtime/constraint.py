@@ -25,7 +25,7 @@ import json
 
 import numpy as np
 
-from .errors import InputError, install_extra
+from .errors import FieldError, install_extra
 
 FORMATS = ("text", "json_object", "json_schema")
 PROBE_TOKENS = 16  # tokens of the walk that checks a grammar before decoding
@@ -33,18 +33,21 @@ FIX = ("simplify the schema (at most 2000 alternatives in one anyOf, oneOf or en
        "that can only refer to itself)")
 
 
-class GrammarError(InputError):
+class GrammarError(FieldError):
     """The grammar engine cannot follow a response_format's schema: before decoding (the
     request is refused) or during it (the request ends with this error, not with an end of
     text that looks like a finished answer)."""
+
+    def __init__(self, message: str):
+        super().__init__("response_format", message)
 
 
 def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise InputError(f"response_format needs the grammar engine llguidance: "
-                         f"{install_extra('grammar')}") from None
+        raise FieldError("response_format", f"response_format needs the grammar engine "
+                                            f"llguidance: {install_extra('grammar')}") from None
     return llguidance
 
 
@@ -56,7 +59,8 @@ def grammar_of(response_format) -> str | None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind not in FORMATS:
-        raise InputError(f"response_format {json.dumps(response_format)[:80]} is invalid: use "
+        raise FieldError("response_format",
+                         f"response_format {json.dumps(response_format)[:80]} is invalid: use "
                          f"{{\"type\": \"json_object\"}}, {{\"type\": \"json_schema\", "
                          f"\"json_schema\": {{\"schema\": {{...}}}}}}, or {{\"type\": \"text\"}}")
     if kind == "text":
@@ -67,7 +71,8 @@ def grammar_of(response_format) -> str | None:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise InputError("response_format json_schema needs its schema: {\"type\": "
+            raise FieldError("response_format",
+                             "response_format json_schema needs its schema: {\"type\": "
                              "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
                              "{...}}}")
     # compact JSON: a model left free to add whitespace may add it until the length limit
@@ -95,8 +100,8 @@ class Grammar:
         # calling that too would compile it twice)
         matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise InputError(f"response_format cannot be compiled: "
-                             f"{_one_line(matcher.get_error())}")
+            raise FieldError("response_format", f"response_format cannot be compiled: "
+                                                f"{_one_line(matcher.get_error())}")
         constraint = Constraint(matcher, self.vocab_size, self.eos)
         constraint.probe()
         return constraint

@@ -13,6 +13,28 @@ class InputError(ValueError):
     """Bad input; the message names the value and the fix."""
 
 
+class FieldError(InputError):
+    """A bad value of one named field of a request (GenerationOptions, SamplingParams). The
+    message starts with the field's name as Python spells it (`top_p=2.0 is invalid: ...`,
+    `logit_bias[5]=300.0 is invalid: ...`); a front end that names the field otherwise (the
+    CLI's --top-p, the OpenAI API's max_tokens) says it in its own words with `in_words`."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def in_words(self, name: str, equals: str = " ") -> str:
+        """The message with the field called `name`: "top_p=2.0 is invalid" -> "--top-p 2.0
+        is invalid" (`equals` " "), "logit_bias[5]=300.0" -> "--logit-bias 5=300.0"."""
+        rest = str(self)[len(self.field):]
+        if rest.startswith("["):
+            key, _, value = rest[1:].partition("]=")
+            return f"{name}{equals}{key}={value}"
+        if rest.startswith("="):
+            return f"{name}{equals}{rest[1:]}"
+        return name + rest
+
+
 class BuildError(InputError):
     """Bad input to `specexport build` (a model, a source, an option, the output directory)."""
 

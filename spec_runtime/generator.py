@@ -8,9 +8,9 @@ result. Text (chat template, incremental detokenization, stop strings) is handle
 for both. One generator runs one request at a time (its engines hold one request's cache);
 `fork` gives another over the same sessions. `spec_runtime.load` wires a bundle to one.
 
-    generate / stream(prompt, temperature=..., gamma=..., ...)
-      │  GenerationOptions(...)                 checked without the bundle
-      ▼
+    generate / stream(prompt, options)      options: GenerationOptions, made once where
+      │                                         the request enters (or from the keywords),
+      ▼                                         each value checked once, without the bundle
     request(prompt, options) ─► Request         prompt_ids, sampling_params, constrained,
       │                                         check_gamma, check_capacity: once
       ▼
@@ -29,11 +29,12 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .drafts import draft_engines, fork_engine
-from .errors import InputError
+from .errors import FieldError, InputError
+from .gamma import AUTO, Gamma, check_gamma_range, parse_gamma
 from .loop import AUTO_START, RequestState, generate_tokens
-from .request import (MAX_NEW_TOKENS, SAMPLING_ARGS, GenerationOptions, GenerationResult, Request,
-                      TextStream, check_capacity)
-from .sampling import SamplingParams
+from .request import (OPTION_NAMES, GenerationOptions, GenerationResult, Request, TextStream,
+                      check_capacity)
+from .sampling import SamplingParams, check_sampling
 from .stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, check_text, texts, token_list
 
@@ -46,7 +47,7 @@ class Generator:
         *,
         tokenizer=None,
         eos_token_ids: Sequence[int] = (),
-        default_gamma: int | str = 4,
+        default_gamma: Gamma = 4,
         max_gamma: int = 8,
         chat_template: str | None = None,
         special_tokens: dict | None = None,
@@ -63,7 +64,7 @@ class Generator:
         self.draft = draft
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.default_gamma = default_gamma
+        self.default_gamma = parse_gamma(default_gamma, "default_gamma")
         self.max_gamma = max_gamma
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
@@ -73,7 +74,7 @@ class Generator:
         self.bundle_dir = bundle_dir
         # the model's own sampling defaults (the manifest's `generation`): what a request that
         # leaves a sampling argument unset (None) gets, before SamplingParams' own defaults
-        self.generation_defaults = dict(generation_defaults or {})
+        self.generation_defaults = check_sampling(dict(generation_defaults or {}))
         self.clock = clock
         # auto γ's prices for seeded sampling (loop.GammaPolicy): the bundle's, measured at
         # build; else what is known without measuring (a lookup costs nothing, a hybrid's model
@@ -151,16 +152,12 @@ class Generator:
     def request(self, prompt, options: GenerationOptions | None = None, **values) -> Request:
         """`prompt` and `options` (or GenerationOptions(**values)) bound to this bundle: the
         one place a request is checked against it, in this order: the sampling values with the
-        bundle's defaults, response_format, γ, the prompt's ids, the cache's capacity. The
-        Request runs as it is on this generator or any of its forks."""
-        if options is None:
-            options = GenerationOptions(**values)
-        elif values:
-            raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+        bundle's defaults, response_format, γ's range, the prompt's ids, the cache's capacity.
+        The Request runs as it is on this generator or any of its forks."""
+        options = _options(options, values)
         if options.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer: this generator has none")
-        params = self.constrained(self.sampling_params(options.seed, **options.sampling()),
-                                  options.response_format)
+        params = self.constrained(self.sampling_params(options), options.response_format)
         gamma = self.check_gamma(options.gamma)
         ids = self.prompt_ids(prompt, options.chat)
         prefix = ids if not self.encoder_decoder else \
@@ -169,20 +166,20 @@ class Generator:
             params = replace(params, penalty_start=len(prefix))
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens,
                        len(ids) if self.encoder_decoder else None)
-        # "auto" starts from the bundle's γ, or from AUTO_START where "auto" is its default
-        start = self.default_gamma if self.default_gamma != "auto" else \
+        # AUTO starts from the bundle's γ, or from AUTO_START where AUTO is its default
+        start = self.default_gamma if self.default_gamma is not AUTO else \
             min(AUTO_START, self.max_gamma)
         # a seeded sample is reproducible: its rounds' lengths must not follow its timings
         costs = self.costs if params.seed is not None and not params.greedy else None
         return Request(options, ids, prefix, params, gamma, start, self.max_gamma,
                        self.eos_token_ids, costs)
 
-    def _request_of(self, prompt, options: GenerationOptions) -> Request:
+    def _request_of(self, prompt, options: GenerationOptions | None, values: dict) -> Request:
         """generate/stream's request: `prompt` itself when it is one (then with no options of
-        the call's own), else `prompt` bound with `options`."""
+        the call's own), else `prompt` bound with `options` or `values`."""
         if not isinstance(prompt, Request):
-            return self.request(prompt, options)
-        if options != GenerationOptions():
+            return self.request(prompt, options, **values)
+        if options is not None or values:
             raise TypeError("a Request carries its own options: pass it alone (cancel aside)")
         return prompt
 
@@ -210,19 +207,19 @@ class Generator:
             prompt = self.apply_chat_template(prompt)
         return self.tokenize(prompt, add_special_tokens=not chat)
 
-    def sampling_params(self, seed: int | None = None, **given) -> SamplingParams:
-        """A request's SamplingParams: each argument it gives (not None), else the bundle's
-        generation default, else SamplingParams' own (greedy, no truncation, no penalty)."""
-        unknown = sorted(set(given) - set(SAMPLING_ARGS))
-        if unknown:
-            raise TypeError(f"unknown sampling argument(s) {unknown}")
-        values = {**self.generation_defaults,
-                  **{k: v for k, v in given.items() if v is not None}}
-        params = SamplingParams(seed=seed, **values)
+    def sampling_params(self, options: GenerationOptions | None = None, **values
+                        ) -> SamplingParams:
+        """A request's SamplingParams: each control its options give (not None), else the
+        bundle's generation default, else SamplingParams' own (greedy, no truncation, no
+        penalty). Both were checked where they were made (GenerationOptions, the manifest);
+        what only the bundle knows, the vocabulary, is checked here."""
+        options = _options(options, values)
+        given = {k: v for k, v in options.sampling().items() if v is not None}
+        params = SamplingParams.checked(**{**self.generation_defaults, **given})
         for tok, _ in params.logit_bias or ():
             if tok >= self.vocab_size:
-                raise InputError(f"logit_bias token id {tok} is out of the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise FieldError("logit_bias", f"logit_bias token id {tok} is out of the "
+                                               f"vocabulary [0, {self.vocab_size})")
         return params
 
     def constrained(self, params: SamplingParams, response_format) -> SamplingParams:
@@ -239,18 +236,12 @@ class Generator:
             self._grammar = Grammar(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return replace(params, constraint=self._grammar.constraint(grammar))
 
-    def check_gamma(self, gamma) -> int | str:
-        """The γ a request runs with: `gamma` (an integer in [1, max_gamma], or "auto"), or
-        the bundle's default for None; InputError for anything else."""
+    def check_gamma(self, gamma: Gamma | None) -> Gamma:
+        """The γ a request runs with: `gamma` (parsed: GenerationOptions) in this bundle's
+        range, or the bundle's default for None."""
         if gamma is None:
             return self.default_gamma
-        if gamma != "auto" and (isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer))
-                                or not 1 <= gamma <= self.max_gamma):
-            raise InputError(
-                f"gamma={gamma!r} is invalid: use an integer in [1, {self.max_gamma}] (the bundle's "
-                f"max_gamma), 'auto', or leave it out for the bundle's default ({self.default_gamma})"
-            )
-        return gamma if gamma == "auto" else int(gamma)
+        return check_gamma_range(gamma, self.max_gamma, default=self.default_gamma)
 
     def _engines(self, use_draft: bool = True) -> list:
         draft = self.draft if use_draft else None
@@ -295,47 +286,16 @@ class Generator:
             finally:
                 self._owner = None
 
-    def generate(
-        self,
-        prompt: str | Sequence[int] | list[dict] | Request,
-        max_new_tokens: int = MAX_NEW_TOKENS,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        gamma: int | str | None = None,
-        use_draft: bool = True,
-        stop: str | Sequence[str] | None = (),
-        chat: bool | None = None,
-        *,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        logit_bias: dict[int, float] | None = None,
-        cancel=None,
-        logprobs: int | None = None,
-        response_format: dict | None = None,
-    ) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int] | list[dict] | Request,
+                 options: GenerationOptions | None = None, *, cancel=None,
+                 **values) -> GenerationResult:
         """Decode up to max_new_tokens new tokens from `prompt`: text, a list of
         {"role", "content"} messages, token ids, or a Request made by `request` (then alone).
-        A sampling argument left None takes the
-        bundle's generation default (the model's generation_config), else greedy / off (see
-        SamplingParams for what each does). `chat` None applies the bundle's chat template to
-        text when it has one. use_draft=False is target-only decoding on the same engines.
-        `stop` (a string or a list of them) ends generation; the text is cut before it. A seed
-        reproduces a sample within a mode; speculative and target-only draws differ for the
-        same seed (the same distribution, other random numbers). `cancel`, a threading.Event
-        another thread may set, ends the request after the round in flight (finish_reason
-        "cancelled"). `logprobs` N (0..20) fills the result's `logprobs`: each token's
-        log-probability under the target's own distribution at its position (the warped one
-        that sampling draws from; greedy: the log-softmax of the logits, penalties applied),
-        with the N most likely tokens there; the tokens themselves do not change.
-        `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
-        {"schema": {...}}}, as OpenAI's API takes it) masks the logits of draft and target alike
-        to what the grammar allows: the output is the target's distribution restricted to it,
-        exactly, in both modes (constraint.py)."""
-        request = self._request_of(prompt, GenerationOptions.of(locals()))
+        `options` is a GenerationOptions, or give its fields as keywords (`max_new_tokens=64,
+        temperature=0.7, gamma="auto"`: GenerationOptions says what each does). `cancel`, a
+        threading.Event another thread may set, ends the request after the round in flight
+        (finish_reason "cancelled")."""
+        request = self._request_of(prompt, options, values)
         token_logprobs = [] if request.logprobs is not None else None
         if self.tokenizer is None:  # token ids in, token ids out: no text, no stop strings
             tokens, stats = [], DecodeStats()
@@ -349,16 +309,8 @@ class Generator:
             pass
         return _result(text.tokens, text.finish(), stats, token_logprobs)
 
-    def stream(self, prompt, max_new_tokens: int = MAX_NEW_TOKENS,
-               temperature: float | None = None, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = None, gamma=None,
-               use_draft: bool = True, stop: str | Sequence[str] | None = (),
-               chat: bool | None = None, *, min_p: float | None = None,
-               repetition_penalty: float | None = None, presence_penalty: float | None = None,
-               frequency_penalty: float | None = None,
-               logit_bias: dict[int, float] | None = None, cancel=None,
-               logprobs: int | None = None, response_format: dict | None = None
-               ) -> TextStream:
+    def stream(self, prompt, options: GenerationOptions | None = None, *, cancel=None,
+               **values) -> TextStream:
         """A TextStream of the new text, piece by piece as rounds complete: the same tokens,
         text and stats as generate() with the same arguments, in its `result` once it ends.
         Holds back an incomplete UTF-8 character and any tail that could still become a stop
@@ -366,7 +318,7 @@ class Generator:
         finish_reason "cancelled"."""
         if self.tokenizer is None:
             raise InputError("stream() needs a tokenizer: use generate() for token ids")
-        request = self._request_of(prompt, GenerationOptions.of(locals()))
+        request = self._request_of(prompt, options, values)
         return TextStream(request, lambda out: self._pieces(request, cancel, out))
 
     def _pieces(self, request: Request, cancel, out: TextStream) -> Iterator[str]:
@@ -399,6 +351,22 @@ class Generator:
             start = [self.decoder_start_token_id] if self.encoder_decoder else ids
             seq = np.concatenate([np.asarray(start, np.int64), np.asarray(prefix, np.int64)])
             return np.asarray(self.target.forward(seq, 0, 1)[-1], np.float64)
+
+
+def _options(options: GenerationOptions | None, values: dict) -> GenerationOptions:
+    """`options`, or GenerationOptions(**values): the keywords of generate/stream/request."""
+    if options is None:
+        unknown = sorted(set(values) - OPTION_NAMES)
+        if unknown:
+            raise TypeError(f"unknown generation option(s) {unknown}: GenerationOptions has "
+                            f"{sorted(OPTION_NAMES)}")
+        return GenerationOptions(**values)
+    if not isinstance(options, GenerationOptions):
+        raise TypeError(f"options is a {type(options).__name__}: give a GenerationOptions (or "
+                        f"its fields as keywords)")
+    if values:
+        raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+    return options
 
 
 def _result(tokens: list[int], text: str | None, stats: DecodeStats,

@@ -23,7 +23,7 @@ import numpy as np
 
 from .contract import DTYPES
 from .devices import Device
-from .errors import InputError
+from .errors import FieldError, InputError
 
 # Text averages about 4 bytes a token; tokenizers' longest tokens (runs of spaces, long words)
 # stay well under this, so a prompt over max_len × this many bytes cannot fit the cache.
@@ -114,14 +114,15 @@ def check_threads(threads) -> int | None:
     if threads is None:
         return None
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-        raise InputError(f"threads={threads!r} is invalid: use an integer >= 1, or leave it out "
-                         f"for the physical cores")
+        raise FieldError("threads", f"threads={threads!r} is invalid: use an integer >= 1, or "
+                                    f"leave it out for the physical cores")
     threads = int(threads)
     cpus = usable_cpus()
     if threads > cpus:
-        raise InputError(f"threads={threads} is more than the {cpus} CPUs this process may run "
-                         f"on: use at most {cpus} (threads beyond the CPUs wait for one another), "
-                         f"or leave it out for the physical cores")
+        raise FieldError("threads", f"threads={threads} is more than the {cpus} CPUs this process "
+                                    f"may run on: use at most {cpus} (threads beyond the CPUs "
+                                    f"wait for one another), or leave it out for the physical "
+                                    f"cores")
     return threads
 
 

@@ -22,6 +22,7 @@ from .drafts import Draft
 from .engine import Engine
 from .request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
+from .gamma import AUTO, Gamma
 from .stats import Costs, DecodeStats, Recorder, best_gamma_and_speedup, confidence_floor
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
@@ -29,7 +30,7 @@ AUTO_START = 4  # the γ "auto" starts from where it is the bundle's default
 
 
 class GammaPolicy:
-    """A fixed γ, or "auto": the runtime chooses each round's draft length.
+    """A fixed γ, or AUTO: the runtime chooses each round's draft length.
 
     "auto" starts at `start`; once AUTO_WARMUP_POSITIONS positions were verified it re-estimates
     every round the γ that maximises the expected speedup for the acceptance at each draft
@@ -55,9 +56,9 @@ class GammaPolicy:
     (Generator.request gives a seeded request the bundle's, measured at build). Greedy output
     does not depend on γ at all: its rounds keep the live prices."""
 
-    def __init__(self, gamma: int | str, start: int, max_gamma: int, greedy: bool = False,
+    def __init__(self, gamma: Gamma, start: int, max_gamma: int, greedy: bool = False,
                  costs: Costs | None = None):
-        self.auto = gamma == "auto"
+        self.auto = gamma == AUTO  # also a plain "auto": AUTO is a str
         self.greedy = greedy
         self.gamma = start if self.auto else int(gamma)
         self.max_gamma = max_gamma

@@ -116,7 +116,7 @@ class Manifest:
     architecture: str  # "decoder-only" or "encoder-decoder"
     max_len: int  # KV cache capacity: prompt + new tokens
     max_gamma: int
-    default_gamma: int | str  # or "auto" (schema 3)
+    default_gamma: int | str  # or "auto" (schema 3; gamma.parse_gamma reads it)
     prefill_chunk: int
     target: ModelEntry
     draft: DraftEntry

@@ -20,6 +20,7 @@ from pathlib import Path
 from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, cache_dtype, decoder_io,
                        dims_of, encoder_io, hidden_size_of, mismatch)
 from .errors import BundleError
+from .sampling import GENERATION_CONFIG_KEYS as GENERATION_KEYS
 
 REBUILD = "re-run `specexport build`"
 ARCHITECTURES = ("decoder-only", "encoder-decoder")
@@ -251,7 +252,6 @@ def _check_costs(costs) -> None:
             raise _bad(f"costs.{key}", value, f"it must be a number in [0, {most:g}]")
 
 
-GENERATION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 def _check_generation(generation) -> None:

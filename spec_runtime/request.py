@@ -22,71 +22,95 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import CacheCapacityError, InputError
-from .sampling import SamplingParams, check_sampling
+from .errors import CacheCapacityError, FieldError
+from .gamma import Gamma, parse_gamma
+from .sampling import SAMPLING_FIELDS, SAMPLING_NAMES, SamplingParams, check_sampling
 from .stats import Costs
 from .text import stop_strings
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
 MAX_NEW_TOKENS = 128  # the one default, for every command and for generate/stream
 
-# the sampling values a request may set: SamplingParams' fields but the seed and the ones the
-# request itself sets (penalty_start, constraint)
-SAMPLING_ARGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "logit_bias")
+
+def _with_sampling_fields(cls):
+    """Add SamplingParams' sampling controls (SAMPLING_FIELDS) to `cls` as fields `name: type |
+    None = None`, after its own: the controls are declared once, in SamplingParams."""
+    for f in SAMPLING_FIELDS:
+        if f.name not in cls.__dict__.get("__annotations__", {}):
+            cls.__annotations__[f.name] = f"{f.type} | None"
+            setattr(cls, f.name, None)
+    return cls
 
 
 @dataclass(frozen=True)
+@_with_sampling_fields
 class GenerationOptions:
-    """What a caller asks of one generation, besides the prompt (Generator.generate's
-    arguments). A sampling value left None takes the bundle's generation default, else
-    SamplingParams' own (greedy, no truncation, no penalty); `gamma` None the bundle's default
-    γ. Checked when made, InputError naming the value; what only the bundle can say (γ's range,
-    logit_bias ids, response_format's grammar) is checked when Generator.request binds them."""
+    """What a caller asks of one generation, besides the prompt: made once where a request
+    enters (the CLI, Generator.generate/stream's keywords, the OpenAI server, Ray Serve) and
+    carried as it is. Checked when made, each value once, a FieldError naming the field; what
+    only the bundle can say (γ's range, logit_bias ids, response_format's grammar) is checked
+    when Generator.request binds them.
+
+    max_new_tokens: new tokens at most (an EOS or a stop string ends sooner).
+    gamma: the draft length (gamma.Gamma: 1..the bundle's max_gamma, or AUTO / "auto"); None:
+      the bundle's default.
+    use_draft: False is target-only decoding on the same engines (the baseline).
+    stop: a string or a list of them that end generation; the text is cut before it.
+    chat: None applies the bundle's chat template to text when it has one; True requires it;
+      False feeds the text as it is.
+    logprobs: N (0..20) reports each token's log-probability under the target's own
+      distribution at its position (the warped one that sampling draws from; greedy: the
+      log-softmax of the logits, penalties applied) and the N most likely tokens there; the
+      tokens themselves do not change. None: no logprobs.
+    response_format: {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+      {"schema": {...}}}, as OpenAI's API takes it: draft and target alike are masked to what
+      the grammar allows, so the output is the target's distribution restricted to it, exactly,
+      in both modes (constraint.py).
+    The sampling controls (SamplingParams' SAMPLING_FIELDS: temperature, top_k, top_p, seed,
+      min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias): None takes
+      the bundle's generation default (the model's generation_config), else SamplingParams'
+      own (greedy, no truncation, no penalty). A seed reproduces a sample within a mode;
+      speculative and target-only draws differ for the same seed (the same distribution, other
+      random numbers).
+    """
 
     max_new_tokens: int = MAX_NEW_TOKENS
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | tuple | None = None
-    seed: int | None = None
-    gamma: int | str | None = None  # 1..the bundle's max_gamma, or "auto"
-    use_draft: bool = True  # False: target-only decoding on the same engines
+    gamma: Gamma | None = None
+    use_draft: bool = True
     stop: str | Sequence[str] | None = ()
-    chat: bool | None = None  # None: the chat template for text, when the bundle has one
-    logprobs: int | None = None  # alternatives reported per token (0..20); None: no logprobs
+    chat: bool | None = None
+    logprobs: int | None = None
     response_format: dict | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InputError(f"max_new_tokens={n!r} is invalid: use an integer >= 1")
+            raise FieldError("max_new_tokens", f"max_new_tokens={n!r} is invalid: use an "
+                                               f"integer >= 1")
         object.__setattr__(self, "max_new_tokens", int(n))
+        object.__setattr__(self, "gamma", parse_gamma(self.gamma))
+        if not isinstance(self.use_draft, (bool, np.bool_)):
+            raise FieldError("use_draft", f"use_draft={self.use_draft!r} is invalid: use True "
+                                          f"or False")
         check_logprobs(self.logprobs)
         given = {k: v for k, v in self.sampling().items() if v is not None}
-        for name, value in check_sampling({**given, "seed": self.seed}).items():
+        for name, value in check_sampling(given).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "stop", stop_strings(self.stop))
 
-    @classmethod
-    def of(cls, arguments: dict) -> "GenerationOptions":
-        """The options among a call's `arguments` (Generator.generate and stream name theirs
-        as the fields are named)."""
-        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
-
     def sampling(self) -> dict:
-        """The sampling values as given (None: the bundle's default), the seed apart."""
-        return {name: getattr(self, name) for name in SAMPLING_ARGS}
+        """The sampling controls as given (None: the bundle's default)."""
+        return {name: getattr(self, name) for name in SAMPLING_NAMES}
+
+
+# GenerationOptions' fields, by name: what generate/stream/request take as keywords
+OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions))
 
 
 def check_logprobs(logprobs) -> None:
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(
             logprobs, (int, np.integer)) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-        raise InputError(f"logprobs={logprobs!r} is invalid: use an integer in "
+        raise FieldError("logprobs", f"logprobs={logprobs!r} is invalid: use an integer in "
                          f"[0, {MAX_TOP_LOGPROBS}] (the alternatives reported per token), or "
                          f"None")
 
@@ -103,7 +127,7 @@ class Request:
     prefix: np.ndarray  # int64: what the decoder continues (the prompt, or the start token)
     params: SamplingParams  # the bundle's defaults applied; penalties count from the prefix's
     # end; a response_format's grammar attached as its constraint
-    gamma: int | str  # γ, or "auto" (re-chosen each round, from `gamma_start`)
+    gamma: Gamma  # γ, or AUTO (re-chosen each round, from `gamma_start`)
     gamma_start: int
     max_gamma: int
     eos_token_ids: frozenset[int]

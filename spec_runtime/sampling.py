@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import InputError, NonFiniteLogitsError
+from .errors import FieldError, NonFiniteLogitsError
 
 # A residual max(0, p_target - p_draft) whose mass is below this is floating-point noise left by
 # p_target ~= p_draft; sampling it would amplify rounding error into a wrong distribution.
@@ -50,6 +50,77 @@ def _show(x) -> str:
     return repr(x.item() if isinstance(x, np.generic) else x)
 
 
+def _control(what: str, range_: str, off: str, *, check, bundle: bool = False,
+             openai: bool = False, cli: str | None = None) -> dict:
+    """A sampling control's declaration, as the metadata of its SamplingParams field: what it
+    does, its range and its value when off (the CLI's help, the docs' table), the function that
+    checks a value (-> the Python value, or FieldError naming it), whether a model's
+    generation_config may set it (a bundle default) and whether the OpenAI API has it (else it
+    is one of our documented extensions). `cli`: the option's help where it says more."""
+    return {"what": what, "range": range_, "off": off, "check": check, "bundle": bundle,
+            "openai": openai, "cli": cli or what}
+
+
+def _temperature(t):
+    if not _real(t) or not math.isfinite(t) or t < 0:
+        raise FieldError("temperature", f"temperature={_show(t)} is invalid: use a finite "
+                                        f"number >= 0 (0 = greedy)")
+    return float(t)
+
+
+def _top_k(k):
+    if not _integer(k) or k < 0:
+        raise FieldError("top_k", f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no "
+                                  f"top-k)")
+    return int(k)
+
+
+def _top_p(p):
+    if not _real(p) or not (0.0 < p <= 1.0):
+        raise FieldError("top_p", f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = "
+                                  f"no top-p)")
+    return float(p)
+
+
+def _min_p(m):
+    if not _real(m) or not (0.0 <= m <= 1.0):
+        raise FieldError("min_p", f"min_p={_show(m)} is invalid: use a number in [0, 1] (0 = "
+                                  f"no min-p)")
+    return float(m)
+
+
+def _repetition_penalty(r):
+    if not _real(r) or not math.isfinite(r) or r <= 0:
+        raise FieldError("repetition_penalty", f"repetition_penalty={_show(r)} is invalid: use "
+                                               f"a number > 0 (1 = none; 1.1-1.3 is typical)")
+    return float(r)
+
+
+def _penalty(name):
+    def check(v):
+        if not _real(v) or not -2.0 <= v <= 2.0:
+            raise FieldError(name, f"{name}={_show(v)} is invalid: use a number in [-2, 2] "
+                                   f"(0 = none)")
+        return float(v)
+    return check
+
+
+def _seed(s):
+    if s is None:
+        return None
+    if not _integer(s) or s < 0:
+        raise FieldError("seed", f"seed={_show(s)} is invalid: use a non-negative integer, or "
+                                 f"leave it out for a random seed")
+    return int(s)
+
+
+def _penalty_start(start):
+    if not _integer(start) or start < 0:
+        raise FieldError("penalty_start", f"penalty_start={_show(start)} is invalid: use an "
+                                          f"integer >= 0")
+    return int(start)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How logits become the distribution that is sampled, in this order (Hugging Face's order,
@@ -67,18 +138,49 @@ class SamplingParams:
     Before them, a `constraint` (constraint.py: a response_format's grammar) sets the logits of
     the tokens it does not allow after the generated tokens to -inf. Steps 0-3 read the context
     of each position, so `warp` takes the tokens before it.
+
+    The fields with a `_control` are the sampling controls a request sets, declared here once:
+    GenerationOptions, the CLI's options, the OpenAI API's fields, the bundle's
+    generation_config keys and the docs' table are made from SAMPLING_FIELDS.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] | None = None  # a dict is accepted and converted
-    penalty_start: int = 0
+    temperature: float = field(default=0.0, metadata=_control(
+        "divides the logits; 0 = greedy (argmax)", "≥ 0", "0", check=_temperature, bundle=True,
+        openai=True, cli="sampling temperature, >= 0; 0 = greedy"))
+    top_k: int = field(default=0, metadata=_control(
+        "keeps the k most likely tokens; 0 = all", "≥ 0", "0", check=_top_k, bundle=True,
+        cli="keep the k most likely tokens, >= 0; 0 = all"))
+    top_p: float = field(default=1.0, metadata=_control(
+        "keeps the most likely tokens up to this mass", "(0, 1]", "1", check=_top_p,
+        bundle=True, openai=True,
+        cli="keep the most likely tokens up to this probability mass, in (0, 1]"))
+    seed: int | None = field(default=None, metadata=_control(
+        "fixes the random draws", "≥ 0", "random", check=_seed, openai=True,
+        cli="random seed, >= 0: the same seed gives the same sample in the same mode "
+            "(speculative and --no-draft draw differently)"))
+    min_p: float = field(default=0.0, metadata=_control(
+        "drops tokens less likely than min-p × the most likely", "[0, 1]", "0", check=_min_p,
+        bundle=True,
+        cli="drop tokens less likely than min-p × the most likely one, in [0, 1]"))
+    repetition_penalty: float = field(default=1.0, metadata=_control(
+        "divides positive (multiplies negative) logits of tokens in the context, prompt "
+        "included, as Hugging Face's does", "> 0", "1", check=_repetition_penalty, bundle=True,
+        cli="divide the logits of tokens already in the context (prompt included), > 0; "
+            "1.1-1.3 curbs loops"))
+    presence_penalty: float = field(default=0.0, metadata=_control(
+        "subtracts from the logit of every token generated so far (OpenAI API)", "[−2, 2]", "0",
+        check=_penalty("presence_penalty"), openai=True,
+        cli="subtract from the logit of every token generated so far, in [-2, 2]"))
+    frequency_penalty: float = field(default=0.0, metadata=_control(
+        "subtracts this × each token's count in the generated text (OpenAI API)", "[−2, 2]",
+        "0", check=_penalty("frequency_penalty"), openai=True,
+        cli="subtract this × how often a token was generated so far, in [-2, 2]"))
+    # a dict {token id: bias} is accepted and converted
+    logit_bias: tuple[tuple[int, float], ...] | None = field(default=None, metadata=_control(
+        "adds BIAS to token ID's logit; −100 bans it", "[−100, 100]", "none",
+        check=lambda bias: _logit_bias(bias), openai=True,
+        cli="add BIAS (in [-100, 100]) to token ID's logit; repeatable; -100 bans a token"))
+    penalty_start: int = field(default=0, metadata={"check": _penalty_start})
     # constraint.Constraint (response_format): tokens it does not allow after the generated
     # ones get -inf first; one request's state, never compared
     constraint: object = field(default=None, compare=False, repr=False)
@@ -87,6 +189,15 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "constraint"}
         for name, value in check_sampling(values).items():
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def checked(cls, **values) -> "SamplingParams":
+        """SamplingParams of values already checked (check_sampling: GenerationOptions and the
+        manifest's generation defaults), not checked again."""
+        params = object.__new__(cls)
+        for f in fields(cls):
+            object.__setattr__(params, f.name, values.get(f.name, f.default))
+        return params
 
     @property
     def greedy(self) -> bool:
@@ -101,62 +212,40 @@ class SamplingParams:
             or self.constraint is not None
 
 
+# the sampling controls a request sets, as SamplingParams declares them (dataclasses.Field,
+# their metadata from _control), in its order; and those a model's generation_config may set
+SAMPLING_FIELDS = tuple(f for f in fields(SamplingParams) if "what" in f.metadata)
+SAMPLING_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
+GENERATION_CONFIG_KEYS = tuple(f.name for f in SAMPLING_FIELDS if f.metadata["bundle"])
+_CHECKS = {f.name: f.metadata["check"] for f in fields(SamplingParams) if "check" in f.metadata}
+
+
 def check_sampling(values: dict) -> dict:
     """SamplingParams' fields in `values` (any subset; a None seed is no seed), checked in the
-    order of the fields and returned as Python numbers (numpy scalars such as np.float32(0.5)
-    are numbers like any other, but a message or a comparison should never show a numpy type,
-    and logit_bias becomes sorted pairs); InputError naming the first bad value and the range
-    it must be in. What SamplingParams and a request's options (request.GenerationOptions)
-    check, each once."""
-    out = dict(values)
-    if "temperature" in values:
-        t = values["temperature"]
-        if not _real(t) or not math.isfinite(t) or t < 0:
-            raise InputError(f"temperature={_show(t)} is invalid: use a finite number >= 0 "
-                             f"(0 = greedy)")
-        out["temperature"] = float(t)
-    if "top_k" in values:
-        k = values["top_k"]
-        if not _integer(k) or k < 0:
-            raise InputError(f"top_k={_show(k)} is invalid: use an integer >= 0 (0 = no top-k)")
-        out["top_k"] = int(k)
-    if "top_p" in values:
-        p = values["top_p"]
-        if not _real(p) or not (0.0 < p <= 1.0):
-            raise InputError(f"top_p={_show(p)} is invalid: use a number in (0, 1] (1 = no top-p)")
-        out["top_p"] = float(p)
-    if "min_p" in values:
-        m = values["min_p"]
-        if not _real(m) or not (0.0 <= m <= 1.0):
-            raise InputError(f"min_p={_show(m)} is invalid: use a number in [0, 1] (0 = no min-p)")
-        out["min_p"] = float(m)
-    if "repetition_penalty" in values:
-        r = values["repetition_penalty"]
-        if not _real(r) or not math.isfinite(r) or r <= 0:
-            raise InputError(f"repetition_penalty={_show(r)} is invalid: use a number > 0 "
-                             f"(1 = none; 1.1-1.3 is typical)")
-        out["repetition_penalty"] = float(r)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if name in values:
-            v = values[name]
-            if not _real(v) or not -2.0 <= v <= 2.0:
-                raise InputError(f"{name}={_show(v)} is invalid: use a number in [-2, 2] "
-                                 f"(0 = none)")
-            out[name] = float(v)
-    if values.get("seed") is not None:
-        s = values["seed"]
-        if not _integer(s) or s < 0:
-            raise InputError(f"seed={_show(s)} is invalid: use a non-negative integer, or leave "
-                             f"it out for a random seed")
-        out["seed"] = int(s)
-    if "penalty_start" in values:
-        start = values["penalty_start"]
-        if not _integer(start) or start < 0:
-            raise InputError(f"penalty_start={_show(start)} is invalid: use an integer >= 0")
-        out["penalty_start"] = int(start)
-    if "logit_bias" in values:
-        out["logit_bias"] = _logit_bias(values["logit_bias"])
-    return out
+    order given and returned as Python numbers (numpy scalars such as np.float32(0.5) are
+    numbers like any other, but a message or a comparison should never show a numpy type, and
+    logit_bias becomes sorted pairs); FieldError naming the first bad value and the range it
+    must be in. What SamplingParams and a request's options (request.GenerationOptions) check."""
+    return {name: _CHECKS[name](value) if name in _CHECKS else value
+            for name, value in values.items()}
+
+
+def sampling_table() -> str:
+    """The sampling controls as the docs' markdown table (a test holds the docs to it)."""
+    rows = ["| CLI | Python | range | default | what it does |", "|---|---|---|---|---|"]
+    for f in SAMPLING_FIELDS:
+        m = f.metadata
+        cli, python = f"`{cli_flag(f.name)}`", f"`{f.name}`"
+        if f.name == "logit_bias":
+            cli, python = "`--logit-bias ID=BIAS`", "`logit_bias={id: bias}`"
+        default = f"bundle, else {m['off']}" if m["bundle"] else m["off"]
+        rows.append(f"| {cli} | {python} | {m['range']} | {default} | {m['what']} |")
+    return "\n".join(rows)
+
+
+def cli_flag(name: str) -> str:
+    """A request field's command-line option: its name with dashes (`top_p` -> `--top-p`)."""
+    return "--" + name.replace("_", "-")
 
 
 def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
@@ -171,18 +260,20 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
         except TypeError:
             items = None
         if items is None or any(len(pair) != 2 for pair in items):
-            raise InputError(f"logit_bias={bias!r} is invalid: use a dict {{token id: bias}}")
+            raise FieldError("logit_bias", f"logit_bias={bias!r} is invalid: use a dict "
+                                           f"{{token id: bias}}")
     out = {}
     for tok, b in items:
         if isinstance(tok, str) and tok.isascii() and tok.isdigit():
             tok = int(tok)  # JSON object keys are strings (OpenAI's API sends them so); only
             # the plain decimal spelling: int() would also read " 5" and "٥" as 5
         if not _integer(tok) or tok < 0:
-            raise InputError(f"logit_bias token id {_show(tok)} is invalid: use a token id "
-                             f"(an integer >= 0)")
+            raise FieldError("logit_bias", f"logit_bias token id {_show(tok)} is invalid: use "
+                                           f"a token id (an integer >= 0)")
         if not _real(b) or not -100.0 <= b <= 100.0:
-            raise InputError(f"logit_bias[{_show(tok)}]={_show(b)} is invalid: use a number in "
-                             f"[-100, 100] (-100 bans the token, 100 all but forces it)")
+            raise FieldError("logit_bias", f"logit_bias[{_show(tok)}]={_show(b)} is invalid: use "
+                                           f"a number in [-100, 100] (-100 bans the token, 100 "
+                                           f"all but forces it)")
         out[int(tok)] = float(b)
     return tuple(sorted(out.items())) or None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InputError
+from .errors import FieldError, InputError
 
 BYTES_PROMPT = ("the prompt is bytes: decode it to text first (prompt.decode('utf-8')), or pass "
                 "token ids as a list of integers")
@@ -54,12 +54,15 @@ def stop_strings(stop) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)):
-        raise InputError(f"stop={stop!r} is invalid: give a string or a list of strings")
+        raise FieldError("stop", f"stop={stop!r} is invalid: give a string or a list of strings")
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise InputError(f"stop string {s!r} is invalid: each stop string must be non-empty "
-                             f"text")
-        check_text(s, "stop string")  # a lone surrogate would silently never match
+            raise FieldError("stop", f"stop string {s!r} is invalid: each stop string must be "
+                                     f"non-empty text")
+        try:
+            check_text(s, "stop string")  # a lone surrogate would silently never match
+        except InputError as e:
+            raise FieldError("stop", str(e)) from None
     return tuple(stop)
 
 

@@ -14,7 +14,7 @@ from toy_models import ToyEngine
 
 import spec_runtime
 import spec_runtime.loop
-from spec_runtime import Generator, ModelDraft
+from spec_runtime import GenerationOptions, Generator, ModelDraft
 from spec_runtime.apps import check, twosample
 from spec_runtime.sampling import sample
 from specedge.cli.specrun import main as specrun
@@ -104,9 +104,10 @@ def test_toy_runtime_passes_and_a_verifier_without_residual_fails(monkeypatch):
 class FlipsGreedyToken(Generator):
     """Speculative greedy output with its third token changed: a greedy divergence."""
 
-    def generate(self, prompt, max_new_tokens=128, temperature=0.0, use_draft=True, **kw):
-        r = super().generate(prompt, max_new_tokens, temperature, use_draft=use_draft, **kw)
-        if use_draft and temperature == 0.0 and len(r.tokens) > 2:
+    def generate(self, prompt, options=None, **kw):
+        r = super().generate(prompt, options, **kw)
+        options = options or GenerationOptions(**kw)
+        if options.use_draft and options.temperature in (None, 0.0) and len(r.tokens) > 2:
             r.tokens[2] = (r.tokens[2] + 1) % 6
         return r
 

@@ -265,8 +265,9 @@ def _is_module(name: str) -> bool:
 # and, for its parity runs and measurements, the runtime's own engines and decoding through
 # their public entry points (engines.open_graph, engines.tensorrt_on, drafts, Generator), so
 # that a graph is checked exactly the way a loaded bundle runs it; a trimmed draft head's kept
-# ids are read and drafted with as a bundle does (draft_vocab).
-EXPORTER_USES = {"spec_runtime", "spec_runtime.contract", "spec_runtime.manifest",
+# ids are read and drafted with as a bundle does (draft_vocab); γ is read as a request reads it
+# (gamma).
+EXPORTER_USES = {"spec_runtime", "spec_runtime.contract", "spec_runtime.manifest", "spec_runtime.gamma",
                  "spec_runtime.errors", "spec_runtime.gqa_window", "spec_runtime.bundle",
                  "spec_runtime.devices", "spec_runtime.engines", "spec_runtime.drafts",
                  "spec_runtime.draft_vocab"}

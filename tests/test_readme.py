@@ -333,3 +333,16 @@ def test_the_fast_subset_builds_no_default_bundle():
                      and {a.arg for a in f.args.args} & needs and not _marked_slow(f, module_slow)]
     assert not unmarked, f"build the default bundle but are not marked slow: {unmarked}"
     assert "-m \"not slow\"" in README.read_text()
+
+
+def test_the_sampling_table_is_the_declared_controls():
+    """The sampling controls are declared once (SamplingParams' fields); README's table is
+    rendered from that declaration, so a control added, renamed or re-ranged there fails here
+    until the table says so."""
+    from spec_runtime.sampling import SAMPLING_FIELDS, sampling_table
+
+    table = sampling_table()
+    assert len(table.splitlines()) == 2 + len(SAMPLING_FIELDS)
+    for f in SAMPLING_FIELDS:  # the rendering names every control by its field and its option
+        assert f"`{f.name}" in table and "--" + f.name.replace("_", "-") in table
+    assert table in README.read_text(encoding="utf-8"), "render sampling_table() into README"

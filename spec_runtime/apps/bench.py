@@ -9,6 +9,7 @@ in the paired ratio. Everything reported is measured here; the paper's model (Le
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..limits import read_bounded, utf8
+from ..request import GenerationOptions
 from ..stats import expected_speedup, expected_tokens_per_round
 
 KINDS = ("grounded", "chat")
@@ -112,17 +114,26 @@ def _summarise(gamma, kind, pairs) -> dict:
     }
 
 
-def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.0,
-              max_new_tokens: int = 128, repeats: int = 1, chat: bool | None = None,
-              progress: Callable[[int], None] | None = None) -> dict:
-    """Run every (γ, prompt, repeat) in both modes; returns the report (rows per γ and prompt
+def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions | None = None,
+              *, repeats: int = 1, progress: Callable[[int], None] | None = None,
+              **values) -> dict:
+    """Run every (γ, prompt, repeat) in both modes with `options` (or GenerationOptions(
+    **values)): their max_new_tokens and sampling, greedy unless given; `chat` None applies
+    the bundle's chat template when it has one. Returns the report (rows per γ and prompt
     kind, plus "all")."""
-    if chat is None:
-        chat = bool(gen.chat_template)
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, chat=chat)
+    if options is None:
+        options = GenerationOptions(**values)
+    elif values:
+        raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+    if options.chat is None:
+        options = replace(options, chat=bool(gen.chat_template))
+    if options.temperature is None:  # greedy, whatever the bundle's default
+        options = replace(options, temperature=0.0)
+    temperature = options.temperature
     # warm-up: the first calls pay for allocations and ORT's lazy initialisation
-    gen.generate(prompts[0]["text"], use_draft=False, seed=0, **dict(kw, max_new_tokens=8))
-    gen.generate(prompts[0]["text"], seed=0, **dict(kw, max_new_tokens=8))
+    warm = replace(options, max_new_tokens=8, seed=0)
+    gen.generate(prompts[0]["text"], replace(warm, use_draft=False))
+    gen.generate(prompts[0]["text"], warm)
     rows = []
     for gamma in gammas:
         pairs: dict[str, list] = {}
@@ -131,8 +142,8 @@ def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.
                 out, tokens = {}, {}
                 order = (False, True) if (i + rep) % 2 == 0 else (True, False)
                 for use_draft in order:
-                    r = gen.generate(prompt["text"], gamma=gamma, use_draft=use_draft, seed=rep,
-                                     **kw)
+                    r = gen.generate(prompt["text"], replace(options, gamma=gamma,
+                                                             use_draft=use_draft, seed=rep))
                     assert r.stats["new_tokens"] == len(r.tokens)
                     out[use_draft], tokens[use_draft] = r.stats, r.tokens
                 if temperature == 0:  # greedy: speculative output must be target-only output
@@ -152,7 +163,7 @@ def run_bench(gen, prompts: list[dict], gammas: list, *, temperature: float = 0.
         "bundle": str(getattr(gen, "bundle_dir", "")),
         "draft": getattr(gen.draft, "kind", None),
         "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": options.max_new_tokens,
         "repeats": repeats,
         "prompts": {k: sum(p["kind"] == k for p in prompts) for k in {p["kind"] for p in prompts}},
         "rows": rows,

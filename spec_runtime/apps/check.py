@@ -27,12 +27,14 @@ settings other than the one checked.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
-from ..errors import InputError
-from ..rows import RowCheck
+from ..errors import FieldError, InputError
 from ..request import GenerationOptions
+from ..rows import RowCheck
+from ..sampling import SAMPLING_FIELDS
 from .twosample import compare
 
 LEVEL = 1e-3  # p-value below which the sampling test rejects
@@ -79,34 +81,41 @@ def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict 
 
 # greedy parity compares plain greedy decoding: every context-dependent control off, whatever
 # the bundle's generation defaults say
-GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-              presence_penalty=0.0, frequency_penalty=0.0)
+# every sampling control off: the setting the sampling test fills in where it is not given
+# (at temperature 1), and the greedy test's (at temperature 0)
+OFF = {f.name: f.default for f in SAMPLING_FIELDS if f.name not in ("seed", "logit_bias")}
+GREEDY = {**OFF, "temperature": 0.0}
+SETTING = {**OFF, "temperature": 1.0}
 
 
-def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPLES,
-              seconds: float | None = DEFAULT_SECONDS, greedy_tokens: int = GREEDY_TOKENS,
-              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-              repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-              frequency_penalty: float = 0.0, seed: int = 0, gamma=None, prompts=PROMPTS,
-              progress=None, clock=time.monotonic) -> dict:
+def run_check(gen, options: GenerationOptions | None = None, *, tokens: int = DEFAULT_TOKENS,
+              samples: int = DEFAULT_SAMPLES, seconds: float | None = DEFAULT_SECONDS,
+              greedy_tokens: int = GREEDY_TOKENS, seed: int = 0, prompts=PROMPTS,
+              progress=None, clock=time.monotonic, **values) -> dict:
     """Run both tests and return the report (a dict; `exit_code` 0 consistent, 1 not).
-    `seconds`, when given, bounds the whole run on `clock`: sampling stops when it is spent.
-    The sampling test runs at exactly the setting given (the bundle's generation defaults do
-    not apply). The report carries what the load found of the target's rows (rows.py)."""
+    `options` (or GenerationOptions(**values)): the sampling setting checked and γ. The
+    sampling test runs at exactly that setting, a control left unset being off (SETTING:
+    temperature 1; the bundle's generation defaults do not apply). `seconds`, when given,
+    bounds the whole run on `clock`: sampling stops when it is spent. The report carries what
+    the load found of the target's rows (rows.py)."""
     _positive("--tokens", tokens)
     _positive("--samples", samples)
     if seconds is not None:
         _positive("--seconds", seconds, float)
     _positive("--greedy-tokens", greedy_tokens)
-    setting = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                   frequency_penalty=frequency_penalty)
+    if options is None:
+        options = GenerationOptions(**values)
+    elif values:
+        raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+    given = {k: v for k, v in options.sampling().items() if v is not None and k != "seed"}
+    setting = {**SETTING, **given}
+    if setting["temperature"] == 0:
+        raise FieldError("temperature", "temperature=0 is greedy, which the greedy parity test "
+                                        "covers: check sampling at a temperature > 0")
+    gamma = options.gamma
     # every value, γ and the cache's room checked before minutes of sampling
-    options = GenerationOptions(max_new_tokens=max(tokens, greedy_tokens), gamma=gamma,
-                                **setting)
-    if temperature == 0:
-        raise InputError("--temperature 0 is greedy, which the greedy parity test covers: "
-                         "check sampling at a temperature > 0")
+    options = replace(options, max_new_tokens=max(tokens, greedy_tokens), **setting)
+    greedy_options = replace(options, max_new_tokens=greedy_tokens, **GREEDY)
     start = clock()
     deadline = start + seconds if seconds is not None else float("inf")
     ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
@@ -119,8 +128,8 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
     ties_flip = not (row_check and row_check.identical)  # rows may round differently
     greedy = []
     for text, p in zip(prompts, ids):
-        spec = gen.generate(p, max_new_tokens=greedy_tokens, gamma=gamma, **GREEDY).tokens
-        base = gen.generate(p, max_new_tokens=greedy_tokens, use_draft=False, **GREEDY).tokens
+        spec = gen.generate(p, greedy_options).tokens
+        base = gen.generate(p, replace(greedy_options, use_draft=False)).tokens
         div = first_divergence(gen, p, spec, base)
         if div is not None:
             div["near_tie"] = div["near_tie"] and ties_flip
@@ -142,10 +151,10 @@ def run_check(gen, *, tokens: int = DEFAULT_TOKENS, samples: int = DEFAULT_SAMPL
         if clock() > deadline:
             break
         j = i % len(prompts)
-        s = gen.generate(ids[j], max_new_tokens=tokens, gamma=gamma,
-                         seed=int(seeds.integers(2**62)), **setting)
-        b = gen.generate(ids[j], max_new_tokens=tokens, use_draft=False,
-                         seed=int(seeds.integers(2**62)), **setting)
+        s = gen.generate(ids[j], replace(options, max_new_tokens=tokens,
+                                         seed=int(seeds.integers(2**62))))
+        b = gen.generate(ids[j], replace(options, max_new_tokens=tokens, use_draft=False,
+                                         seed=int(seeds.integers(2**62))))
         drawn_spec[j].append(tuple(s.tokens))
         drawn_base[j].append(tuple(b.tokens))
         proposed += s.stats["proposed"]

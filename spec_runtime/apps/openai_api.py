@@ -7,8 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CacheCapacityError, InputError
+from ..errors import CacheCapacityError, FieldError, InputError
 from ..request import MAX_TOP_LOGPROBS
+from ..sampling import SAMPLING_NAMES
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -30,25 +31,25 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "logit_bias", "seed", "gamma", "max_tokens", "stop", "prompt",
-          "messages", "response_format")
+# a request field whose name the API spells otherwise
+API_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def input_error(e: InputError, prompt_field: str = "prompt") -> APIError:
-    """The library's message, with the request field it names (the library names its own
-    arguments: max_new_tokens is the API's max_tokens)."""
-    message = str(e).replace("max_new_tokens", "max_tokens")
+    """The library's message, with the request field it names (FieldError.field, in the API's
+    words: the library's max_new_tokens is the API's max_tokens)."""
     if isinstance(e, CacheCapacityError):
+        message = str(e).replace("max_new_tokens", "max_tokens")
         return APIError(400, message, param=prompt_field, code="context_length_exceeded")
-    param = next((p for p in PARAMS if message.startswith((p + "=", p + " ", p + "["))), None)
-    return APIError(400, message, param=param, code="invalid_value")
+    if isinstance(e, FieldError):
+        param = API_NAMES.get(e.field, e.field)
+        return APIError(400, e.in_words(param, "="), param=param, code="invalid_value")
+    return APIError(400, str(e), param=None, code="invalid_value")
 
 
 # -- requests -----------------------------------------------------------------------------------
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logit_bias", "seed")
+SAMPLING_FIELDS = SAMPLING_NAMES
 
 
 def _field(body: dict, name: str, kinds, what: str, default=None):
