@@ -31,7 +31,6 @@ difference: near-ties (tiny gaps) flip with float rounding, large gaps mean a bu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ import machine  # noqa: E402  (benchmarks/ is not a package)
 import model_files  # noqa: E402
 import peers  # noqa: E402
 from compare_report import (  # noqa: E402
-    PLAIN_OF, REFERENCE, SYSTEMS, markdown, write_results)
+    PLAIN_OF, REFERENCE, SYSTEMS, float_agreement, markdown, write_results)
 
 # What each --precision compares. An int4 entry adds the int4 rows: a specedge bundle exported at
 # int4 (--bundle), onnxruntime-genai's `-p int4` build; PyTorch has no comparable CPU int4 path, so
@@ -246,31 +245,6 @@ def divergences(runs, prompts, hf_model, eos_id) -> list[dict]:
                 row.update(peers.hf_logit_gap(hf_model, p["ids"], ref, first, got[first]))
             out.append(row)
     return out
-
-
-def float_agreement(runs, prompts, reference: Path) -> dict:
-    """Per system: tokens of its greedy output (first repeat) equal to the float model's (the
-    reference run's hf row on the same prompt ids) before the first difference. A quantized
-    model that follows its float model for long is close to it where it counts: on its own
-    greedy path."""
-    ref = json.loads(reference.read_text())
-    ref_ids = [p["ids"] for p in ref["prompts"]]
-    hf = {r["prompt"]: r["tokens"] for r in ref["runs"] if r["system"] == REFERENCE
-          and r["repeat"] == 0}
-    out = {}
-    for r in runs:
-        if r["repeat"] or prompts[r["prompt"]]["ids"] not in ref_ids:
-            continue
-        want = hf.get(ref_ids.index(prompts[r["prompt"]]["ids"]))
-        if want is None:
-            continue
-        same = next((k for k, (a, b) in enumerate(zip(want, r["tokens"])) if a != b),
-                    min(len(want), len(r["tokens"])))
-        out.setdefault(r["system"], []).append((same, same == len(want)))
-    return {name: {"median": float(np.median([n for n, _ in v])),
-                   "mean": float(np.mean([n for n, _ in v])),
-                   "identical": sum(whole for _, whole in v), "prompts": len(v)}
-            for name, v in out.items()}
 
 
 def quartiles(values) -> dict:

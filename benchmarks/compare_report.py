@@ -1,10 +1,14 @@
 """The report of benchmarks/compare.py: which rows its table has, the speed targets it checks,
-and the markdown table and result files made from a run's report dict."""
+how far each system's greedy output follows the float model's (float_agreement, which the pair
+race's report, pair_report.py, reads too), and the markdown table and result files made from a
+run's report dict."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 
 SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
            "llamacpp", "llamacpp-lookup", "openvino", "openvino-lookup", "openvino-draft")
@@ -146,6 +150,31 @@ def targets_lines(report: dict) -> list[str]:
         if cells:
             out.append(f"- target {ours} ≥ {wanted}× {peer}: " + ", ".join(cells))
     return ["", "Targets (median tokens/s ratios from this run):", ""] + out if out else []
+
+
+def float_agreement(runs, prompts, reference: Path) -> dict:
+    """Per system: tokens of its greedy output (first repeat) equal to the float model's (the
+    reference run's hf row on the same prompt ids) before the first difference. A quantized
+    model that follows its float model for long is close to it where it counts: on its own
+    greedy path."""
+    ref = json.loads(reference.read_text())
+    ref_ids = [p["ids"] for p in ref["prompts"]]
+    hf = {r["prompt"]: r["tokens"] for r in ref["runs"] if r["system"] == REFERENCE
+          and r["repeat"] == 0}
+    out = {}
+    for r in runs:
+        if r["repeat"] or prompts[r["prompt"]]["ids"] not in ref_ids:
+            continue
+        want = hf.get(ref_ids.index(prompts[r["prompt"]]["ids"]))
+        if want is None:
+            continue
+        same = next((k for k, (a, b) in enumerate(zip(want, r["tokens"])) if a != b),
+                    min(len(want), len(r["tokens"])))
+        out.setdefault(r["system"], []).append((same, same == len(want)))
+    return {name: {"median": float(np.median([n for n, _ in v])),
+                   "mean": float(np.mean([n for n, _ in v])),
+                   "identical": sum(whole for _, whole in v), "prompts": len(v)}
+            for name, v in out.items()}
 
 
 def write_results(stem: Path, report: dict, table: str) -> None:

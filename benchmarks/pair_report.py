@@ -145,7 +145,7 @@ def reference_hf_medians(path: Path | None) -> dict | None:
 
 
 def build(report: dict, args) -> dict:
-    from compare import float_agreement
+    from compare_report import float_agreement
 
     systems, runs = report["systems"], report["runs"]
     report["summary"] = summarise(runs, systems, reference_hf_medians(args.float_reference))

@@ -34,7 +34,7 @@ for 5/6-bit ones make 5 bits a weight (Q4_0), 6.1 (Q4_1, Q4_K), 9 (Q5_0, Q8_0), 
 difference into its offset wherever that stays exact (Blocks.centred: all but 2 blocks in 10⁵
 of the real Q4_K_M files): the 8-bit activations' rounding errors are then weighed by codes
 around 0, which halves the relative error of a Q4_K MatMul's output (5e-3 instead of 1.1e-2 on
-Gemma 3 270M's, against 9e-2 re-quantized; benchmarks/gguf_blocks.py).
+Gemma 3 270M's, against 9e-2 re-quantized; benchmarks/gguf_block_error.py).
 
 Each MatMul weight of the float graph is looked up row by row (RowIndex), so packed projections
 (q|k|v), the q/k row permutation transformers applies on load and a tied lm_head are found

@@ -285,3 +285,60 @@ def test_the_exporter_uses_only_the_runtime_modules_named_for_it():
     assert "spec_runtime.contract" in used  # the scan sees the imports it should
     beyond = {m: files for m, files in used.items() if m not in EXPORTER_USES}
     assert beyond == {}, beyond
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _benchmark_imports(path, scripts) -> set[str]:
+    """Which of `scripts` (benchmarks/*.py by stem: benchmarks/ is not a package, its scripts
+    import each other by name) `path` imports, at the top or inside a function."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & scripts
+
+
+def _a_cycle(graph: dict) -> list | None:
+    """One cycle of `graph` ({node: nodes it points to}) as [a, b, ..., a], or None."""
+    state, path = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_oracle():
+    assert _a_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": []}) == ["a", "b", "c", "a"]
+    assert _a_cycle({"a": ["b", "c"], "b": ["c"], "c": [], "d": ["a"]}) is None
+    assert _a_cycle({"a": ["a"]}) == ["a", "a"]
+
+
+def test_the_benchmark_scripts_import_each_other_without_a_cycle():
+    """The scripts of benchmarks/ import one another in one direction, function-level imports
+    included: a script is read after those it uses, and no change to one can break an import of
+    itself half-way through."""
+    scripts = {p.stem: p for p in sorted(BENCHMARKS.glob("*.py"))}
+    graph = {name: sorted(_benchmark_imports(path, set(scripts)))
+             for name, path in scripts.items()}
+    assert "pair" in graph["compare"] and "pair_report" in graph["pair"]  # the scan sees them
+    cycle = _a_cycle(graph)
+    assert cycle is None, "benchmarks/ import cycle: " + " → ".join(cycle)

@@ -6,8 +6,9 @@
 2. Per block type, on up to --tensors layer tensors: the relative error ‖y − y_ref‖ / ‖y_ref‖
    of one MatMul's output over 8 rows of Gaussian inputs, y_ref = x·Wᵀ in float64 from
    gguf-py's weights, for
-     blocks        the int4 build's graph (gguf_blocks.py: MatMulNBits at accuracy level 4,
-                   offsets as a float MatMul over block sums, zero points centred),
+     blocks        the int4 build's graph (spec_export/gguf_blocks.py: MatMulNBits at
+                   accuracy level 4, offsets as a float MatMul over block sums, zero points
+                   centred),
      uncentred     the same with the file's own zero points (offset types only),
      folded        the offsets rounded into the zero points (codes and scales kept, no
                    offset MatMul): what dropping the float term would cost (offset types only),
@@ -15,7 +16,7 @@
    What the blocks leave is the 8-bit activations' rounding; re-quantizing adds a second
    rounding of every weight.
 
-    python benchmarks/gguf_blocks.py qwen-0.5b gemma3-270m [--tensors 3]
+    python benchmarks/gguf_block_error.py qwen-0.5b gemma3-270m [--tensors 3]
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ def main() -> None:
     args = ap.parse_args()
     import onnxruntime
 
-    print("# GGUF blocks as int4-build weights, per block type (benchmarks/gguf_blocks.py)\n")
-    print(f"- `python benchmarks/gguf_blocks.py {' '.join(args.models)} --tensors {args.tensors}`, "
-          f"onnxruntime {onnxruntime.__version__}, MatMulNBits accuracy level 4 on CPU")
+    print("# GGUF blocks as int4-build weights, per block type (benchmarks/gguf_block_error.py)\n")
+    print(f"- `python benchmarks/gguf_block_error.py {' '.join(args.models)} "
+          f"--tensors {args.tensors}`, onnxruntime {onnxruntime.__version__}, "
+          "MatMulNBits accuracy level 4 on CPU")
     print("- relative error ‖y − y_ref‖/‖y_ref‖ of x·Wᵀ over 8 Gaussian rows, y_ref in float64 "
           "from gguf-py's weights")
     for name in args.models:
