@@ -328,7 +328,7 @@ def main(argv=None) -> None:
         return pair.main([a for a in argv if a != "--pair"])
     args = parse_args(argv)
     import spec_runtime
-    from spec_runtime.bundle import default_bundle_dir
+    from spec_runtime.bundle.reader import default_bundle_dir
 
     bundle_dir = args.bundle or default_bundle_dir()
     load_before = os.getloadavg()[0]

@@ -26,9 +26,9 @@ ROUNDS, CALLS, POSITION = 7, 15, 300
 
 
 def session(path: Path, threads: int):
-    """The runtime's own CPU session (spec_runtime.ort_engine.make_session), not spinning
+    """The runtime's own CPU session (spec_runtime.engines.ort.make_session), not spinning
     between calls, as a bundle's draft and target sessions that take turns are."""
-    from spec_runtime.ort_engine import make_session
+    from spec_runtime.engines.ort import make_session
 
     return make_session(path, threads=threads, spinning=False)
 

@@ -345,7 +345,7 @@ def main() -> None:
     from spec_runtime.apps import bench
 
     if args.bundle is None:
-        from spec_runtime.bundle import default_bundle_dir
+        from spec_runtime.bundle.reader import default_bundle_dir
 
         args.bundle = str(default_bundle_dir())
     if not Path(args.bundle).is_dir():

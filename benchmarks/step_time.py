@@ -12,7 +12,7 @@ competes with them (on 2 cores, interleaving doubled every time measured here).
                                    [--one-row as-is,padded] [--rows 1,5,9,17]
                                    [--device cpu|cuda|tensorrt]
 
-`--one-row` times each bundle's 1-token calls in each of the given forms (spec_runtime/rows.py):
+`--one-row` times each bundle's 1-token calls in each of the given forms (spec_runtime/engines/rows.py):
 "padded" is what a machine whose 1-row kernels differ runs, so its step time against "as-is" is
 what the check's fix costs there. Without it, the form the load chose on this machine.
 

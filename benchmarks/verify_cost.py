@@ -39,7 +39,7 @@ def session(path, threads=2, config=None, profile_prefix=None):
 
 
 def engine(sess, manifest):
-    from spec_runtime.ort_engine import OrtEngine
+    from spec_runtime.engines.ort import OrtEngine
 
     return OrtEngine(sess, manifest.target.graphs["decoder"], vocab_size=manifest.target.vocab_size,
                      max_len=manifest.max_len, prefill_chunk=manifest.prefill_chunk)
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from spec_runtime.manifest import read_manifest
+    from spec_runtime.bundle.manifest import read_manifest
 
     manifest = read_manifest(args.bundle)
     graph = args.bundle / manifest.target.graphs["decoder"].file

@@ -65,7 +65,7 @@ class FiniteFloat(click.ParamType):
 
 def device_options(fn):
     """--device, --draft-device and --threads, shared by the commands that load a bundle."""
-    from spec_runtime.devices import DEVICES
+    from spec_runtime.engines.devices import DEVICES
 
     devices = click.Choice(sorted(DEVICES))
     fn = click.option("--threads", type=Threads(), default=None,
@@ -112,12 +112,12 @@ def json_option(help: str):
 
 def sampling_options(setting: dict | None = None, helps: dict | None = None):
     """The sampling controls, one option each, made from their declaration
-    (spec_runtime.sampling.SAMPLING_FIELDS). Without `setting` each defaults to the bundle's
+    (spec_runtime.decode.sampling.SAMPLING_FIELDS). Without `setting` each defaults to the bundle's
     generation default (the model's generation_config) where one may set it, else off
     (generate, chat); with it, only the options in it (by field name), defaulting to its
     values, shown in the help (check: the setting checked; bench: the temperature). `helps`
     replaces an option's help (by field name) where the command gives it another sense."""
-    from spec_runtime.sampling import SAMPLING_FIELDS
+    from spec_runtime.decode.sampling import SAMPLING_FIELDS
 
     def decorate(fn):
         options = []
@@ -149,7 +149,7 @@ def sampling_options(setting: dict | None = None, helps: dict | None = None):
 def parse_gammas(value: str) -> list:
     """bench's --gamma: comma-separated γ values (gamma.parse_gamma each; their range is the
     bundle's, checked when it is loaded)."""
-    from spec_runtime.gamma import parse_gamma
+    from spec_runtime.decode.gamma import parse_gamma
 
     return [in_cli_words(parse_gamma, part.strip()) for part in value.split(",")]
 
@@ -192,14 +192,14 @@ def in_cli_words(fn, *args, **kwargs):
 
 def _flags() -> dict:
     from spec_runtime.request import OPTION_NAMES
-    from spec_runtime.sampling import cli_flag
+    from spec_runtime.decode.sampling import cli_flag
 
     return {**{name: cli_flag(name) for name in OPTION_NAMES}, "use_draft": "--no-draft",
-            "threads": "--threads"}
+            **{name: cli_flag(name) for name in ("threads", "slots", "host", "port")}}
 
 
 # a request field (GenerationOptions') -> the option that sets it: the field's name with dashes,
-# but use_draft, which --no-draft turns off; and the load's threads
+# but use_draft, which --no-draft turns off; and the load's and the server's values
 FLAGS = _flags()
 
 
@@ -217,7 +217,7 @@ def read_prompt(prompt, prompt_file, bundle):
         return prompt
     if prompt_file is None and (sys.stdin is None or sys.stdin.isatty()):
         raise BadInput("no prompt: give it as an argument, --prompt-file, or on stdin")
-    from spec_runtime.bundle import read_bundle_manifest
+    from spec_runtime.bundle.reader import read_bundle_manifest
     from spec_runtime.limits import read_prompt as read_bounded_prompt
 
     manifest = read_bundle_manifest(bundle)

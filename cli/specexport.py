@@ -121,7 +121,7 @@ def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_g
           draft_gguf_file, draft_vocab, draft_vocab_corpus, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
-    from spec_runtime.gamma import parse_gamma
+    from spec_runtime.decode.gamma import parse_gamma
 
     with sigterm_as_interrupt(request_interrupt), library_messages("spec_export", "specexport"):
         # a build stopped by a signal removes its temporary directory; one killed outright is

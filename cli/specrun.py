@@ -252,7 +252,7 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
 
 
 def _check_setting() -> dict:
-    from spec_runtime.sampling import SAMPLING_FIELDS
+    from spec_runtime.decode.sampling import SAMPLING_FIELDS
 
     return {**{f.name: f.default for f in SAMPLING_FIELDS if f.name not in ("seed", "logit_bias")},
             "temperature": 1.0}
@@ -316,7 +316,7 @@ def list_bundles(dirs, as_json):
 @input_errors
 def where():
     """Print the default bundle directory."""
-    from spec_runtime.bundle import default_bundle_dir
+    from spec_runtime.bundle.reader import default_bundle_dir
 
     click.echo(default_bundle_dir())
 

@@ -2,7 +2,7 @@
 the two-block cached attention, and a weight map that checks every Hugging Face tensor.
 
 Every decoder here is the portable ("new-slots") form of the graph contract in
-spec_runtime/contract.py: for n new tokens at absolute `position` it reads the static cache
+spec_runtime/bundle/contract.py: for n new tokens at absolute `position` it reads the static cache
 `past_*` (slots >= position are stale: a rejected draft is never erased, it is masked until
 overwritten) and returns the logits of the last num_logits tokens and the n new slots as
 `present_*`, which the runtime writes at [position, position + n). The fused ("in-place") graph
@@ -97,7 +97,7 @@ def cached_attention(
     A row's scores and its weighted sum are each one product over the whole key sequence
     (prefix and new tokens together), so a position is computed the same way in a 1-token
     step and in a verify call of any length: the keys a longer call adds are masked, and a
-    masked key adds an exact 0 (spec_runtime/rows.py checks the result on each machine). `bias`
+    masked key adds an exact 0 (spec_runtime/engines/rows.py checks the result on each machine). `bias`
     is an optional additive score bias per block (T5's relative position bias), given on the
     folded row axis.
 

@@ -32,7 +32,7 @@ import ctypes
 import subprocess
 import sys
 
-from spec_runtime.ort_engine import onnxruntime
+from spec_runtime.engines.ort import onnxruntime
 
 def say(line):
     print(line, file=sys.stderr)
@@ -40,7 +40,7 @@ def say(line):
 def cuda_devices():
     """(count, how it was counted or why none)."""
     try:
-        from spec_runtime.device_memory import cuda_runtime
+        from spec_runtime.engines.device_memory import cuda_runtime
         rt = cuda_runtime()
         err, n = rt.cudaGetDeviceCount()
         if err == rt.cudaError_t.cudaSuccess:
@@ -85,7 +85,7 @@ except ImportError:
     missing.append("TensorRT's Python package for native engines: `pip install tensorrt`, or "
                    "JetPack's python3-libnvinfer")
 try:
-    from spec_runtime.device_memory import cuda_runtime
+    from spec_runtime.engines.device_memory import cuda_runtime
     cuda_runtime()
 except Exception:
     ready["native"] = False

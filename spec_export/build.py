@@ -18,9 +18,9 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from spec_runtime.gamma import AUTO
-from spec_runtime.contract import KERNELS, PRECISIONS
-from spec_runtime.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
+from spec_runtime.decode.gamma import AUTO
+from spec_runtime.bundle.contract import KERNELS, PRECISIONS
+from spec_runtime.bundle.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
                                    write_manifest)
 
 from .journal import will_write
@@ -257,7 +257,7 @@ def build_bundle(
     `draft_vocab` N trims the draft model's head to N of the target's token ids (exact, a
     cheaper draft step), chosen by frequency in the text file `draft_vocab_corpus` if given,
     else by the tokenizer's own statistics (draft_vocab.py)."""
-    from spec_runtime.bundle import default_bundle_dir
+    from spec_runtime.bundle.reader import default_bundle_dir
 
     from .draft_plan import plan_drafts
 
@@ -323,8 +323,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
                   float_embedding: bool) -> None:
     """Load, export, check and describe the models into the directory `tmp`: the target first,
     then each draft (decoder_build.py says how no stage holds a model twice)."""
-    from spec_runtime.bundle import load_tokenizer, vocabulary_sha256
-    from spec_runtime.contract import graph_metadata
+    from spec_runtime.bundle.reader import load_tokenizer, vocabulary_sha256
+    from spec_runtime.bundle.contract import graph_metadata
 
     from .build_seq2seq import decoder_start_token_id, is_encoder_decoder
     from .onnx_export import stamp_metadata

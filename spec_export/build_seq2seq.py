@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spec_runtime.contract import graph_devices
-from spec_runtime.manifest import GraphEntry, ModelEntry
+from spec_runtime.bundle.contract import graph_devices
+from spec_runtime.bundle.manifest import GraphEntry, ModelEntry
 
 from .quality import FP32_TOLERANCE, VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
 from .sources import BuildError

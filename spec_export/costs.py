@@ -1,6 +1,6 @@
 """What a draft step and a verified row cost on the building machine, measured through the
 runtime's own engines: the prices auto γ takes for a seeded sample (the manifest's `costs`),
-whose rounds must not follow its own timings (spec_runtime/loop.py, GammaPolicy), and the
+whose rounds must not follow its own timings (spec_runtime/decode/loop.py, GammaPolicy), and the
 hybrid draft's `draft_cost`.
 
 Every time is the median of a few calls at one position after a prefill (rollback is a
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_runtime.manifest import COSTS
+from spec_runtime.bundle.manifest import COSTS
 
 PREFILL = 32  # tokens before the timed calls (fewer where the cache is short)
 CALLS = 7  # timed calls per median, after one untimed
@@ -65,7 +65,7 @@ def measure_costs(bundle_dir: Path) -> dict:
     model's 1-token step over the target's (0 for prompt lookup, which runs no graph), and the
     extra time of each row of a γ+1-row verify call (γ = max_gamma) past the first, over a
     1-token step; each clamped to the range the manifest reader accepts."""
-    from spec_runtime.bundle import load_bundle
+    from spec_runtime.bundle.reader import load_bundle
 
     gen = load_bundle(bundle_dir, check_files=False)
     engines = [gen.target, *gen.draft.engines] if gen.draft is not None else [gen.target]

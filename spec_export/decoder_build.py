@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_runtime.contract import graph_devices
-from spec_runtime.manifest import GraphEntry, ModelEntry
+from spec_runtime.bundle.contract import graph_devices
+from spec_runtime.bundle.manifest import GraphEntry, ModelEntry
 
 from .quality import FP16_TOLERANCE, broken_quantization, fp32_tolerance, verify_thresholds
 from .sources import BuildError

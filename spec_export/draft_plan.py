@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from spec_runtime.manifest import DraftEntry, ModelEntry
+from spec_runtime.bundle.manifest import DraftEntry, ModelEntry
 
 from .sources import BuildError, ModelSpec, check_vocabularies, load_model, model_spec
 
@@ -66,7 +66,7 @@ class Candidate:
     embedding_rows: int | None = None  # the ids its embedding reads (its config's vocab_size)
 
     def vocab_record(self) -> dict:
-        """The manifest's draft.vocab of a trimmed head (spec_runtime/draft_vocab.py)."""
+        """The manifest's draft.vocab of a trimmed head (spec_runtime/decode/draft_vocab.py)."""
         from .draft_vocab import VOCAB_FILE
 
         return {"file": VOCAB_FILE, "size": len(self.kept.ids),
@@ -356,8 +356,8 @@ def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate],
     runtime's own engines and decode loop: {candidate: {"tok_s", "speedup", ...}}. Exact
     either way (the output is the target's); only the speed differs."""
     from spec_runtime import Generator
-    from spec_runtime.draft_vocab import KeptVocab
-    from spec_runtime.drafts import HybridDraft, ModelDraft, NgramDraft
+    from spec_runtime.decode.draft_vocab import KeptVocab
+    from spec_runtime.decode.drafts import HybridDraft, ModelDraft, NgramDraft
 
     from .parity import open_decoder
 

@@ -2,7 +2,7 @@
 
 A draft's head scores every id of the vocabulary at every step (Qwen2.5-0.5B's 151,936 × 896 is
 about a quarter of its weights); trimmed to the N ids that most text uses (EAGLE-3 and FR-Spec
-drafts keep 32k), a step reads N rows. The output stays exact (spec_runtime/draft_vocab.py).
+drafts keep 32k), a step reads N rows. The output stays exact (spec_runtime/decode/draft_vocab.py).
 
 The N ids are, in this order: every id the runtime must be able to propose cheaply, whatever
 their rank (the tokenizer's special and added tokens, the end-of-sequence, BOS and padding ids,

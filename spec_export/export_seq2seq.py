@@ -1,5 +1,5 @@
 """Export an encoder-decoder (models.T5) to two ONNX graphs that follow the runtime's contract
-(spec_runtime/contract.py): an encoder graph, and a decoder graph that is the decoder-only one
+(spec_runtime/bundle/contract.py): an encoder graph, and a decoder graph that is the decoder-only one
 plus the cross inputs, so the runtime drives it with the same engine code.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from spec_runtime.contract import DIM_N, decoder_io, encoder_io, kv_names
+from spec_runtime.bundle.contract import DIM_N, decoder_io, encoder_io, kv_names
 
 from .onnx_export import (check_contract, check_max_len, example_step, export_graph, io_names,
                           module_dims)

@@ -28,7 +28,7 @@ shared by the weights that read it:
         └── Reshape [.., K/32, 32] ── ReduceSum ── MatMul(offsets) ── Add ── y
 
 Both halves keep a row's result independent of the other rows of its call (what
-spec_runtime/rows.py needs). Exactness costs size: float32 scales and offsets and 8-bit codes
+spec_runtime/engines/rows.py needs). Exactness costs size: float32 scales and offsets and 8-bit codes
 for 5/6-bit ones make 5 bits a weight (Q4_0), 6.1 (Q4_1, Q4_K), 9 (Q5_0, Q8_0), 10 (Q6_K),
 10.3 (Q5_1, Q5_K), where the file has 4.5 to 8.5. Each block's zero point is moved to its mean code and the
 difference into its offset wherever that stays exact (Blocks.centred: all but 2 blocks in 10⁵

@@ -1,5 +1,5 @@
 """Export a models.CachedDecoder to one ONNX graph that follows the runtime's contract
-(spec_runtime/contract.py) with the "new-slots" cache layout.
+(spec_runtime/bundle/contract.py) with the "new-slots" cache layout.
 
 Exporter: the dynamo exporter (`torch.onnx.export(dynamo=True)`), see _export_dynamo for why.
 `export_graph` (export, opset-17 downgrade, describe) is shared with the encoder-decoder graphs of
@@ -18,7 +18,7 @@ import onnx.helper
 import onnx.numpy_helper
 import torch
 
-from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
+from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
 
 from .journal import will_write
 

@@ -16,10 +16,10 @@ The families' differences are read from the module's LlamaDims: q/k norms split 
 before GroupQueryAttention (which applies RoPE inside, so the norms must come first); Gemma's
 post-attention and post-MLP norms are SimplifiedLayerNormalization before the residual add, its
 MLP is GELU-tanh, its embedding is scaled, and its sliding and global layers read two cos/sin
-caches; a sliding layer sets `local_window_size` (spec_runtime/gqa_window.py: in the reading of
+caches; a sliding layer sets `local_window_size` (spec_runtime/engines/gqa_window.py: in the reading of
 the installed ONNX Runtime, recorded in the graph's metadata).
 
-Its I/O is the contract of spec_runtime/contract.py with kv_cache "in-place".
+Its I/O is the contract of spec_runtime/bundle/contract.py with kv_cache "in-place".
 GroupQueryAttention writes the new K/V at [position, position + n) of `present`; when the runtime
 binds `past` and `present` to one buffer (IOBinding) it writes there in place, so the cache is
 never copied. Slots past position + n are stale and never read (seqlens_k bounds every row), so
@@ -36,7 +36,7 @@ call. The padding row's K/V land in slot position + n, stale by definition; slot
 only for it. The MatMuls before and after attention see the call's own rows; whether their
 1-row kernels agree with their multi-row ones depends on the CPU (MatMulNBits' do on AVX-512,
 not on AVX2), so the runtime measures it at load and pads 1-token calls where they do not
-(spec_runtime/rows.py).
+(spec_runtime/engines/rows.py).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specedge.models.llama import rope_table
 
-from spec_runtime import gqa_window
-from spec_runtime.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
+from spec_runtime.engines import gqa_window
+from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
 
 from .journal import will_write
 from .onnx_export import (WeightFile, check_contract, check_max_len, describe, io_names,
@@ -147,7 +147,7 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
                 padded = g.node("Concat", [qkv, last], axis=1)  # [1, n + 1, ...]
                 q_k_v = [padded, "", ""] if not d.qk_norm else _qk_norms(g, padded, layer, d, p)
                 cos, sin = ropes[layer.rope]
-                # HF's window in the installed ONNX Runtime's reading (spec_runtime/gqa_window.py)
+                # HF's window in the installed ONNX Runtime's reading (spec_runtime/engines/gqa_window.py)
                 window = {} if layer.window is None else {
                     "local_window_size": gqa_window.window_attribute(layer.window)}
                 attn, _, _ = g.node(
@@ -290,10 +290,10 @@ def fused_io(module, max_len: int) -> tuple[list[dict], list[dict]]:
 
 
 def window_probe_model() -> onnx.ModelProto:
-    """The one-node graph spec_runtime.gqa_window runs to learn how this ONNX Runtime reads
+    """The one-node graph spec_runtime.engines.gqa_window runs to learn how this ONNX Runtime reads
     local_window_size (shipped as spec_runtime/data/gqa_window_probe.onnx: the runtime has no
     onnx package to build it)."""
-    from spec_runtime.gqa_window import PROBE_KEYS, PROBE_WINDOW
+    from spec_runtime.engines.gqa_window import PROBE_KEYS, PROBE_WINDOW
 
     n, d = PROBE_KEYS, 16
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spec_runtime.manifest import MANIFEST, name_limit, name_too_long
+from spec_runtime.bundle.manifest import MANIFEST, name_limit, name_too_long
 
 from .journal import JOURNAL, Journal, remove_written
 from .sources import BuildError
@@ -133,7 +133,7 @@ def bundle_files(directory: Path) -> dict | None:
     """{name: FileEntry (bytes, sha256), or None for manifest.json itself} of the files a
     bundle's manifest lists, or None when `directory/manifest.json` is not a manifest the
     runtime reads (a hand-made file that only says "specedge-bundle" is not one)."""
-    from spec_runtime.manifest import BundleError, read_manifest
+    from spec_runtime.bundle.manifest import BundleError, read_manifest
 
     try:
         manifest = read_manifest(directory, check_files=False)
@@ -146,7 +146,7 @@ def _as_listed(path: Path, entry, hashes: bool = True) -> bool:
     """Whether `path` still holds what the manifest lists for it (manifest.json: itself)."""
     if entry is None:
         return True
-    from spec_runtime.manifest import sha256_file
+    from spec_runtime.bundle.manifest import sha256_file
 
     try:
         if path.stat().st_size != entry.bytes:

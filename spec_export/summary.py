@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spec_runtime.manifest import MANIFEST, Manifest, ModelEntry, read_manifest
+from spec_runtime.bundle.manifest import MANIFEST, Manifest, ModelEntry, read_manifest
 
 from .quality import WARN_TOP1_AGREEMENT
 

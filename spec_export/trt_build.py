@@ -17,12 +17,12 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from spec_runtime.bundle import default_bundle_dir
-from spec_runtime.contract import tensorrt_profile
-from spec_runtime.devices import DEVICE_BUILDS
-from spec_runtime.engines import tensorrt_on
+from spec_runtime.bundle.reader import default_bundle_dir
+from spec_runtime.bundle.contract import tensorrt_profile
+from spec_runtime.engines.devices import DEVICE_BUILDS
+from spec_runtime.engines.opener import tensorrt_on
 from spec_runtime.errors import BuildError, BundleError
-from spec_runtime.manifest import read_manifest, write_manifest
+from spec_runtime.bundle.manifest import read_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 DEFAULT_WORKSPACE_MB = 4096

@@ -17,9 +17,9 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from spec_runtime.bundle import default_bundle_dir
+from spec_runtime.bundle.reader import default_bundle_dir
 from spec_runtime.errors import BundleError
-from spec_runtime.manifest import Manifest, ModelEntry, read_manifest
+from spec_runtime.bundle.manifest import Manifest, ModelEntry, read_manifest
 
 from .quality import (FP32_RELATIVE, FP32_TOLERANCE, MAX_BROKEN_KL, MIN_TOP1_AGREEMENT,
                       broken_quantization, check_inputs, fp32_tolerance)
@@ -62,7 +62,7 @@ def _trim_head(model, bundle_dir: Path, manifest: Manifest) -> None:
     draft.vocab), so that their logits compare id for id; its input embedding stays whole."""
     import torch
 
-    from spec_runtime.draft_vocab import read_kept_ids
+    from spec_runtime.decode.draft_vocab import read_kept_ids
 
     kept = read_kept_ids(bundle_dir, manifest.draft.options["vocab"], manifest.target.vocab_size,
                          manifest.tokenizer.eos_token_ids)

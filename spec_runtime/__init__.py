@@ -4,14 +4,14 @@ Imports numpy (and, when a bundle is loaded, onnxruntime and tokenizers) only: i
 torch or transformers, and does nothing at import time beyond defining names.
 """
 
-from .drafts import DRAFTS, Draft, ModelDraft, NgramDraft
-from .engine import Engine
+from .decode.drafts import DRAFTS, Draft, ModelDraft, NgramDraft
+from .decode.gamma import AUTO, Gamma
+from .decode.sampling import SamplingParams, accept_drafts, sample, warp
+from .decode.stats import expected_speedup, expected_tokens_per_round
+from .engines.protocol import Engine
 from .errors import BundleError, CacheCapacityError, FieldError, InputError, NonFiniteLogitsError
-from .gamma import AUTO, Gamma
 from .generator import Generator
 from .request import GenerationOptions, GenerationResult, Request, TextStream
-from .sampling import SamplingParams, accept_drafts, sample, warp
-from .stats import expected_speedup, expected_tokens_per_round
 
 __all__ = [
     "AUTO",
@@ -45,6 +45,6 @@ def load(bundle_dir=None, device: str = "cpu", **kwargs) -> Generator:
     """Open an exported bundle (see `specexport build`) and return its `Generator`; without
     `bundle_dir`, the default bundle (`$SPECEDGE_BUNDLE`, else where `specexport build` writes
     without --out: `specrun where` prints it)."""
-    from .bundle import load_bundle
+    from .bundle.reader import load_bundle
 
     return load_bundle(bundle_dir, device=device, **kwargs)

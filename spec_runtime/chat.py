@@ -26,7 +26,7 @@ from functools import lru_cache
 from .chat_limits import MAX_CHARS, MAX_STEPS, STEPS_PER_MESSAGE, Budget, Limit, rendering
 from .chat_sandbox import environment
 from .errors import BundleError, InputError, TemplateError
-from .manifest import REBUILD
+from .bundle.manifest import REBUILD
 
 FIX = f"{REBUILD} from a model whose chat template works"
 

@@ -28,14 +28,14 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .drafts import draft_engines, fork_engine
+from .decode.drafts import draft_engines, fork_engine
 from .errors import FieldError, InputError
-from .gamma import AUTO, Gamma, check_gamma_range, parse_gamma
-from .loop import AUTO_START, RequestState, generate_tokens
+from .decode.gamma import AUTO, Gamma, check_gamma_range, parse_gamma
+from .decode.loop import AUTO_START, RequestState, generate_tokens
 from .request import (OPTION_NAMES, GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
-from .sampling import SamplingParams, check_sampling
-from .stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
+from .decode.sampling import SamplingParams, check_sampling
+from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, check_text, texts, token_list
 
 
@@ -225,7 +225,7 @@ class Generator:
     def constrained(self, params: SamplingParams, response_format) -> SamplingParams:
         """`params` with the constraint of OpenAI's `response_format` (constraint.py; None or
         {"type": "text"}: unchanged); InputError for a format or schema it cannot compile."""
-        from .constraint import Grammar, grammar_of
+        from .decode.constraint import Grammar, grammar_of
 
         grammar = grammar_of(response_format)
         if grammar is None:

@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from .contract import DTYPES
-from .devices import Device
+from .bundle.contract import DTYPES
+from .engines.devices import Device
 from .errors import FieldError, InputError
 
 # Text averages about 4 bytes a token; tokenizers' longest tokens (runs of spaces, long words)
@@ -204,7 +204,8 @@ def check_slots(slots: int, manifest, devices: dict[str, Device], loaded: bool =
     largest = max(1, (available - weights) // per_slot)
     if slots > largest:
         beside = f" beside {_size(weights)} of weights" if weights else ""
-        raise InputError(
+        raise FieldError(
+            "slots",
             f"slots={slots} needs {_size(slots * per_slot)} of KV caches ({_size(per_slot)} a "
             f"slot at max_len {manifest.max_len}){beside}, more than the {_size(available)} of "
             f"memory available: use at most {largest} slot{'s' if largest > 1 else ''}, or a "

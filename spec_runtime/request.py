@@ -23,9 +23,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .errors import CacheCapacityError, FieldError
-from .gamma import Gamma, parse_gamma
-from .sampling import SAMPLING_FIELDS, SAMPLING_NAMES, SamplingParams, check_sampling
-from .stats import Costs
+from .decode.gamma import Gamma, parse_gamma
+from .decode.sampling import SAMPLING_FIELDS, SAMPLING_NAMES, SamplingParams, check_sampling
+from .decode.stats import Costs
 from .text import stop_strings
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows

@@ -135,8 +135,9 @@ class StrictBinding:
 def install(monkeypatch):
     """(stand-in Device, fake CUDA runtime): DEVICES["cuda"] is a "cuda" device run by the CPU
     provider with its cache in fake device memory; its sessions bind as on a GPU."""
-    from spec_runtime import devices, ort_engine
-    from spec_runtime.devices import DEVICES, Device
+    from spec_runtime.engines import devices
+    from spec_runtime.engines import ort as ort_engine
+    from spec_runtime.engines.devices import DEVICES, Device
 
     cuda = fake_cuda.install(monkeypatch)
     stand_in = Device("cuda", "CPUExecutionProvider", "cuda")

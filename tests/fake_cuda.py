@@ -1,5 +1,5 @@
 """A stand-in for cuda-python's runtime module (`cuda.bindings.runtime`), for machines without a
-GPU: the calls spec_runtime.device_memory makes, with cuda-python's conventions (every call
+GPU: the calls spec_runtime.engines.device_memory makes, with cuda-python's conventions (every call
 returns a tuple that starts with a cudaError_t), over "device" memory that is host memory kept
 apart from every other allocation.
 
@@ -11,7 +11,7 @@ It is as strict as a GPU where the caller could go wrong there:
 - each allocation belongs to the device current when it was made (cudaSetDevice), so
   fake_tensorrt can refuse memory of another GPU.
 
-`install(monkeypatch, gpus)` makes spec_runtime.device_memory use it.
+`install(monkeypatch, gpus)` makes spec_runtime.engines.device_memory use it.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ class Runtime:
 
 
 def install(monkeypatch, gpus=DEFAULT_GPUS) -> Runtime:
-    """spec_runtime.device_memory's CUDA calls go to a new fake runtime, which is returned."""
-    from spec_runtime import device_memory
+    """spec_runtime.engines.device_memory's CUDA calls go to a new fake runtime, which is returned."""
+    from spec_runtime.engines import device_memory
 
     runtime = Runtime(gpus)
     monkeypatch.setattr(device_memory, "cuda_runtime", lambda: runtime)

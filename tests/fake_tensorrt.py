@@ -1,5 +1,5 @@
 """A stand-in for the `tensorrt` module, for machines without a GPU: enough of TensorRT 10's
-builder and runtime API for `specexport engine` and spec_runtime.trt_engine to run end to end,
+builder and runtime API for `specexport engine` and spec_runtime.engines.tensorrt to run end to end,
 over the fake CUDA runtime of tests/fake_cuda.py (which must be installed).
 
 The "engine" it serializes is the ONNX file itself plus the optimization profile and the GPU it
@@ -39,7 +39,7 @@ last_error = None  # why the last build failed, for a test to read
 
 
 def _cuda():
-    from spec_runtime import device_memory
+    from spec_runtime.engines import device_memory
 
     return device_memory.cuda_runtime()  # tests/fake_cuda.py, installed by the test
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import spec_runtime
-from spec_runtime.manifest import BundleError, sha256_file
+from spec_runtime.bundle.manifest import BundleError, sha256_file
 from specedge.cli.specrun import main as specrun
 from helpers import edit_manifest, run
 
@@ -361,7 +361,7 @@ def test_a_file_swapped_between_the_check_and_the_load_is_refused(bundle_copy, m
     altered = bundle_copy.parent / "altered.onnx"
     onnx.save(model, str(altered))
 
-    from spec_runtime import bundle
+    from spec_runtime.bundle import reader as bundle
 
     load_tokenizer = bundle.load_tokenizer
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import spec_runtime
 from spec_runtime import SamplingParams
-from spec_runtime.manifest import BundleError
+from spec_runtime.bundle.manifest import BundleError
 from helpers import edit_manifest
 from tiny_models import exact_joint_hf
 from toy_models import joint_p_value

@@ -13,10 +13,10 @@ from scipy import stats as sps
 from toy_models import ToyEngine
 
 import spec_runtime
-import spec_runtime.loop
+import spec_runtime.decode.loop
 from spec_runtime import GenerationOptions, Generator, ModelDraft
 from spec_runtime.apps import check, twosample
-from spec_runtime.sampling import sample
+from spec_runtime.decode.sampling import sample
 from specedge.cli.specrun import main as specrun
 
 
@@ -93,7 +93,7 @@ def test_toy_runtime_passes_and_a_verifier_without_residual_fails(monkeypatch):
     assert ok["exit_code"] == 0 and ok["consistent"], ok
     assert ok["sampling"]["draft_accepted"] > 0
 
-    monkeypatch.setattr(spec_runtime.loop, "accept_drafts", no_residual)
+    monkeypatch.setattr(spec_runtime.decode.loop, "accept_drafts", no_residual)
     bad = check.run_check(gen, samples=1500, prompts=TOY_PROMPTS, greedy_tokens=10)
     print(check.format_report(bad))
     assert bad["exit_code"] == 1 and bad["sampling"]["p_value"] < check.LEVEL
@@ -135,7 +135,7 @@ def test_greedy_divergence_is_a_warning_at_a_near_tie_and_a_failure_otherwise(mo
 
 def test_a_near_tie_is_a_failure_where_the_rows_are_bit_identical(monkeypatch):
     """Where the load found steps and verify calls bit for bit alike, nothing may flip."""
-    from spec_runtime.rows import RowCheck
+    from spec_runtime.engines.rows import RowCheck
 
     gen = toy_generator(cls=FlipsGreedyToken)
     gen.row_check = RowCheck("as-is", "probe", True, 0.0, None, 0.0)

@@ -143,7 +143,7 @@ def test_bad_build_values_exit_2(tmp_path):
 def test_an_internal_bug_keeps_its_traceback(llama_pair, monkeypatch):
     """Only the package's own InputErrors are bad input (exit 2); a ValueError from a bug deep
     inside (here: the sampler) is not the user's fault and must not be dressed up as one."""
-    from spec_runtime import loop
+    from spec_runtime.decode import loop
 
     def broken(*args, **kwargs):
         raise ValueError("operands could not be broadcast together")

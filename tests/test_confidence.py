@@ -8,9 +8,9 @@ import pytest
 from toy_models import ToyEngine, exact_joint, joint_p_value
 
 from spec_runtime import Generator, ModelDraft, SamplingParams
-from spec_runtime.drafts import HybridDraft, NgramDraft
-from spec_runtime.loop import GammaPolicy
-from spec_runtime.stats import DecodeStats, confidence_floor
+from spec_runtime.decode.drafts import HybridDraft, NgramDraft
+from spec_runtime.decode.loop import GammaPolicy
+from spec_runtime.decode.stats import DecodeStats, confidence_floor
 
 PROMPT = [1, 2, 3, 1, 2]
 VOCAB = 6

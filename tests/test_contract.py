@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import spec_runtime
-from spec_runtime import drafts
-from spec_runtime.contract import Dims, decoder_io, encoder_io, mismatch
-from spec_runtime.manifest import Manifest, read_manifest, write_manifest
+from spec_runtime.decode import drafts
+from spec_runtime.bundle.contract import Dims, decoder_io, encoder_io, mismatch
+from spec_runtime.bundle.manifest import Manifest, read_manifest, write_manifest
 from spec_runtime.errors import BundleError
 from helpers import edit_manifest
 

@@ -9,8 +9,8 @@ from scipy import stats as sps
 from toy_models import FakeClock, ToyEngine, exact_joint
 
 from spec_runtime import CacheCapacityError, Generator, ModelDraft, NgramDraft, SamplingParams, warp
-from spec_runtime.drafts import HybridDraft
-from spec_runtime.stats import (DecodeStats, acceptance_by_position, best_gamma,
+from spec_runtime.decode.drafts import HybridDraft
+from spec_runtime.decode.stats import (DecodeStats, acceptance_by_position, best_gamma,
                                 best_gamma_by_position, expected_tokens_by_position,
                                 expected_tokens_per_round, row_cost)
 

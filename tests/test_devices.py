@@ -11,9 +11,9 @@ import pytest
 
 import spec_runtime
 from spec_runtime.errors import BundleError
-from spec_runtime.devices import DEVICES
-from spec_runtime.kv_cache import DeviceCache, HostCache
-from spec_runtime.ort_engine import provider_options
+from spec_runtime.engines.devices import DEVICES
+from spec_runtime.engines.kv_cache import DeviceCache, HostCache
+from spec_runtime.engines.ort import provider_options
 from helpers import assert_input_error, call_schedule, run
 from specedge.cli.specrun import main as specrun
 
@@ -148,7 +148,7 @@ def test_the_gpu_tests_pass_on_the_stand_in(fp16_pair, cuda_stand_in):
 def test_the_device_cache_is_zeroed_when_allocated(cuda_stand_in):
     """Device memory comes uninitialised (the stand-in's: NaN bytes); a NaN in a slot that
     attention masks is still NaN after the softmax's 0 × NaN, so the cache starts at zero."""
-    from spec_runtime.ort_engine import onnxruntime
+    from spec_runtime.engines.ort import onnxruntime
 
     device, cuda = cuda_stand_in
     _, fresh = cuda.cudaMalloc(64)
@@ -207,7 +207,7 @@ def test_one_tensorrt_profile_for_every_dynamic_and_shape_input(llama_portable_p
     import fake_cuda
     import fake_tensorrt
     from spec_export.trt_build import build_engines
-    from spec_runtime.manifest import read_manifest
+    from spec_runtime.bundle.manifest import read_manifest
 
     bundle = tmp_path / "bundle"
     shutil.copytree(llama_portable_pair[2], bundle)
@@ -243,7 +243,7 @@ def test_one_tensorrt_profile_for_every_dynamic_and_shape_input(llama_portable_p
 
 
 def test_provider_options_come_from_the_manifest(tmp_path):
-    from spec_runtime.contract import Dims, decoder_io, encoder_io
+    from spec_runtime.bundle.contract import Dims, decoder_io, encoder_io
 
     ins = decoder_io(Dims(2, 2, 16, 259), 96, "new-slots")[0]
     trt = provider_options(DEVICES["tensorrt"], ins, precision="fp16", max_len=96, max_gamma=8,
@@ -267,7 +267,7 @@ def test_provider_options_come_from_the_manifest(tmp_path):
 
 
 def test_threads_apply_to_cpu_sessions_only():
-    from spec_runtime.ort_engine import onnxruntime, session_options
+    from spec_runtime.engines.ort import onnxruntime, session_options
 
     ort = onnxruntime()
     cpu = session_options(ort, DEVICES["cpu"], threads=1, spinning=False)

@@ -16,8 +16,8 @@ from toy_models import ToyEngine, joint_p_value
 import spec_runtime
 from spec_export.build import build_bundle
 from spec_runtime import Generator, ModelDraft, NgramDraft, SamplingParams, warp
-from spec_runtime.draft_vocab import KeptVocab
-from spec_runtime.drafts import HybridDraft
+from spec_runtime.decode.draft_vocab import KeptVocab
+from spec_runtime.decode.drafts import HybridDraft
 from specedge.cli.specexport import main as specexport
 
 PROMPT = [1, 2, 3, 1, 2]

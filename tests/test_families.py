@@ -137,7 +137,7 @@ def test_quantized_builds_decode_exactly(name, precision, draft, tmp_path):
     else:
         assert m["target"]["precision"] == precision
     if name == "mistral":  # the window reading survives quantization (load checks it)
-        from spec_runtime.gqa_window import WINDOW_METADATA
+        from spec_runtime.engines.gqa_window import WINDOW_METADATA
 
         graph = onnx.load(str(bundle / "target.onnx"), load_external_data=False)
         assert WINDOW_METADATA in {p.key for p in graph.metadata_props}
@@ -169,7 +169,7 @@ def test_sampled_joint_of_a_gemma3_bundle_equals_hfs(tmp_path):
 def test_a_graph_written_for_the_other_window_reading_is_refused(tmp_path, monkeypatch):
     """A fused sliding-window graph records how the ONNX Runtime that wrote it reads
     local_window_size; one that reads it the other way refuses the bundle, naming why."""
-    from spec_runtime import gqa_window
+    from spec_runtime.engines import gqa_window
 
     target = make("mistral")
     bundle = build_bundle(str(save(target, tmp_path / "t")), "ngram", tmp_path / "b",
@@ -186,7 +186,7 @@ def test_the_shipped_window_probe_is_the_one_the_exporter_writes():
     from importlib import resources
 
     from spec_export.onnx_fused import window_probe_model
-    from spec_runtime.gqa_window import PROBE
+    from spec_runtime.engines.gqa_window import PROBE
 
     shipped = onnx.load_from_string(resources.files("spec_runtime").joinpath(PROBE).read_bytes())
     assert shipped == window_probe_model()

@@ -47,7 +47,7 @@ def step_by_step_counts(model_dir, graph) -> list[int]:
 def test_the_recorded_counts_are_those_of_step_by_step_greedy_runs(int8_build, role):
     from spec_export.quality import FOLLOW_TOKENS
     from spec_export.summary import _parity
-    from spec_runtime.manifest import read_manifest
+    from spec_runtime.bundle.manifest import read_manifest
 
     target_dir, draft_dir, bundle = int8_build
     manifest = read_manifest(bundle)
@@ -66,7 +66,7 @@ def test_the_counts_tell_apart_what_they_measure(int8_build):
     """Not all 0 nor all FOLLOW_TOKENS on this pair, so an off-by-one row or a count that
     stops at the continuation's length would fail the test above."""
     from spec_export.quality import FOLLOW_TOKENS
-    from spec_runtime.manifest import read_manifest
+    from spec_runtime.bundle.manifest import read_manifest
 
     manifest = read_manifest(int8_build[2])
     counts = manifest.target.parity["int8"]["follows_float"] + \

@@ -9,7 +9,7 @@ from toy_models import ToyEngine
 
 import spec_runtime
 from spec_runtime import CacheCapacityError, Generator, ModelDraft, NgramDraft
-from spec_runtime.drafts import HybridDraft
+from spec_runtime.decode.drafts import HybridDraft
 
 PROMPTS = ["abc abc abc", "hello world", "the cat sat on the mat", "xyz"]
 

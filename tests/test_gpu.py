@@ -31,7 +31,7 @@ PATHS = [("cuda-fused", "fused", "cuda", None), ("cuda-portable", "portable", "c
 
 
 def providers() -> list[str]:
-    from spec_runtime.ort_engine import onnxruntime
+    from spec_runtime.engines.ort import onnxruntime
 
     return onnxruntime().get_available_providers()
 
@@ -40,7 +40,7 @@ def native_tensorrt_error() -> str | None:
     try:
         import tensorrt  # noqa: F401
 
-        from spec_runtime.device_memory import gpu_identity
+        from spec_runtime.engines.device_memory import gpu_identity
 
         gpu_identity(0)
     except Exception as e:  # no TensorRT, no cuda-python, or no GPU behind them
@@ -97,7 +97,7 @@ def test_the_gpu_computes_what_the_cpu_computes(path):
     from spec_export.quality import FP16_TOLERANCE
     from spec_export.quantize import distribution_agreement
 
-    from spec_runtime.trt_engine import TrtEngine
+    from spec_runtime.engines.tensorrt import TrtEngine
 
     bundle, device, draft_device, kernels = path
     gpu = spec_runtime.load(bundle, device=device, draft_device=draft_device)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_without_a_gpu_it_names_what_is_missing_and_stops(tmp_path):
-    from spec_runtime.ort_engine import onnxruntime
+    from spec_runtime.engines.ort import onnxruntime
 
     if "CUDAExecutionProvider" in onnxruntime().get_available_providers() \
             or shutil.which("nvidia-smi"):

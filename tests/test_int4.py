@@ -12,7 +12,7 @@ from toy_models import exact_joint, joint_p_value, sampled_joint
 
 import spec_runtime
 from spec_runtime import SamplingParams
-from spec_runtime.manifest import BundleError
+from spec_runtime.bundle.manifest import BundleError
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_verify_fails_an_int4_graph_whose_weights_are_not_the_models(int4_pair, 
     from click.testing import CliRunner
 
     from helpers import edit_manifest
-    from spec_runtime.manifest import sha256_file
+    from spec_runtime.bundle.manifest import sha256_file
     from specedge.cli.specexport import main as specexport
 
     bad = tmp_path / "bad"

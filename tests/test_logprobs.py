@@ -94,7 +94,7 @@ def test_a_bad_logprobs_value_is_refused(gen, bad):
 def test_top_alternatives_are_a_stable_sort_of_the_row():
     """token_logprobs picks the `top` most likely without sorting the vocabulary; ties (often
     -inf, a token sampling cannot draw) go by id, as numpy's stable argsort orders them."""
-    from spec_runtime.loop import token_logprobs
+    from spec_runtime.decode.loop import token_logprobs
 
     rng = np.random.default_rng(0)
     for trial in range(300):

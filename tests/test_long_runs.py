@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import spec_runtime
-from spec_runtime.manifest import BundleError
+from spec_runtime.bundle.manifest import BundleError
 from specedge.cli.specexport import main as specexport
 
 

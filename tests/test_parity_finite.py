@@ -22,7 +22,7 @@ from specedge.models import for_hf_model
 from spec_export import onnx_fused
 from spec_export.parity import hf_reference, open_decoder, plan_calls, quantized_parity, run_calls
 from spec_runtime.errors import BuildError
-from spec_runtime.manifest import read_manifest, write_manifest
+from spec_runtime.bundle.manifest import read_manifest, write_manifest
 
 PROMPT = list(range(3, 45))
 PLAN = dict(prefill_chunk=16, steps=3, verify_len=5)

@@ -339,7 +339,7 @@ def test_the_sampling_table_is_the_declared_controls():
     """The sampling controls are declared once (SamplingParams' fields); README's table is
     rendered from that declaration, so a control added, renamed or re-ranged there fails here
     until the table says so."""
-    from spec_runtime.sampling import SAMPLING_FIELDS, sampling_table
+    from spec_runtime.decode.sampling import SAMPLING_FIELDS, sampling_table
 
     table = sampling_table()
     assert len(table.splitlines()) == 2 + len(SAMPLING_FIELDS)

@@ -10,9 +10,9 @@ from toy_models import FakeClock, ToyEngine, exact_joint, joint_p_value
 
 import spec_runtime
 from spec_runtime import Generator, ModelDraft, NgramDraft, SamplingParams
-from spec_runtime.drafts import HybridDraft
-from spec_runtime.manifest_checks import COSTS
-from spec_runtime.stats import Costs
+from spec_runtime.decode.drafts import HybridDraft
+from spec_runtime.bundle.checks import COSTS
+from spec_runtime.decode.stats import Costs
 
 PROMPT = [1, 2, 3, 1, 2]
 VOCAB = 6
@@ -93,7 +93,7 @@ def test_fixed_cost_rounds_keep_the_targets_joint(monkeypatch, costs):
     """Sampling at temperature 0.9 from γ 1, re-priced from the first round: the first three
     tokens span rounds whose lengths the earlier rounds' acceptances chose, and their joint is
     still the target's, enumerated."""
-    monkeypatch.setattr(spec_runtime.loop, "AUTO_WARMUP_POSITIONS", 1)
+    monkeypatch.setattr(spec_runtime.decode.loop, "AUTO_WARMUP_POSITIONS", 1)
     target = ToyEngine(vocab=VOCAB, seed=0)
     draft = ModelDraft(ToyEngine(vocab=VOCAB, seed=1, like=target, mix=0.6))
     gen = Generator(target, draft, max_gamma=5, default_gamma=1, costs=costs)

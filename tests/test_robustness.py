@@ -10,9 +10,9 @@ import pytest
 
 import spec_runtime
 from spec_runtime import NonFiniteLogitsError, SamplingParams
-from spec_runtime.loop import RequestState, generate_tokens
-from spec_runtime.manifest import BundleError, sha256_file
-from spec_runtime.stats import DecodeStats, Recorder
+from spec_runtime.decode.loop import RequestState, generate_tokens
+from spec_runtime.bundle.manifest import BundleError, sha256_file
+from spec_runtime.decode.stats import DecodeStats, Recorder
 from specedge.cli.specrun import main as specrun
 from helpers import assert_input_error as assert_exit_2
 from helpers import edit_manifest
@@ -219,7 +219,7 @@ def test_non_utf8_prompt_on_stdin_or_argv_exits_2(llama_pair):
 def test_threads_default_to_physical_cores(tmp_path, monkeypatch):
     """Two logical CPUs of one core (SMT siblings) count once; an unreadable topology falls back
     to the usable logical CPUs."""
-    from spec_runtime import ort_engine
+    from spec_runtime.engines import ort as ort_engine
 
     for cpu, core in enumerate([0, 0, 1, 1, 2, 3]):
         topo = tmp_path / f"cpu{cpu}" / "topology"

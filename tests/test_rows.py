@@ -1,4 +1,4 @@
-"""The target's 1-row calls: the load-time check (spec_runtime/rows.py) and the padded form.
+"""The target's 1-row calls: the load-time check (spec_runtime/engines/rows.py) and the padded form.
 
 Stand-in engines play the kernels of the machines the runtime meets: one that scores every call
 shape alike (AVX-512's MatMulNBits), one whose 1-row calls take another kernel (AVX2's), one
@@ -12,8 +12,8 @@ import pytest
 from toy_models import ToyEngine
 
 from spec_runtime import Generator, ModelDraft, NgramDraft
-from spec_runtime.engine import ChunkedEngine
-from spec_runtime.rows import choose_one_row, given, probe
+from spec_runtime.engines.protocol import ChunkedEngine
+from spec_runtime.engines.rows import choose_one_row, given, probe
 
 
 class KernelEngine(ChunkedEngine):
@@ -115,7 +115,7 @@ def test_a_1_token_prefill_chunk_is_padded_too():
 
 def test_rows_that_depend_on_the_call_length_are_reported_not_hidden(caplog):
     engine = KernelEngine(per_row=1e-3)
-    with caplog.at_level(logging.WARNING, logger="spec_runtime.rows"):
+    with caplog.at_level(logging.WARNING, logger="spec_runtime.engines.rows"):
         check = probe(engine)
     assert check.identical is False and check.multi_row_diff > 0
     assert check.one_row in ("as-is", "padded")

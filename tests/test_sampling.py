@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from spec_runtime.sampling import (
+from spec_runtime.decode.sampling import (
     NonFiniteLogitsError,
     SamplingParams,
     sample,
@@ -290,7 +290,7 @@ def test_a_looked_up_token_is_accepted_with_probability_p_target_and_else_remove
 
 def test_greedy_verify_equals_verify_on_one_hot_distributions():
     """The temperature-0 fast path must emit exactly what Algorithm 1 emits for one-hot p, q."""
-    from spec_runtime.sampling import accept_drafts_greedy
+    from spec_runtime.decode.sampling import accept_drafts_greedy
 
     rng = np.random.default_rng(0)
     greedy = SamplingParams()

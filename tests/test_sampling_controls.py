@@ -16,7 +16,7 @@ from transformers.generation import logits_process as lp
 
 import spec_runtime
 from spec_runtime import InputError, SamplingParams, warp
-from spec_runtime import loop as loop_module
+from spec_runtime.decode import loop as loop_module
 
 DRAWS = 6000
 

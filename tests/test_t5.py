@@ -17,7 +17,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 import spec_runtime
 from spec_export.build import BuildError, build_bundle
 from spec_runtime import CacheCapacityError, SamplingParams, warp
-from spec_runtime.manifest import BundleError
+from spec_runtime.bundle.manifest import BundleError
 from toy_models import joint_p_value
 
 MAX_LEN, MAX_SOURCE_LEN = 64, 32
@@ -176,7 +176,7 @@ def test_a_gpu_stand_in_gives_the_cpus_tokens(v10_pair, cuda_stand_in):
     bound, as on a GPU; cache and cross K/V in device memory): each request's source ids and
     mask reach the encoder and the decoder, so requests in a row give the CPU's tokens, greedy
     and sampled."""
-    from spec_runtime.kv_cache import DeviceCache
+    from spec_runtime.engines.kv_cache import DeviceCache
 
     _, bundle = v10_pair
     gpu = spec_runtime.load(bundle, device="cuda", threads=THREADS)

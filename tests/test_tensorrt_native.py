@@ -18,7 +18,8 @@ from click.testing import CliRunner
 import fake_cuda
 import fake_tensorrt
 import spec_runtime
-from spec_runtime import devices, trt_engine
+from spec_runtime.engines import devices
+from spec_runtime.engines import tensorrt as trt_engine
 from spec_runtime.errors import BundleError
 from spec_export.trt_build import build_engines
 from specedge.cli.specexport import main as specexport
@@ -79,7 +80,7 @@ def test_logits_equal_the_onnx_runtime_engines_over_steps_verify_and_rollback(po
 
 
 def open_target_engine(bundle, **kw) -> trt_engine.TrtEngine:
-    from spec_runtime.manifest import read_manifest
+    from spec_runtime.bundle.manifest import read_manifest
 
     m = read_manifest(bundle)
     args = {**dict(vocab_size=m.target.vocab_size, max_len=m.max_len,
@@ -109,7 +110,7 @@ def test_a_call_past_the_engines_profile_is_refused_with_the_rebuild_command(por
                                                                            fake_gpu):
     """set_input_shape returns False for a shape outside the profile (TensorRT logs and
     carries on): the engine says so instead of running with the previous call's shape."""
-    from spec_runtime.manifest import read_manifest, write_manifest
+    from spec_runtime.bundle.manifest import read_manifest, write_manifest
 
     m = read_manifest(portable_copy)
     write_manifest(portable_copy, replace(m, prefill_chunk=16))

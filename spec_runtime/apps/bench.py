@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InputError
 from ..limits import read_bounded, utf8
 from ..request import GenerationOptions
-from ..stats import expected_speedup, expected_tokens_per_round
+from ..decode.stats import expected_speedup, expected_tokens_per_round
 
 KINDS = ("grounded", "chat")
 

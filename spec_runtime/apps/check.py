@@ -33,8 +33,8 @@ import numpy as np
 
 from ..errors import FieldError, InputError
 from ..request import GenerationOptions
-from ..rows import RowCheck
-from ..sampling import SAMPLING_FIELDS
+from ..engines.rows import RowCheck
+from ..decode.sampling import SAMPLING_FIELDS
 from .twosample import compare
 
 LEVEL = 1e-3  # p-value below which the sampling test rejects

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..bundle import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir
+from ..bundle.reader import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir
 from ..errors import InputError
-from ..manifest import MANIFEST, Manifest, name_too_long, read_manifest
+from ..bundle.manifest import MANIFEST, Manifest, name_too_long, read_manifest
 
 
 def _model(entry) -> str:

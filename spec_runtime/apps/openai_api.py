@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import CacheCapacityError, FieldError, InputError
 from ..request import MAX_TOP_LOGPROBS
-from ..sampling import SAMPLING_NAMES
+from ..decode.sampling import SAMPLING_NAMES
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}

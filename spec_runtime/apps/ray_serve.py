@@ -55,7 +55,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..devices import device as device_entry
+from ..engines.devices import device as device_entry
 from ..errors import InputError, install_extra
 from .openai_api import default_model_name
 from .run_server import bind_sockets, close
@@ -83,8 +83,8 @@ def _ray():
 def _bundle(bundle_dir) -> tuple[str, object]:
     """The bundle's absolute path (replicas on other nodes open the same path) and its
     manifest, read here so that a missing or damaged bundle fails before Ray starts."""
-    from ..bundle import default_bundle_dir
-    from ..manifest import read_manifest
+    from ..bundle.reader import default_bundle_dir
+    from ..bundle.manifest import read_manifest
 
     path = Path(bundle_dir).expanduser() if bundle_dir is not None else default_bundle_dir()
     path = path.resolve()

@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 
-from ..errors import InputError
+from ..errors import FieldError, InputError
 from .server import DRAIN_SECONDS
 from .slots import DECODE_THREAD
 
@@ -28,7 +28,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:  # (UnicodeError: a label IDNA cannot encode)
-        raise InputError(f"host={host!r} is neither an IP address nor a name this machine "
+        raise FieldError("host", f"host={host!r} is neither an IP address nor a name this machine "
                          f"resolves ({e}): use one of its addresses, 127.0.0.1 (this machine "
                          f"only) or 0.0.0.0 (every interface)") from None
     sockets = []
@@ -45,10 +45,10 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             sock.bind(address)
     except OSError as e:
         close(sockets)
-        raise InputError(address_refusal(host, port, e)) from None
+        raise address_refusal(host, port, e) from None
     if not sockets:
-        raise InputError(f"host={host!r} names no address this system can listen on: use "
-                         f"127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+        raise FieldError("host", f"host={host!r} names no address this system can listen on: "
+                                 f"use 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
     return sockets
 
 
@@ -60,7 +60,7 @@ def listen(sockets: list[socket.socket], host: str, port: int) -> None:
             sock.listen(BACKLOG)
     except OSError as e:
         close(sockets)
-        raise InputError(address_refusal(host, port, e)) from None
+        raise address_refusal(host, port, e) from None
 
 
 def close(sockets: list[socket.socket]) -> None:
@@ -68,18 +68,21 @@ def close(sockets: list[socket.socket]) -> None:
         sock.close()
 
 
-def address_refusal(host: str, port: int, e: OSError) -> str:
+def address_refusal(host: str, port: int, e: OSError) -> InputError:
     """Why `host`:`port` cannot be listened on, in words naming the value and the fix."""
     if e.errno == errno.EADDRINUSE:
-        return (f"port={port} is in use on {host or 'every interface'}: stop what uses it or "
-                f"choose another port (0: any free port)")
+        return FieldError("port", f"port={port} is in use on {host or 'every interface'}: stop "
+                                  f"what uses it or choose another port (0: any free port)")
     if e.errno == errno.EADDRNOTAVAIL:
-        return (f"host={host!r} is not an address of this machine: use one of its addresses, "
-                f"127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+        return FieldError("host", f"host={host!r} is not an address of this machine: use one of "
+                                  f"its addresses, 127.0.0.1 (this machine only) or 0.0.0.0 "
+                                  f"(every interface)")
     if e.errno == errno.EACCES and 0 < port < 1024:
-        return (f"port={port} is a privileged port, which this user may not listen on: choose "
-                f"one from 1024 up (0: any free port), or run as a user that may")
-    return (f"cannot listen on {host}:{port} ({e.strerror}): choose another host or port")
+        return FieldError("port", f"port={port} is a privileged port, which this user may not "
+                                  f"listen on: choose one from 1024 up (0: any free port), or run "
+                                  f"as a user that may")
+    return InputError(f"cannot listen on {host}:{port} ({e.strerror}): choose another host or "
+                      f"port")
 
 
 def run_uvicorn(app, host: str = "127.0.0.1", port: int = 8000, *,

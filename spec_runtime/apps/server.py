@@ -37,8 +37,8 @@ import math
 import time
 import uuid
 
-from ..devices import device as device_entry
-from ..drafts import draft_engines
+from ..engines.devices import device as device_entry
+from ..decode.drafts import draft_engines
 from ..errors import InputError
 from ..limits import check_slots
 from ..request import GenerationOptions
@@ -95,7 +95,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     drain_seconds = check_number("drain_seconds", drain_seconds, 0)
     if generator is None:
         from .. import load
-        from ..bundle import read_bundle_manifest
+        from ..bundle.reader import read_bundle_manifest
 
         check_slots(slots, read_bundle_manifest(bundle_dir),
                     {"target": device_entry(device),

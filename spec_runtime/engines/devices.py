@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .errors import InputError
+from ..errors import InputError
 
 
 @dataclass(frozen=True)

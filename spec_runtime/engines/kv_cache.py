@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contract import DTYPES
+from ..bundle.contract import DTYPES
 from .device_memory import memory, write_slots
 from .devices import DEVICES, Device
-from .errors import BundleError
+from ..errors import BundleError
 
 def _allocation(names, shape, dtype) -> str:
     gib = np.dtype(dtype).itemsize * len(names) * float(np.prod(shape)) / 2**30

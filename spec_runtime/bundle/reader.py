@@ -23,17 +23,17 @@ import json
 import os
 from pathlib import Path
 
-from . import devices, rows
-from .chat import compile_chat_template
-from .drafts import open_draft
-from .engines import open_engine
-from .errors import BundleError
-from .generator import Generator
-from .limits import check_threads
+from ..engines import devices, rows
+from ..chat import compile_chat_template
+from ..decode.drafts import open_draft
+from ..engines.opener import open_engine
+from ..errors import BundleError
+from ..generator import Generator
+from ..limits import check_threads
 from .manifest import (MANIFEST, REBUILD, TokenizerEntry, name_too_long, read_manifest,
                        unreadable)
-from .manifest_checks import check_file_hashes, check_unchanged, regular_file, snapshot
-from .stats import Costs
+from .checks import check_file_hashes, check_unchanged, regular_file, snapshot
+from ..decode.stats import Costs
 
 DEFAULT_BUNDLE_ENV = "SPECEDGE_BUNDLE"
 
@@ -149,7 +149,7 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         )
     kept = None
     if "vocab" in manifest.draft.options:  # a trimmed draft head: its kept ids, checked
-        from .draft_vocab import read_kept_ids
+        from ..decode.draft_vocab import read_kept_ids
 
         kept = read_kept_ids(bundle_dir, manifest.draft.options["vocab"], target.vocab_size,
                              tok.eos_token_ids)

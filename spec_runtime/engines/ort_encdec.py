@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import CacheCapacityError, InputError
+from ..errors import CacheCapacityError, InputError
 from .devices import DEVICES, Device
-from .manifest import GraphEntry
-from .ort_engine import OrtEngine, open_session
+from ..bundle.manifest import GraphEntry
+from .ort import OrtEngine, open_session
 
 
 class OrtEncDecEngine(OrtEngine):
-    """spec_runtime.engine.Engine plus `encode_source(source_ids)`, over an encoder and a
+    """spec_runtime.engines.protocol.Engine plus `encode_source(source_ids)`, over an encoder and a
     decoder graph (checked against the contract: the encoder's outputs are the decoder's cross
     inputs, its source length max_source_len)."""
 

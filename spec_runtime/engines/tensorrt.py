@@ -1,7 +1,7 @@
 """Native TensorRT engine: a serialized engine built by `specexport engine` from a bundle's
 portable graph, for boards that have TensorRT (JetPack) but no onnxruntime-gpu.
 
-It implements spec_runtime.engine.Engine the way OrtEngine does, with its own buffers:
+It implements spec_runtime.engines.protocol.Engine the way OrtEngine does, with its own buffers:
 
     input_ids ─ host → device copy per call
     position, num_logits ─ where the engine says (get_tensor_location): host memory for the
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import DTYPES, dims_of, kv_names
+from ..bundle.contract import DTYPES, dims_of, kv_names
 from .device_memory import CudaMemory, write_slots
-from .engine import ChunkedEngine
-from .errors import BundleError, InputError
-from .manifest import GraphEntry
+from .protocol import ChunkedEngine
+from ..errors import BundleError, InputError
+from ..bundle.manifest import GraphEntry
 
 TENSORRT_INSTALL = ("install TensorRT's Python package: on a Jetson it comes with JetPack "
                     "(python3-libnvinfer), elsewhere `pip install tensorrt`")

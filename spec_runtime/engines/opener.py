@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import graph_metadata, token_profile
+from ..bundle.contract import graph_metadata, token_profile
 from .devices import DEVICE_BUILDS, DEVICES, Device, for_role, native_engine
-from .errors import BundleError, InputError
-from .manifest import REBUILD, GraphEntry, Manifest, ModelEntry, unreadable
-from .manifest_checks import regular_file
+from ..errors import BundleError, InputError
+from ..bundle.manifest import REBUILD, GraphEntry, Manifest, ModelEntry, unreadable
+from ..bundle.checks import regular_file
 
 
 def tensorrt_cache_dir(bundle_dir: Path) -> Path:
@@ -43,7 +43,7 @@ def open_ort_engine(bundle_dir: Path, manifest: Manifest, role: str, model: Mode
                     dev: Device, threads: int | None):
     """OrtEngine over the model's decoder graph, or for an encoder-decoder bundle
     OrtEncDecEngine over its encoder and decoder graphs, on `dev`'s provider."""
-    from .ort_engine import OrtEngine, provider_options, require_provider
+    from .ort import OrtEngine, provider_options, require_provider
 
     require_provider(dev)
     for name, graph in model.graphs.items():
@@ -98,7 +98,7 @@ def open_tensorrt_engine(bundle_dir: Path, manifest: Manifest, role: str, model:
     """The native TensorRT engine `specexport engine` built for this role, on GPU
     `dev.device_id`, after checking that this machine's TensorRT and that GPU are the ones it
     was built for (`threads` is ONNX Runtime's setting: unused)."""
-    from .trt_engine import TrtEngine, check_compatible
+    from .tensorrt import TrtEngine, check_compatible
 
     trt, identity = tensorrt_on(dev.device_id)
     check_compatible(manifest.engines["tensorrt"], identity, bundle_dir)
@@ -123,7 +123,7 @@ def tensorrt_on(device_id: int = 0, current: bool = False) -> tuple[object, dict
     missing, or the device when there is no such GPU. `specexport engine` records this
     identity; the runtime checks it before it loads an engine."""
     from .device_memory import gpu_identity, select_device
-    from .trt_engine import import_tensorrt
+    from .tensorrt import import_tensorrt
 
     trt = import_tensorrt()
     if current:
@@ -135,7 +135,7 @@ def check_external_data(bundle_dir: Path, manifest: Manifest, file: str) -> None
     """A graph may keep its weights in other files (external data, for graphs past 2 GB):
     each must be one the manifest lists, so that it was hashed with the rest; a graph that
     names any other file would load bytes no check has seen."""
-    from .onnx_refs import NotProtobuf, external_files
+    from ..bundle.onnx_refs import NotProtobuf, external_files
 
     path = bundle_dir / file
     regular_file(path, file)
@@ -163,7 +163,7 @@ def open_graph(path, graph: GraphEntry, *, vocab_size: int, max_len: int,
     so that a masking bug cannot hide behind zero-valued slots (parity runs). `one_row` is the
     form of its 1-token calls (engine.ONE_ROW_FORMS), or "auto": the form rows.py measures, as
     a bundle's load does."""
-    from .ort_engine import OrtEngine
+    from .ort import OrtEngine
 
     common = dict(vocab_size=vocab_size, max_len=max_len, prefill_chunk=prefill_chunk,
                   device=DEVICES["cpu"], threads=threads, where=where)

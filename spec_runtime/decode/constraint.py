@@ -25,7 +25,7 @@ import json
 
 import numpy as np
 
-from .errors import FieldError, install_extra
+from ..errors import FieldError, install_extra
 
 FORMATS = ("text", "json_object", "json_schema")
 PROBE_TOKENS = 16  # tokens of the walk that checks a grammar before decoding

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .engine import ONE_ROW_FORMS
+from .protocol import ONE_ROW_FORMS
 
 log = logging.getLogger(__name__)
 

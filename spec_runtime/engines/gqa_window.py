@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from .errors import BundleError
+from ..errors import BundleError
 
 WINDOW_METADATA = "specedge.gqa_local_window"
 # the metadata's values: local_window_size counts the keys a query sees, itself included

@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import CacheCapacityError
+from ..errors import CacheCapacityError
 
 ONE_ROW_FORMS = ("as-is", "padded")
 

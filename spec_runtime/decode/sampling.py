@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import FieldError, NonFiniteLogitsError
+from ..errors import FieldError, NonFiniteLogitsError
 
 # A residual max(0, p_target - p_draft) whose mass is below this is floating-point noise left by
 # p_target ~= p_draft; sampling it would amplify rounding error into a wrong distribution.

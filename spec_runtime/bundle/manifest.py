@@ -32,8 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .contract import graph_devices
-from .errors import BundleError
-from .manifest_checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE,
+from ..errors import BundleError
+from .checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE,
                               check_file_hashes,
                               check_inside, depth, name_limit, name_too_long, regular_file,
                               sha256_file, unreadable, validate)

@@ -30,7 +30,7 @@ def parse_gamma(value, field: str = "gamma") -> Gamma | None:
     """`value` as a Gamma: an integer (a Python or numpy one, or its decimal spelling, as a
     command line gives it) or "auto"; None stays None (the bundle's default). FieldError naming
     `field` for anything else; the range is the bundle's (check_gamma_range)."""
-    from .errors import FieldError
+    from ..errors import FieldError
 
     if value is None or value == "auto":  # Auto.AUTO == "auto": a str enum
         return None if value is None else AUTO
@@ -43,7 +43,7 @@ def parse_gamma(value, field: str = "gamma") -> Gamma | None:
 
 def check_gamma_range(gamma: Gamma, max_gamma: int, field: str = "gamma", default=None) -> Gamma:
     """`gamma` against a bundle's max_gamma: AUTO, or an integer in [1, max_gamma]."""
-    from .errors import FieldError
+    from ..errors import FieldError
 
     if gamma is AUTO or 1 <= gamma <= max_gamma:
         return gamma

@@ -19,8 +19,8 @@ from typing import Iterator
 import numpy as np
 
 from .drafts import Draft
-from .engine import Engine
-from .request import Request
+from ..engines.protocol import Engine
+from ..request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
 from .gamma import AUTO, Gamma
 from .stats import Costs, DecodeStats, Recorder, best_gamma_and_speedup, confidence_floor

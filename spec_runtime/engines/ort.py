@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from . import gqa_window
-from .contract import (
+from ..bundle.contract import (
     METADATA,
     dims_of,
     dtype_of_ort,
@@ -42,11 +42,11 @@ from .contract import (
     tensorrt_profile,
 )
 from .devices import DEVICES, Device
-from .engine import ChunkedEngine
-from .errors import BundleError, InputError
+from .protocol import ChunkedEngine
+from ..errors import BundleError, InputError
 from .kv_cache import cache_store
-from .manifest import REBUILD, GraphEntry, unreadable
-from .manifest_checks import regular_file
+from ..bundle.manifest import REBUILD, GraphEntry, unreadable
+from ..bundle.checks import regular_file
 from .ort_import import TELEMETRY_ENV, onnxruntime  # noqa: F401 (public here too)
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ def _io(args) -> list[dict]:
 
 
 class OrtEngine(ChunkedEngine):
-    """Implements spec_runtime.engine.Engine over one contract graph. Open one with `open`."""
+    """Implements spec_runtime.engines.protocol.Engine over one contract graph. Open one with `open`."""
 
     def __init__(self, session, graph: GraphEntry, *, vocab_size: int, max_len: int,
                  prefill_chunk: int, device: Device = DEVICES["cpu"], store=None):

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BundleError
-from .manifest_checks import REBUILD, regular_file, unreadable
+from ..errors import BundleError
+from ..bundle.checks import REBUILD, regular_file, unreadable
 from .sampling import SamplingParams
 
 BYTES_PER_ID = 12  # an id and its separator in the file, at most (ids below 10^10)

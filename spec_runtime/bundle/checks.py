@@ -19,8 +19,8 @@ from pathlib import Path
 
 from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, cache_dtype, decoder_io,
                        dims_of, encoder_io, hidden_size_of, mismatch)
-from .errors import BundleError
-from .sampling import GENERATION_CONFIG_KEYS as GENERATION_KEYS
+from ..errors import BundleError
+from ..decode.sampling import GENERATION_CONFIG_KEYS as GENERATION_KEYS
 
 REBUILD = "re-run `specexport build`"
 ARCHITECTURES = ("decoder-only", "encoder-decoder")
@@ -260,8 +260,8 @@ def _check_generation(generation) -> None:
         return
     if not isinstance(generation, dict):
         raise _bad("generation", generation, "it must be an object")
-    from .errors import InputError
-    from .sampling import SamplingParams
+    from ..errors import InputError
+    from ..decode.sampling import SamplingParams
 
     for key, value in generation.items():
         if key not in GENERATION_KEYS:

@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 CUDA_PYTHON = ("`pip install cuda-python` (it talks to the CUDA driver that the GPU's "
                "installation provides)")

@@ -20,9 +20,9 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .draft_vocab import KeptVocab
-from .engine import Engine
-from .errors import BundleError, InputError
-from .manifest import REBUILD, DraftEntry, ModelEntry
+from ..engines.protocol import Engine
+from ..errors import BundleError, InputError
+from ..bundle.manifest import REBUILD, DraftEntry, ModelEntry
 from .sampling import SamplingParams, _check_finite, penalize, sample, warp
 
 
