@@ -1,7 +1,8 @@
-"""README.md's code blocks run as written.
+"""The code blocks of README.md and of the docs (docs/*.md, in the site's order) run as written.
 
-Every code block is fenced and names its language: `sh` and `python` blocks are run, in README
-order, the way a new user would after the set-up command (a fresh working directory holding the
+Every code block is fenced and names its language: `sh` and `python` blocks are run, README
+first and then the docs pages in the order of mkdocs.yml's nav, the way a new user would after
+the set-up command (a fresh working directory holding the
 repository's tests/, benchmarks/ and scripts/, the default bundle where `specrun` looks); a
 `text` block marked `<!-- readme-test: output of the previous block -->` must be exactly what the
 previous block printed; `cpp` blocks are excerpts, and every line of one must be a line of the
@@ -23,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+MKDOCS = ROOT / "mkdocs.yml"
 HOST = ROOT / "tests" / "embed" / "host.cpp"
 LANGUAGES = {"sh", "python", "cpp", "text", "yaml"}
 MARKER = re.compile(r"^<!-- readme-test: (?:skip: (?P<why>.*\S)|(?P<output>output of the "
@@ -38,6 +40,22 @@ class Block:
     line: int  # of the opening fence, 1-based
     skip: str | None = None
     output: bool = False
+
+
+def doc_pages() -> list[Path]:
+    """README, then the docs pages in the order of the site's nav (a page made at build time,
+    such as the CLI reference or the design page's include of DESIGN.md, has no blocks)."""
+    pages = re.findall(r"^\s+- [^:]+: (\S+\.md)$", MKDOCS.read_text(), re.M)
+    assert len(pages) >= 10, "mkdocs.yml's nav lists the pages"
+    return [README] + [ROOT / "docs" / p for p in pages]
+
+
+def all_blocks() -> list[tuple[Path, "Block"]]:
+    return [(page, b) for page in doc_pages() for b in read_blocks(page.read_text())]
+
+
+def where(page: Path, b: "Block") -> str:
+    return f"{page.relative_to(ROOT)} line {b.line}"
 
 
 def read_blocks(text: str) -> list[Block]:
@@ -71,18 +89,23 @@ def indented_code(text: str) -> list[int]:
 
 
 def test_every_block_is_fenced_and_names_its_language():
-    text = README.read_text()
-    assert indented_code(text) == [], "indented code blocks: fence them and name the language"
-    blocks = read_blocks(text)
-    assert len(blocks) >= 10
-    for prev, b in zip([None, *blocks], blocks):
-        assert b.lang in LANGUAGES, f"README line {b.line}: ```{b.lang} (use one of {LANGUAGES})"
-        if b.output:
-            assert b.lang == "text" and prev is not None and prev.lang == "sh", b.line
-    # a marker that does not match the pattern would silently run (or silently not check) a block
-    for n, line in enumerate(text.splitlines(), 1):
-        if "readme-test" in line:
-            assert MARKER.match(line), f"README line {n}: malformed marker {line!r}"
+    total = 0
+    for page in doc_pages():
+        text = page.read_text()
+        assert indented_code(text) == [], (
+            f"{page.name}: indented code blocks: fence them and name the language")
+        blocks = read_blocks(text)
+        total += len(blocks)
+        for prev, b in zip([None, *blocks], blocks):
+            assert b.lang in LANGUAGES, f"{where(page, b)}: ```{b.lang} (use one of {LANGUAGES})"
+            if b.output:
+                assert b.lang == "text" and prev is not None and prev.lang == "sh", where(page, b)
+        # a marker that does not match the pattern would silently run (or silently not check)
+        # a block
+        for n, line in enumerate(text.splitlines(), 1):
+            if "readme-test" in line:
+                assert MARKER.match(line), f"{page.name} line {n}: malformed marker {line!r}"
+    assert total >= 25
 
 
 def _code_lines(source: str) -> list[str]:
@@ -97,11 +120,11 @@ def _code_lines(source: str) -> list[str]:
 
 def test_cpp_excerpts_are_lines_of_the_host_that_is_built_and_run():
     host = set(_code_lines(HOST.read_text()))
-    excerpts = [b for b in read_blocks(README.read_text()) if b.lang == "cpp"]
+    excerpts = [(page, b) for page, b in all_blocks() if b.lang == "cpp"]
     assert excerpts
-    for b in excerpts:
+    for page, b in excerpts:
         missing = [c for c in _code_lines(b.code) if c not in host]
-        assert not missing, f"README line {b.line}: not in tests/embed/host.cpp: {missing}"
+        assert not missing, f"{where(page, b)}: not in tests/embed/host.cpp: {missing}"
 
 
 def test_marker_parsing_oracle():
@@ -118,8 +141,8 @@ def test_marker_parsing_oracle():
 
 @pytest.mark.slow
 def test_every_example_runs_as_written(default_bundle, tmp_path):
-    """The sh and python blocks in README order, in one working directory and environment, as a
-    user following the README top to bottom after the set-up command."""
+    """The sh and python blocks of README and the docs pages in order, in one working directory
+    and environment, as a user following them top to bottom after the set-up command."""
     work = tmp_path / "work"
     work.mkdir()
     for name in CHECKOUT:
@@ -149,13 +172,13 @@ def stop_what_runs_in(work: Path) -> None:
 
 def run_blocks(work: Path, env: dict) -> tuple[int, list[str]]:
     ran, skipped, previous = 0, [], None
-    for b in read_blocks(README.read_text()):
+    for page, b in all_blocks():
         if b.skip:
-            skipped.append(f"README line {b.line}: {b.skip}")
+            skipped.append(f"{where(page, b)}: {b.skip}")
             continue
         if b.output:
             assert previous is not None and previous.stdout == b.code, (
-                f"README line {b.line} shows an output that differs from what the block above "
+                f"{where(page, b)} shows an output that differs from what the block above "
                 f"prints:\n{previous.stdout if previous else None}")
             continue
         if b.lang not in ("sh", "python"):
@@ -164,9 +187,9 @@ def run_blocks(work: Path, env: dict) -> tuple[int, list[str]]:
                    else [sys.executable, "-c", b.code])
         previous = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True,
                                   timeout=1200, stdin=subprocess.DEVNULL)
-        print(f"README line {b.line}: ran ({b.lang}, exit {previous.returncode})")
+        print(f"{where(page, b)}: ran ({b.lang}, exit {previous.returncode})")
         assert previous.returncode == 0, (
-            f"README line {b.line} exits {previous.returncode}:\n{b.code}\n--- stdout\n"
+            f"{where(page, b)} exits {previous.returncode}:\n{b.code}\n--- stdout\n"
             f"{previous.stdout[-3000:]}\n--- stderr\n{previous.stderr[-3000:]}")
         ran += 1
     return ran, skipped
@@ -242,22 +265,22 @@ def test_every_shell_command_parses_with_the_cli():
     """Every specrun/specexport command of every sh block, the skipped ones included (they
     cannot run here: a GPU, the hub, several machines), parses with the CLI's own parser."""
     checked = 0
-    for b in read_blocks(README.read_text()):
+    for page, b in all_blocks():
         if b.lang != "sh":
             continue
         for argv in cli_commands(b.code):
             try:
                 parse_cli(argv)
             except Exception as e:  # noqa: BLE001 — reported with the line it came from
-                pytest.fail(f"README line {b.line}: `{' '.join(argv)}` does not parse: {e}")
+                pytest.fail(f"{where(page, b)}: `{' '.join(argv)}` does not parse: {e}")
             checked += 1
     print(f"{checked} commands parsed")
     assert checked >= 30
 
 
 def _synopsis() -> dict[str, str]:
-    """README's synopsis block: {"specexport build": its text, ...}."""
-    block = next(b for b in read_blocks(README.read_text())
+    """The docs' synopsis block: {"specexport build": its text, ...}."""
+    block = next(b for _, b in all_blocks()
                  if b.lang == "text" and b.code.startswith("specexport build"))
     out, current = {}, None
     for line in block.code.splitlines():
@@ -295,7 +318,7 @@ def test_what_readme_commands_write_in_the_checkout_is_ignored_by_git():
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: nothing can show in git status")
     written = set()
-    for b in read_blocks(README.read_text()):
+    for _, b in all_blocks():
         if b.lang == "sh":
             code = b.code.replace("\\\n", " ")
             written |= set(re.findall(r"(?:--out|-o|--pid-file)\s+([\w.-]+)", code))
@@ -336,7 +359,7 @@ def test_the_fast_subset_builds_no_default_bundle():
 
 
 def test_the_sampling_table_is_the_declared_controls():
-    """The sampling controls are declared once (SamplingParams' fields); README's table is
+    """The sampling controls are declared once (SamplingParams' fields); the docs' table is
     rendered from that declaration, so a control added, renamed or re-ranged there fails here
     until the table says so."""
     from spec_runtime.decode.sampling import SAMPLING_FIELDS, sampling_table
@@ -345,4 +368,33 @@ def test_the_sampling_table_is_the_declared_controls():
     assert len(table.splitlines()) == 2 + len(SAMPLING_FIELDS)
     for f in SAMPLING_FIELDS:  # the rendering names every control by its field and its option
         assert f"`{f.name}" in table and "--" + f.name.replace("_", "-") in table
-    assert table in README.read_text(encoding="utf-8"), "render sampling_table() into README"
+    page = ROOT / "docs" / "generating.md"
+    assert table in page.read_text(encoding="utf-8"), "render sampling_table() into the docs"
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """`mkdocs build --strict`: a broken link, a missing page or anchor, or a page left out of
+    the site fails (the docs extra installs MkDocs and its Material theme)."""
+    pytest.importorskip("material", reason="the docs extra (MkDocs Material) is not installed: "
+                                           "pip install -e \".[docs]\"")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+                        str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cli = (tmp_path / "site" / "cli" / "index.html").read_text()
+    for command in ("specexport build", "specrun generate", "specrun serve", "--max-new-tokens"):
+        assert command in cli, f"the CLI reference lacks {command!r}"  # made from click's help
+    assert (tmp_path / "site" / "results" / "qwen-pair" / "race6-fp32" / "index.html").is_file()
+
+
+def test_readme_is_short_and_links_into_the_docs():
+    """README is a five-minute read: at most 12,000 characters, the two set-up commands, and
+    links to pages that exist."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text) <= 12_000, len(text)
+    setup = [b for b in read_blocks(text) if b.lang == "sh" and "pip install" in b.code]
+    assert len(setup) == 2, [b.code for b in setup]
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert sum(link.startswith("docs/") for link in links) >= 10
+    missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
+    assert not missing, missing

@@ -90,7 +90,7 @@ def test_health_check_and_replica_header_in_process(llama_pair):
 
 
 def test_readme_serve_config_is_valid_for_ray(llama_pair):
-    """README's `serve run config.yaml` block: Ray's own schema accepts it, its import_path is
+    """The serving page's `serve run config.yaml` block: Ray's own schema accepts it, its import_path is
     our builder, and its args (the bundle swapped for a test bundle) build the application with
     the replicas it names."""
     import importlib
@@ -100,9 +100,9 @@ def test_readme_serve_config_is_valid_for_ray(llama_pair):
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"^```yaml\n(.*?)^```$", readme, flags=re.S | re.M)
-    assert len(blocks) == 1, "README should show one Ray Serve config"
+    page = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", page, flags=re.S | re.M)
+    assert len(blocks) == 1, "docs/serving.md should show one Ray Serve config"
     config = yaml.safe_load(blocks[0])
     ServeDeploySchema.model_validate(config)  # raises on a config Ray would refuse
     (application,) = config["applications"]
