@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+
+import reports
 
 KIND_ORDER = ("code", "grounded", "chat")
 # our best mode over the best peer mode, per kind (the issue's targets)
@@ -167,7 +170,18 @@ def cell(row: dict | None) -> str:
     return f"{q['median']:.2f}{x}"
 
 
+def title(report: dict) -> str:
+    cfg = report["config"]
+    return (f"Pair race — {cfg['precision']} target, greedy, up to {cfg['max_new_tokens']} new "
+            f"tokens (EOS `{cfg['eos']}`)")
+
+
 def markdown(report: dict) -> str:
+    return f"# {title(report)}\n\n{body(report)}"
+
+
+def body(report: dict) -> str:
+    """The table and its notes, without the title."""
     cfg, m, bw = report["config"], report["machine"], report["bandwidth"]
     summary, systems = report["summary"], report["systems"]
     kinds = list(summary)
@@ -175,8 +189,6 @@ def markdown(report: dict) -> str:
     counts = {k: sum(p["kind"] == k for p in report["prompts"]) for k in kinds if k != "all"}
     workers = "kept loaded" if report["resident"] else "loaded per turn (one model at a time)"
     lines = [
-        f"# Pair race — {cfg['precision']} target, greedy, up to {cfg['max_new_tokens']} new "
-        f"tokens (EOS `{cfg['eos']}`)", "",
         f"- target {Path(report['target_gguf']).name}, draft {Path(report['draft_gguf']).name}"
         f"; prompts {counts}"
         f", {cfg['repeats']} repeat(s), chat template on, identical ids for every system",
@@ -250,10 +262,86 @@ def markdown(report: dict) -> str:
 
 
 def write(report: dict, args) -> None:
+    """pair-<precision>.json and .md under --out, and the dated report (reports.py) where
+    --report says (default: --out too)."""
     from compare_report import write_results
 
     report = build(report, args)
     write_results(args.out / f"pair-{args.precision}", report, markdown(report))
+    reports.done(dated(report, reports.directory(args, args.out)))
+
+
+def complete(report: dict) -> dict:
+    """A stored race's report as write() leaves it: a JSON with its runs but no summary (one
+    written by hand, or cut down) gets the summary, targets and checks build() makes, with
+    the options its config recorded."""
+    if "summary" not in report:
+        cfg = report["config"]
+        ref = cfg.get("float_reference")
+        build(report, SimpleNamespace(precision=cfg["precision"], ours_default=cfg.get(
+            "ours_default"), float_reference=Path(ref) if ref else None))
+    return report
+
+
+def dated(report: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """The race's dated report: the table of markdown() and plot(), as
+    DIRECTORY/pair-<precision>-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    return reports.write_report(
+        directory, f"pair-{report['config']['precision']}", title=title(report),
+        command=command or report.get("command") or reports.command_line(),
+        machine=reports.machine_line(report.get("machine"), machine),
+        sections=body(report), figure=plot(report), date=reports.run_date(report, date),
+        rebuilt_by=rebuilt_by)
+
+
+def plot(report: dict):
+    """Top: median tok/s (p25–p75) per system, a bar per prompt kind; bottom: each speculative
+    row's median over its own target-only row's, per kind (where that row ran). Ours in bold.
+    None without matplotlib."""
+    summary, systems = report["summary"], report["systems"]
+    kinds = [k for k in summary if k != "all"] or list(summary)
+    names = [n for n in systems if any(n in summary[k] for k in kinds)]
+    ours = {n for n in names if systems[n]["family"] == "ours"}
+    fig, axes = reports.figure(2, 1, size=(10, 7.5))
+    if fig is None:
+        return None
+
+    def q(kind, name, key):
+        row = summary[kind].get(name)
+        return row["tokens_per_s"][key] if row else None
+
+    series = {k: [q(k, n, "median") for n in names] for k in kinds}
+    reports.bars(axes[0, 0], names, series, ylabel="tok/s (median, p25–p75)",
+                 low={k: [q(k, n, "p25") for n in names] for k in kinds},
+                 high={k: [q(k, n, "p75") for n in names] for k in kinds}, rotate=True,
+                 bold=ours, title=f"{report['config']['precision']} pair race: tokens/s per "
+                 "system and prompt kind (ours in bold)")
+    spec = [n for n in names if systems[n].get("plain") and
+            any(n in summary[k] and systems[n]["plain"] in summary[k] for k in kinds)]
+
+    def ratio(kind, name):
+        plain = systems[name]["plain"]
+        if name in summary[kind] and plain in summary[kind]:
+            return q(kind, name, "median") / q(kind, plain, "median")
+        return None
+
+    ax = axes[1, 0]
+    if spec:
+        reports.bars(ax, [f"{n} / {systems[n]['plain']}" for n in spec],
+                     {k: [ratio(k, n) for n in spec] for k in kinds}, line=1.0,
+                     value_format="{:.2f}×",
+                     ylabel="× its own target-only", rotate=True,
+                     bold={f"{n} / {systems[n]['plain']}" for n in spec if n in ours},
+                     title="speed-up of each speculative system over its own target-only row "
+                     "(median tok/s ratio)")
+    else:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no speculative row with its own target-only row", ha="center")
+    return fig
 
 
 def options_text(options: dict) -> str:

@@ -47,11 +47,13 @@ def run_date(stored: dict, given: str | None = None) -> str:
 
 
 def write_report(directory, name: str, *, title: str, command: str, machine: str,
-                 sections, figure=None, date: str | None = None) -> Path:
+                 sections, figure=None, date: str | None = None,
+                 rebuilt_by: str | None = None) -> Path:
     """Write DIRECTORY/NAME-DATE.md (and .png when `figure`, a matplotlib Figure, is given)
-    and return the markdown's path. `sections`: markdown text, or a list of texts (tables,
-    notes) put one after the other. DATE is today unless given; when NAME-DATE.md or .png
-    exists, NAME-DATE-2, -3 ... instead."""
+    and return the markdown's path. `command`: the command that measured; `rebuilt_by`: the
+    command that made this report from the run's stored JSON, if one did. `sections`:
+    markdown text, or a list of texts (tables, notes) put one after the other. DATE is today
+    unless given; when NAME-DATE.md or .png exists, NAME-DATE-2, -3 ... instead."""
     if "/" in name or not name:
         raise ValueError(f"report name {name!r}: a file name without a directory")
     date = date or today()
@@ -74,6 +76,9 @@ def write_report(directory, name: str, *, title: str, command: str, machine: str
         sections = [sections]
     lines = [f"# {title}", "", f"Date: {date}  ", f"Machine: {machine}  ", "Command:", "",
              *("    " + line for line in command.splitlines()), ""]
+    if rebuilt_by:
+        lines += ["Report made from the run's stored JSON (nothing measured again) by:", "",
+                  *("    " + line for line in rebuilt_by.splitlines()), ""]
     try:
         if figure is not None:
             figure.savefig(md.with_suffix(".png"), dpi=DPI)
@@ -106,10 +111,11 @@ def figure(nrows: int = 1, ncols: int = 1, size=(8, 4)):
 
 def bars(ax, groups: list[str], series: dict, *, ylabel: str, title: str = "",
          low: dict | None = None, high: dict | None = None, line: float | None = None,
-         rotate: bool = False) -> None:
+         rotate: bool = False, bold=(), value_format: str | None = None) -> None:
     """Grouped bars: one group per name in `groups`, one bar per series ({label: [value or
     None per group]}); `low`/`high` (the same shape) draw a range on each bar (p25–p75),
-    `line` a horizontal reference (1.0 for a ratio)."""
+    `line` a horizontal reference (1.0 for a ratio); the groups in `bold` get bold labels;
+    `value_format` ("{:.2f}×") writes each bar's value above it."""
     import numpy as np
 
     width = 0.8 / max(1, len(series))
@@ -118,7 +124,9 @@ def bars(ax, groups: list[str], series: dict, *, ylabel: str, title: str = "",
         pos = x - 0.4 + width * (i + 0.5)
         ok = [j for j, v in enumerate(values) if v is not None]
         vals = [values[j] for j in ok]
-        ax.bar(pos[ok], vals, width, label=label, color=f"C{i}")
+        drawn = ax.bar(pos[ok], vals, width, label=label, color=f"C{i}")
+        if value_format:
+            ax.bar_label(drawn, [value_format.format(v) for v in vals], fontsize=7, padding=1)
         if low and high and label in low:
             err = [[max(0.0, values[j] - low[label][j]) for j in ok],
                    [max(0.0, high[label][j] - values[j]) for j in ok]]
@@ -128,6 +136,9 @@ def bars(ax, groups: list[str], series: dict, *, ylabel: str, title: str = "",
         ax.axhline(line, color="gray", lw=0.8, ls="--")
     ax.set_xticks(x, groups, rotation=30 if rotate else 0, ha="right" if rotate else "center",
                   fontsize=8)
+    for label in ax.get_xticklabels():
+        if label.get_text() in bold:
+            label.set_fontweight("bold")
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=10)
@@ -153,6 +164,8 @@ def add_options(ap: argparse.ArgumentParser, *, default: str, from_json: bool = 
                        "[default: the JSON's own, else today]")
         g.add_argument("--machine", help="with --from-json: the machine line when the JSON does "
                        "not record the machine")
+        g.add_argument("--command", help="with --from-json: the command that ran, when the JSON "
+                       "does not record it")
 
 
 def directory(args, results: Path | None = None) -> Path | None:
@@ -175,6 +188,21 @@ def machine_line(stored: dict | None, given: str | None = None) -> str:
     if given:
         return given
     return machine.describe(stored) if stored else "not recorded in the run's JSON (--machine)"
+
+
+def stored_command(stored: dict, given: str | None = None) -> str:
+    """--command, else the command the JSON recorded."""
+    return given or stored.get("command") or "not recorded in the run's JSON (--command)"
+
+
+def rebuilt(args, stored: dict, directory: Path | None, render) -> None:
+    """--from-json: `render(stored, directory, command=..., date=..., machine=...)` writes the
+    report of the stored run, with the command that measured it and this one."""
+    if directory is None:
+        return
+    done(render(stored, directory, command=stored_command(stored, args.command),
+                date=run_date(stored, args.date), machine=args.machine,
+                rebuilt_by=command_line()))
 
 
 def done(path: Path | None) -> None:

@@ -93,3 +93,72 @@ def test_the_machine_line_of_a_run_without_one():
     assert "not recorded" in reports.machine_line(None)
     assert reports.machine_line(None, "Intel Xeon, 2 cores") == "Intel Xeon, 2 cores"
     assert reports.machine_line(INFO).startswith("Test CPU 9000, 2 physical cores")
+
+
+# -- reports rebuilt from a stored run ----------------------------------------------------------
+
+def pair_run(prompt, kind, system, tokens, wall, calls):
+    return {"prompt": prompt, "kind": kind, "repeat": 0, "system": system, "new_tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall, "info": {"target_calls": calls},
+            "tokens": list(range(tokens))}
+
+
+def a_pair_race() -> dict:
+    """A race as pair.py stores it, by hand, without the summary (rebuilt from the runs):
+    code: target-only 10 tokens in 2 s (5 tok/s), auto 10 in 0.5 s (20); chat: target-only
+    8 in 2 s (4), auto 8 in 1 s (8)."""
+    ours = {"family": "ours", "draft": "-", "options": {}, "weight_bytes": 2 * 10**9,
+            "peak_rss": 2**30}
+    return {
+        "date": "2026-11-30T10:00:00", "command": "python benchmarks/pair.py --limit 1",
+        "config": {"precision": "fp32", "max_new_tokens": 16, "eos": "stop", "repeats": 1,
+                   "threads": 2, "ours_default": "auto", "float_reference": None},
+        "target_gguf": "/m/t.gguf", "draft_gguf": "/m/d.gguf", "machine": INFO,
+        "uptime_before": "up", "uptime_after": "up", "wall_minutes": 1.0, "resident": True,
+        "bandwidth": {"before": {"GBps": 20.0}, "after": {"GBps": 20.0}, "GBps": 20.0},
+        "systems": {"target-only": {**ours, "plain": None, "what": "bundle B, use_draft=False"},
+                    "auto": {**ours, "plain": "target-only", "what": "bundle B"}},
+        "skipped": {}, "sweep": [],
+        "runs": [pair_run(0, "code", "target-only", 10, 2.0, 10),
+                 pair_run(0, "code", "auto", 10, 0.5, 4),
+                 pair_run(1, "chat", "target-only", 8, 2.0, 8),
+                 pair_run(1, "chat", "auto", 8, 1.0, 4)],
+        "prompts": [{"kind": "code", "text": "a", "ids": [1]},
+                    {"kind": "chat", "text": "b", "ids": [2]}],
+    }
+
+
+def test_a_pair_report_rebuilt_from_its_json_has_its_numbers_and_a_plot(tmp_path, monkeypatch):
+    import pair
+
+    race = tmp_path / "race.json"
+    race.write_text(json.dumps(a_pair_race()))
+    argv = ["benchmarks/pair.py", "--from-json", str(race), "--report", str(tmp_path / "r")]
+    monkeypatch.setattr(sys, "argv", argv)
+    pair.main(argv[1:])
+    md = tmp_path / "r" / "pair-fp32-2026-11-30.md"  # the run's date, not today
+    text = md.read_text()
+    # tok/s code, chat, all (the medians of 5 and 4, of 20 and 8), tok/call (18/18, 18/8)
+    assert "| target-only | bundle B, use_draft=False | 5.00 | 4.00 | 4.50 | 1.00 |" in text
+    assert "| auto | bundle B | 20.00 | 8.00 | 14.00 | 2.25 |" in text
+    assert "    python benchmarks/pair.py --limit 1\n" in text  # the command that measured
+    assert "    " + reports.command_line(argv) + "\n" in text  # and the one that rebuilt
+    assert "Machine: Test CPU 9000" in text
+    assert md.with_suffix(".png").stat().st_size > 0
+    assert "(pair-fp32-2026-11-30.png)" in text
+    # again: a second report, the first one kept
+    pair.main(argv[1:])
+    assert md.read_text() == text and (tmp_path / "r" / "pair-fp32-2026-11-30-2.md").exists()
+
+
+def test_a_stored_race_with_its_summary_is_rendered_as_it_was(tmp_path):
+    """A committed race's JSON keeps its summary: the report's table is the one committed."""
+    import pair_report
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "qwen-pair"
+    stored = json.loads((results / "race6-fp32.json").read_text())
+    md = pair_report.dated(pair_report.complete(stored), tmp_path, command="python x.py",
+                           date="2026-12-04")
+    committed = (results / "race6-fp32.md").read_text()
+    assert committed.split("\n", 2)[2] in md.read_text()  # the table, without its title
+    assert md.with_suffix(".png").stat().st_size > 0
