@@ -299,49 +299,14 @@ def dated(report: dict, directory: Path | None, *, command: str | None = None,
 
 
 def plot(report: dict):
-    """Top: median tok/s (p25–p75) per system, a bar per prompt kind; bottom: each speculative
-    row's median over its own target-only row's, per kind (where that row ran). Ours in bold.
-    None without matplotlib."""
-    summary, systems = report["summary"], report["systems"]
-    kinds = [k for k in summary if k != "all"] or list(summary)
-    names = [n for n in systems if any(n in summary[k] for k in kinds)]
-    ours = {n for n in names if systems[n]["family"] == "ours"}
-    fig, axes = reports.figure(2, 1, size=(10, 7.5))
-    if fig is None:
-        return None
-
-    def q(kind, name, key):
-        row = summary[kind].get(name)
-        return row["tokens_per_s"][key] if row else None
-
-    series = {k: [q(k, n, "median") for n in names] for k in kinds}
-    reports.bars(axes[0, 0], names, series, ylabel="tok/s (median, p25–p75)",
-                 low={k: [q(k, n, "p25") for n in names] for k in kinds},
-                 high={k: [q(k, n, "p75") for n in names] for k in kinds}, rotate=True,
-                 bold=ours, title=f"{report['config']['precision']} pair race: tokens/s per "
-                 "system and prompt kind (ours in bold)")
-    spec = [n for n in names if systems[n].get("plain") and
-            any(n in summary[k] and systems[n]["plain"] in summary[k] for k in kinds)]
-
-    def ratio(kind, name):
-        plain = systems[name]["plain"]
-        if name in summary[kind] and plain in summary[kind]:
-            return q(kind, name, "median") / q(kind, plain, "median")
-        return None
-
-    ax = axes[1, 0]
-    if spec:
-        reports.bars(ax, [f"{n} / {systems[n]['plain']}" for n in spec],
-                     {k: [ratio(k, n) for n in spec] for k in kinds}, line=1.0,
-                     value_format="{:.2f}×",
-                     ylabel="× its own target-only", rotate=True,
-                     bold={f"{n} / {systems[n]['plain']}" for n in spec if n in ours},
-                     title="speed-up of each speculative system over its own target-only row "
-                     "(median tok/s ratio)")
-    else:
-        ax.set_axis_off()
-        ax.text(0.5, 0.5, "no speculative row with its own target-only row", ha="center")
-    return fig
+    """reports.speed_plot of the race: tok/s per system and kind, and each speculative row
+    over its own target-only row. None without matplotlib."""
+    systems = report["systems"]
+    return reports.speed_plot(
+        report["summary"], list(systems), {n: s["plain"] for n, s in systems.items()
+                                           if s.get("plain")},
+        ours={n for n, s in systems.items() if s["family"] == "ours"},
+        heading=f"{report['config']['precision']} pair race")
 
 
 def options_text(options: dict) -> str:

@@ -147,6 +147,49 @@ def bars(ax, groups: list[str], series: dict, *, ylabel: str, title: str = "",
     ax.grid(axis="y", alpha=0.3)
 
 
+def speed_plot(summary: dict, names: list[str], plain_of: dict, *, ours=(), heading: str):
+    """Two panels from a race's summary ({kind: {system: {"tokens_per_s": {median, p25,
+    p75}}}}): top, median tok/s (p25–p75) per system, a bar per prompt kind; bottom, each
+    speculative system's median over its own target-only system's (`plain_of`), per kind,
+    where both ran. Systems in `ours` get bold labels. None without matplotlib."""
+    kinds = [k for k in summary if k != "all"] or list(summary)
+    names = [n for n in names if any(n in summary[k] for k in kinds)]
+    fig, axes = figure(2, 1, size=(10, 7.5))
+    if fig is None:
+        return None
+
+    def q(kind, name, key):
+        row = summary[kind].get(name)
+        return row["tokens_per_s"][key] if row else None
+
+    bars(axes[0, 0], names, {k: [q(k, n, "median") for n in names] for k in kinds},
+         ylabel="tok/s (median, p25–p75)",
+         low={k: [q(k, n, "p25") for n in names] for k in kinds},
+         high={k: [q(k, n, "p75") for n in names] for k in kinds}, rotate=True, bold=set(ours),
+         title=f"{heading}: tokens/s per system and prompt kind"
+         + (" (ours in bold)" if ours else ""))
+
+    def ratio(kind, name):
+        plain = plain_of[name]
+        if name in summary[kind] and plain in summary[kind]:
+            return q(kind, name, "median") / q(kind, plain, "median")
+        return None
+
+    spec = [n for n in names if n in plain_of and any(ratio(k, n) for k in kinds)]
+    labels = [f"{n} / {plain_of[n]}" for n in spec]
+    ax = axes[1, 0]
+    if spec:
+        bars(ax, labels, {k: [ratio(k, n) for n in spec] for k in kinds}, line=1.0,
+             value_format="{:.2f}×", ylabel="× its own target-only", rotate=True,
+             bold={label for label, n in zip(labels, spec) if n in ours},
+             title="speed-up of each speculative system over its own target-only system "
+             "(median tok/s ratio)")
+    else:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no speculative system whose target-only system ran", ha="center")
+    return fig
+
+
 # -- options ------------------------------------------------------------------------------------
 
 def add_options(ap: argparse.ArgumentParser, *, default: str, from_json: bool = True) -> None:

@@ -151,14 +151,20 @@ def test_a_pair_report_rebuilt_from_its_json_has_its_numbers_and_a_plot(tmp_path
     assert md.read_text() == text and (tmp_path / "r" / "pair-fp32-2026-11-30-2.md").exists()
 
 
-def test_a_stored_race_with_its_summary_is_rendered_as_it_was(tmp_path):
-    """A committed race's JSON keeps its summary: the report's table is the one committed."""
-    import pair_report
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
-    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "qwen-pair"
-    stored = json.loads((results / "race6-fp32.json").read_text())
-    md = pair_report.dated(pair_report.complete(stored), tmp_path, command="python x.py",
-                           date="2026-12-04")
-    committed = (results / "race6-fp32.md").read_text()
+
+@pytest.mark.parametrize("stored, module", [("qwen-pair/race6-fp32", "pair_report"),
+                                            ("compare-int4", "compare_report")])
+def test_a_stored_run_with_its_summary_is_rendered_as_it_was(tmp_path, stored, module):
+    """A committed run's JSON keeps its summary: the report's table is the one committed."""
+    import importlib
+
+    render = importlib.import_module(module)
+    run = json.loads((RESULTS / f"{stored}.json").read_text())
+    if module == "pair_report":
+        run = render.complete(run)
+    md = render.dated(run, tmp_path, command="python x.py", date="2026-12-04")
+    committed = (RESULTS / f"{stored}.md").read_text()
     assert committed.split("\n", 2)[2] in md.read_text()  # the table, without its title
     assert md.with_suffix(".png").stat().st_size > 0
