@@ -168,3 +168,57 @@ def test_a_stored_run_with_its_summary_is_rendered_as_it_was(tmp_path, stored, m
     committed = (RESULTS / f"{stored}.md").read_text()
     assert committed.split("\n", 2)[2] in md.read_text()  # the table, without its title
     assert md.with_suffix(".png").stat().st_size > 0
+
+
+def a_checkout_run() -> dict:
+    """checkout_speed.py's JSON, by hand: old step 20.0 and 22.0 ms (median 21.0), new 21.0
+    and 21.0 (21.0): 1.000; requests 100 / 90 µs: 0.900."""
+    def r(step, request):
+        return {"step_ms": step, "request_us": request, "speedup": 1.5, "loop_overhead": 0.02}
+    return {"old": "/c/old", "new": "/c/new", "bundle": "/b",
+            "runs": {"old": [r(20.0, 100.0), r(22.0, 100.0)],
+                     "new": [r(21.0, 90.0), r(21.0, 90.0)]},
+            "median": {"old": r(21.0, 100.0), "new": r(21.0, 90.0)}}
+
+
+def test_a_checkout_speed_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
+    import checkout_speed
+
+    stored = tmp_path / "speed.json"
+    stored.write_text(json.dumps(a_checkout_run()))
+    checkout_speed.main(["--from-json", str(stored), "--report", str(tmp_path), "--date",
+                         "2026-12-01", "--machine", "Intel Xeon, 2 cores", "--command",
+                         "python benchmarks/checkout_speed.py /c/old /c/new --bundle /b"])
+    md = tmp_path / "checkout-speed-2026-12-01.md"
+    text = md.read_text()
+    assert "| target 1-token call at position 64, ms | 21 | 21 | 1.000 | 0.955–1.050 |" in text
+    assert "µs | 100 | 90 | 0.900 | 0.900–0.900 |" in text
+    assert "Machine: Intel Xeon, 2 cores" in text
+    assert "    python benchmarks/checkout_speed.py /c/old /c/new --bundle /b\n" in text
+    assert md.with_suffix(".png").stat().st_size > 0
+
+
+def test_checkout_speed_writes_its_report_beside_its_json_and_none_without(tmp_path, monkeypatch):
+    import checkout_speed
+
+    steps = iter([20.0, 21.0, 22.0, 22.0])  # old, new, then new, old (the order alternates)
+    monkeypatch.setattr(checkout_speed, "run_worker", lambda checkout, bundle, tokens: {
+        "step_ms": next(steps), "request_us": 100.0, "speedup": 1.5, "loop_overhead": 0.02})
+    out = tmp_path / "out"
+    out.mkdir()
+    checkout_speed.main([str(tmp_path / "old"), str(tmp_path / "new"), "--bundle", "B",
+                         "--passes", "2", "--json", str(out / "speed.json")])
+    run = json.loads((out / "speed.json").read_text())
+    assert run["median"]["old"]["step_ms"] == 21.0 and run["median"]["new"]["step_ms"] == 21.5
+    assert run["machine"]["cpu"] and run["date"][:10] == reports.today()
+    [md] = out.glob("checkout-speed-*.md")
+    assert md.name == f"checkout-speed-{reports.today()}.md"
+    assert ("| target 1-token call at position 64, ms | 21 | 21.5 | 1.024 | 1.000–1.050 |"
+            in md.read_text())
+    assert md.with_suffix(".png").stat().st_size > 0
+    steps = iter([20.0] * 4)
+    monkeypatch.chdir(tmp_path / "out")
+    checkout_speed.main([str(tmp_path / "old"), str(tmp_path / "new"), "--bundle", "B",
+                         "--passes", "2"])  # no --json: prints, writes nothing
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["speed.json", md.name, md.with_suffix(".png").name])
