@@ -222,3 +222,20 @@ def test_checkout_speed_writes_its_report_beside_its_json_and_none_without(tmp_p
                          "--passes", "2"])  # no --json: prints, writes nothing
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["speed.json", md.name, md.with_suffix(".png").name])
+
+
+def test_a_step_time_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
+    import step_time
+
+    stored = tmp_path / "step.json"
+    stored.write_text(json.dumps({"threads": 2, "runs": 8, "median_ms": {
+        "b (fp32, fused, as-is)": {"1@100": 10.0, "2@100": 12.5, "5@100": 20.0},
+        "c (int4, fused, as-is)": {"1@100": 4.0, "2@100": 5.0, "5@100": 9.0}}}))
+    step_time.main(["--from-json", str(stored), "--report", str(tmp_path), "--date",
+                    "2026-12-02"])
+    md = tmp_path / "step-time-2026-12-02.md"
+    text = md.read_text()
+    assert "| b (fp32, fused, as-is) | 10.00 | 12.50 | 20.00 | 1.25× | 2.00× |" in text
+    assert "| c (int4, fused, as-is) | 4.00 | 5.00 | 9.00 | 1.25× | 2.25× |" in text
+    assert "not recorded" in text  # neither machine nor command: this JSON predates them
+    assert md.with_suffix(".png").stat().st_size > 0
