@@ -239,3 +239,20 @@ def test_a_step_time_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
     assert "| c (int4, fused, as-is) | 4.00 | 5.00 | 9.00 | 1.25× | 2.25× |" in text
     assert "not recorded" in text  # neither machine nor command: this JSON predates them
     assert md.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_verify_cost_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
+    import verify_cost
+
+    stored = tmp_path / "verify.json"
+    stored.write_text(json.dumps({"bundle": "/b", "rows": [
+        {"variant": "as built", "ms": {"1": 8.0, "5": 12.0, "9": 16.0}},
+        {"variant": "1 thread", "ms": {"1": 10.0, "5": 25.0, "9": 40.0}}],
+        "kernel_share": {"1": {"MatMulNBits": 0.75, "Concat": 0.25}}}))
+    verify_cost.main(["--from-json", str(stored), "--report", str(tmp_path), "--date",
+                      "2026-12-03"])
+    text = (tmp_path / "verify-cost-2026-12-03.md").read_text()
+    assert "| as built | 8.00 | 12.00 | 16.00 | 1.50 | 2.00 |" in text
+    assert "| 1 thread | 10.00 | 25.00 | 40.00 | 2.50 | 4.00 |" in text
+    assert "- 1-token call: MatMulNBits 75%, Concat 25%" in text
+    assert (tmp_path / "verify-cost-2026-12-03.png").stat().st_size > 0
