@@ -256,3 +256,21 @@ def test_a_verify_cost_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
     assert "| 1 thread | 10.00 | 25.00 | 40.00 | 2.50 | 4.00 |" in text
     assert "- 1-token call: MatMulNBits 75%, Concat 25%" in text
     assert (tmp_path / "verify-cost-2026-12-03.png").stat().st_size > 0
+
+
+def test_a_slot_memory_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
+    import slot_memory
+
+    stored = tmp_path / "slots.json"
+    stored.write_text(json.dumps({
+        "bundle": "/b", "max_len": 512, "bundle_files_mb": 100.0, "rss_before_load_mb": 30.0,
+        "rss_after_load_mb": 200.0, "rows": [{"slots": 1, "rss_mb": 250.0},
+                                             {"slots": 2, "rss_mb": 275.5}],
+        "per_extra_slot_mb": [25.5], "kv_cache_per_slot_mb": 24.0,
+        "second_independent_load_mb": 180.0, "sessions_shared": True}))
+    slot_memory.main(["--from-json", str(stored), "--report", str(tmp_path), "--date",
+                      "2026-12-03"])
+    text = (tmp_path / "slot-memory-2026-12-03.md").read_text()
+    assert "| 2 | 275.5 | 25.5 |" in text and "| 1 | 250.0 |" in text
+    assert "added 180.0 MB" in text
+    assert (tmp_path / "slot-memory-2026-12-03.png").stat().st_size > 0
