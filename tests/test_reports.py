@@ -274,3 +274,28 @@ def test_a_slot_memory_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
     assert "| 2 | 275.5 | 25.5 |" in text and "| 1 | 250.0 |" in text
     assert "added 180.0 MB" in text
     assert (tmp_path / "slot-memory-2026-12-03.png").stat().st_size > 0
+
+
+def test_a_serve_load_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
+    import serve_load
+
+    def mode(tps, ms):
+        return {"requests": 4, "errors": 0, "tokens": 256, "throughput_tok_s": tps,
+                "ttft_p50_s": 0.5, "ttft_p95_s": 0.9, "per_token_p50_ms": ms,
+                "per_token_p95_ms": ms + 1, "alpha_mean": 0.8, "acceptance_rate": 0.7,
+                "tokens_per_target_call": 3.0}
+
+    stored = tmp_path / "load.json"
+    stored.write_text(json.dumps({
+        "date": "2026-12-02T00:11:28", "machine": INFO, "load_before": {"load_1m": 0.25},
+        "seconds": 70, "notes": ["a note"],
+        "config": {"clients": 2, "requests_per_client": 2, "max_tokens": 64, "bundle": "/b",
+                   "ray": False},
+        "configs": [{"name": "1 slot", "slots": 1, "replicas": None, "result": {
+            "modes": {"base": mode(40.0, 20.0), "spec": mode(60.0, 12.5)}, "speedup": 1.5}}]}))
+    serve_load.main(["--from-json", str(stored), "--report", str(tmp_path)])
+    text = (tmp_path / "serve-load-2026-12-02.md").read_text()
+    assert "| uvicorn | 1 | target-only | 4 | 0 | 256 | 40.0 |  | 0.50 |" in text
+    assert "| uvicorn | 1 | speculative | 4 | 0 | 256 | 60.0 | 1.50× | 0.50 | 0.90 | 12.5 |" in text
+    assert "2 clients × 2 streaming chat requests" in text and "- a note" in text
+    assert (tmp_path / "serve-load-2026-12-02.png").stat().st_size > 0
