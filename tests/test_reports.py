@@ -299,3 +299,23 @@ def test_a_serve_load_report_rebuilt_from_its_json_has_its_numbers(tmp_path):
     assert "| uvicorn | 1 | speculative | 4 | 0 | 256 | 60.0 | 1.50× | 0.50 | 0.90 | 12.5 |" in text
     assert "2 clients × 2 streaming chat requests" in text and "- a note" in text
     assert (tmp_path / "serve-load-2026-12-02.png").stat().st_size > 0
+
+
+def test_gguf_block_error_writes_its_tables_into_the_report_when_asked(tmp_path, monkeypatch,
+                                                                        capsys):
+    """On a tiny GGUF (Q4_1 layers, a Q8_0 embedding) standing in for a real file: the report
+    holds the tables the script printed, and a plot."""
+    pytest.importorskip("gguf")
+    import gguf_block_error
+    import real_models
+    from tiny_models import byte_tokenizer, llama, write_gguf
+
+    path = write_gguf(llama(3, layers=1, hidden=64), byte_tokenizer(), tmp_path / "t.gguf")
+    monkeypatch.setattr(real_models, "fetch", lambda name: path)
+    gguf_block_error.main(["qwen-0.5b", "--tensors", "1", "--report", str(tmp_path / "r")])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| Q")]
+    assert any(line.startswith("| Q4_1 | blk.0.") for line in rows)  # the error table's row
+    [md] = (tmp_path / "r").glob("gguf-blocks-*.md")
+    assert all(line in md.read_text() for line in rows)
+    assert md.with_suffix(".png").stat().st_size > 0
