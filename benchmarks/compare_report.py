@@ -210,7 +210,14 @@ def dated(report: dict, directory: Path | None, *, command: str | None = None,
 
 def plot(report: dict):
     """reports.speed_plot: tok/s per system and prompt kind, and each speculative mode over
-    its own plain mode (PLAIN_OF). None without matplotlib."""
-    return reports.speed_plot(report["summary"], list(SYSTEMS), PLAIN_OF,
-                              ours={"specedge", "specedge-spec"},
-                              heading=f"{report['config']['precision']}, specedge vs peers")
+    its own plain mode (PLAIN_OF). Ours: the first two of SYSTEMS, or the names a run stored
+    before they changed. None without matplotlib."""
+    present = list(dict.fromkeys(n for rows in report["summary"].values() for n in rows))
+    names = [n for n in SYSTEMS if n in present] + [n for n in present if n not in SYSTEMS]
+    ours = set(SYSTEMS[:2]) | set(STORED_OURS)
+    plain_of = {STORED_OURS[1]: STORED_OURS[0], **PLAIN_OF}
+    return reports.speed_plot(report["summary"], names, plain_of, ours=ours,
+                              heading=f"{report['config']['precision']}: ours against peers")
+
+
+STORED_OURS = ("specedge", "specedge-spec")  # our rows' names in runs stored until 2026-12-04
