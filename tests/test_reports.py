@@ -319,3 +319,31 @@ def test_gguf_block_error_writes_its_tables_into_the_report_when_asked(tmp_path,
     [md] = (tmp_path / "r").glob("gguf-blocks-*.md")
     assert all(line in md.read_text() for line in rows)
     assert md.with_suffix(".png").stat().st_size > 0
+
+
+def test_without_matplotlib_a_report_is_written_without_its_plot(tmp_path, monkeypatch, capsys):
+    import checkout_speed
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import fails
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    stored = tmp_path / "speed.json"
+    stored.write_text(json.dumps(a_checkout_run()))
+    checkout_speed.main(["--from-json", str(stored), "--report", str(tmp_path), "--date",
+                         "2026-12-01"])
+    md = tmp_path / "checkout-speed-2026-12-01.md"
+    assert "| 21 | 21 | 1.000 |" in md.read_text() and "![" not in md.read_text()
+    assert not md.with_suffix(".png").exists()
+    assert "no plot: matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_no_report_writes_none_and_report_dir_goes_where_it_says(tmp_path, monkeypatch):
+    import checkout_speed
+
+    monkeypatch.setattr(checkout_speed, "run_worker", lambda checkout, bundle, tokens: {
+        "step_ms": 20.0, "request_us": 100.0, "speedup": 1.5, "loop_overhead": 0.02})
+    argv = ["old", "new", "--bundle", "B", "--passes", "1", "--json", str(tmp_path / "s.json")]
+    checkout_speed.main(argv + ["--no-report"])
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+    checkout_speed.main(argv + ["--report", str(tmp_path / "elsewhere")])
+    assert [p.suffix for p in sorted((tmp_path / "elsewhere").iterdir())] == [".md", ".png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "s.json"]
