@@ -8,7 +8,11 @@ on the path) that measures
   overhead  the loop's own share of a speculative generation (stats' loop_overhead, median)
 
     python benchmarks/checkout_speed.py OLD_CHECKOUT NEW_CHECKOUT --bundle B [--passes 3]
-        [--tokens 64] [--json FILE]
+        [--tokens 64] [--json FILE] [--report DIR]
+    python benchmarks/checkout_speed.py --from-json FILE [--report DIR]   # a stored run's report
+
+With --json the dated report (reports.py: the table and a plot of new / old per measure, each
+pass a dot) goes beside the JSON, or into --report DIR.
 
 OLD_CHECKOUT is typically a worktree of the commit before the change
 (`git worktree add /tmp/old HEAD~3`). Ratios are new / old, medians over the passes; the
@@ -23,7 +27,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import machine
+import reports
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -86,15 +94,93 @@ def run_worker(checkout: Path, bundle: str, tokens: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+KEYS = ("step_ms", "request_us", "speedup", "loop_overhead")
+LABELS = {"step_ms": "target 1-token call at position 64, ms",
+          "request_us": "making a request (options checked, bound to the bundle), µs",
+          "speedup": "speculative / target-only tokens/s (greedy)",
+          "loop_overhead": "the loop's own share of a speculative generation"}
+SHORT = {"step_ms": "1-token call", "request_us": "making a request", "speedup": "speed-up",
+         "loop_overhead": "loop overhead"}
+
+
+def pass_ratios(run: dict, key: str) -> list[float]:
+    """new / old of each pass (the two checkouts ran back to back in it)."""
+    return [n[key] / o[key] for o, n in zip(run["runs"]["old"], run["runs"]["new"]) if o[key]]
+
+
+def table(run: dict) -> str:
+    med = run["median"]
+    lines = ["| | old | new | new / old | per pass |", "|---|---:|---:|---:|---:|"]
+    for k in KEYS:
+        o, n = med["old"][k], med["new"][k]
+        r = pass_ratios(run, k)
+        spread = f"{min(r):.3f}–{max(r):.3f}" if r else "–"
+        lines.append(f"| {LABELS[k]} | {o:.4g} | {n:.4g} | "
+                     f"{n / o if o else float('nan'):.3f} | {spread} |")
+    return "\n".join(lines)
+
+
+def plot(run: dict):
+    """new / old per measure: each pass's ratio a dot, the medians' ratio a diamond, 1.0 a
+    line (points, not bars: the differences are a few percent)."""
+    fig, axes = reports.figure(size=(7, 3.5))
+    if fig is None:
+        return None
+    ax = axes[0, 0]
+    med = run["median"]
+    for i, k in enumerate(KEYS):
+        r = pass_ratios(run, k)
+        ax.scatter([i] * len(r), r, color="gray", s=14, label="a pass" if i == 0 else None)
+        if med["old"][k]:
+            m = med["new"][k] / med["old"][k]
+            ax.scatter([i], [m], color="C3", marker="D", s=40, zorder=3,
+                       label="the medians" if i == 0 else None)
+            ax.annotate(f"{m:.3f}", (i, m), xytext=(8, 0), textcoords="offset points",
+                        va="center", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(KEYS)), [SHORT[k] for k in KEYS], fontsize=8)
+    ax.set_xlim(-0.5, len(KEYS) - 0.5)
+    ax.set_ylabel("new / old")
+    ax.set_title(f"{Path(run['new']).name} against {Path(run['old']).name}: new / old per "
+                 "measure", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def dated(run: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """DIRECTORY/checkout-speed-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    passes = len(run["runs"]["old"])
+    head = (f"`{run['old']}` (old) against `{run['new']}` (new) on the bundle "
+            f"`{run['bundle']}`, {passes} passes alternating the checkouts; medians over the "
+            "passes; per pass: the range of new / old over the passes.")
+    return reports.write_report(
+        directory, "checkout-speed", title="Two checkouts, one bundle: did a change slow the "
+        "runtime?", command=command or run.get("command") or reports.command_line(),
+        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
+        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("old", type=Path)
-    p.add_argument("new", type=Path)
-    p.add_argument("--bundle", required=True)
+    p.add_argument("old", type=Path, nargs="?")
+    p.add_argument("new", type=Path, nargs="?")
+    p.add_argument("--bundle")
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)
+    reports.add_options(p, default="beside --json's file; without --json, none")
     a = p.parse_args(argv)
+    if a.from_json:  # the report of a stored run: nothing measured
+        stored = json.loads(a.from_json.read_text())
+        return reports.rebuilt(a, stored, reports.directory(a), dated)
+    if a.old is None or a.new is None or a.bundle is None:
+        p.error("give OLD_CHECKOUT NEW_CHECKOUT --bundle B (or --from-json FILE)")
+    date, command = time.strftime("%Y-%m-%dT%H:%M:%S"), reports.command_line()
     runs = {"old": [], "new": []}
     for i in range(a.passes):
         order = ("old", "new") if i % 2 == 0 else ("new", "old")
@@ -102,16 +188,16 @@ def main(argv=None) -> None:
             r = run_worker(getattr(a, which).resolve(), a.bundle, a.tokens)
             runs[which].append(r)
             print(f"pass {i + 1} {which}: {r}", flush=True)
-    keys = ("step_ms", "request_us", "speedup", "loop_overhead")
-    med = {w: {k: statistics.median(r[k] for r in runs[w]) for k in keys} for w in runs}
+    med = {w: {k: statistics.median(r[k] for r in runs[w]) for k in KEYS} for w in runs}
     print(f"\n{'':14}{'old':>10}{'new':>10}{'new/old':>10}")
-    for k in keys:
+    for k in KEYS:
         o, n = med["old"][k], med["new"][k]
         print(f"{k:14}{o:10.4g}{n:10.4g}{n / o if o else float('nan'):10.3f}")
+    run = {"date": date, "command": command, "machine": machine.info(threads=0),
+           "old": str(a.old), "new": str(a.new), "bundle": a.bundle, "runs": runs, "median": med}
     if a.json:
-        Path(a.json).write_text(json.dumps({"old": str(a.old), "new": str(a.new),
-                                            "bundle": a.bundle, "runs": runs, "median": med},
-                                           indent=1))
+        Path(a.json).write_text(json.dumps(run, indent=1))
+    reports.done(dated(run, reports.directory(a, Path(a.json).parent if a.json else None)))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,10 @@ difference: near-ties (tiny gaps) flip with float rounding, large gaps mean a bu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402  (benchmarks/ is not a package)
 import model_files  # noqa: E402
 import peers  # noqa: E402
+import compare_report  # noqa: E402
 from compare_report import (  # noqa: E402
     PLAIN_OF, REFERENCE, SYSTEMS, float_agreement, markdown, write_results)
+import reports  # noqa: E402
 
 # What each --precision compares. An int4 entry adds the int4 rows: a specedge bundle exported at
 # int4 (--bundle), onnxruntime-genai's `-p int4` build; PyTorch has no comparable CPU int4 path, so
@@ -100,6 +104,7 @@ def parse_args(argv=None):
     ap.add_argument("--float-reference", type=Path, default=None,
                     help="a compare-fp32.json of the same prompts: report how many tokens each "
                     "system's greedy output follows the float model's (hf) before it differs")
+    reports.add_options(ap, default="--out, beside compare-PRECISION.json; without --out, none")
     args = ap.parse_args(argv)
     if args.gamma not in (None, "auto"):
         if not args.gamma.isdigit():
@@ -327,11 +332,15 @@ def main(argv=None) -> None:
 
         return pair.main([a for a in argv if a != "--pair"])
     args = parse_args(argv)
+    if args.from_json:  # the report of a stored run: nothing measured
+        stored = json.loads(args.from_json.read_text())
+        return reports.rebuilt(args, stored, reports.directory(args), compare_report.dated)
     import spec_runtime
     from spec_runtime.bundle.reader import default_bundle_dir
 
     bundle_dir = args.bundle or default_bundle_dir()
     load_before = os.getloadavg()[0]
+    date = time.strftime("%Y-%m-%dT%H:%M:%S")
     gen = spec_runtime.load(bundle_dir, threads=args.threads)
     want = PRECISIONS[args.precision]["bundle_precision"]
     if gen.manifest.precision != want:
@@ -352,6 +361,7 @@ def main(argv=None) -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     config["gamma_used"] = gen.default_gamma if args.gamma is None else args.gamma
     report = {
+        "date": date, "command": reports.command_line(),
         "config": config,
         "bundle": str(bundle_dir),
         "draft": gen.manifest.to_json()["draft"],
@@ -380,6 +390,7 @@ def main(argv=None) -> None:
         stem = args.out / f"compare-{args.precision}"
         write_results(stem, report, table)
         print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    reports.done(compare_report.dated(report, reports.directory(args, args.out)))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+import reports
+
 SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
            "llamacpp", "llamacpp-lookup", "openvino", "openvino-lookup", "openvino-draft")
 REFERENCE = "hf"
@@ -27,13 +29,21 @@ TARGETS = {"fp32": [("specedge-spec", peer, 1.5) for peer in
                     ("specedge-spec", "ortgenai-ngram", 1.3), ("specedge-spec", "llamacpp", 1.5)]}
 
 
+def title(report: dict) -> str:
+    cfg = report["config"]
+    return f"specedge vs peers — {cfg['precision']}, greedy, {cfg['max_new_tokens']} new tokens"
+
+
 def markdown(report: dict) -> str:
+    return f"# {title(report)}\n\n{body(report)}"
+
+
+def body(report: dict) -> str:
+    """The table and its notes, without the title."""
     m, cfg, bw, w = report["machine"], report["config"], report["bandwidth"], report["weights"]
     v = m["versions"]
     kinds = list(report["summary"])
     lines = [
-        f"# specedge vs peers — {cfg['precision']}, greedy, {cfg['max_new_tokens']} new tokens",
-        "",
         f"- machine: {m['cpu']}, {m['physical_cores']} physical cores / {m['logical_cpus']} "
         f"logical ({m['usable_cpus']} usable), {cfg['threads']} threads for every system; "
         f"load average {report['load_before']} before, {report['load_after']} after",
@@ -182,3 +192,32 @@ def write_results(stem: Path, report: dict, table: str) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
     stem.with_suffix(".md").write_text(table)
+
+
+def dated(report: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """The run's dated report: the table of markdown() and plot(), as
+    DIRECTORY/compare-<precision>-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    return reports.write_report(
+        directory, f"compare-{report['config']['precision']}", title=title(report),
+        command=command or report.get("command") or reports.command_line(),
+        machine=reports.machine_line(report.get("machine"), machine), sections=body(report),
+        figure=plot(report), date=reports.run_date(report, date), rebuilt_by=rebuilt_by)
+
+
+def plot(report: dict):
+    """reports.speed_plot: tok/s per system and prompt kind, and each speculative mode over
+    its own plain mode (PLAIN_OF). Ours: the first two of SYSTEMS, or the names a run stored
+    before they changed. None without matplotlib."""
+    present = list(dict.fromkeys(n for rows in report["summary"].values() for n in rows))
+    names = [n for n in SYSTEMS if n in present] + [n for n in present if n not in SYSTEMS]
+    ours = set(SYSTEMS[:2]) | set(STORED_OURS)
+    plain_of = {STORED_OURS[1]: STORED_OURS[0], **PLAIN_OF}
+    return reports.speed_plot(report["summary"], names, plain_of, ours=ours,
+                              heading=f"{report['config']['precision']}: ours against peers")
+
+
+STORED_OURS = ("specedge", "specedge-spec")  # our rows' names in runs stored until 2026-12-04

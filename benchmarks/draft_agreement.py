@@ -9,6 +9,10 @@ position 300 (or a shorter cache's last), the graphs timed alternately (7 rounds
 order rotating; one session's calls never interleave with another's, as in step_time.py).
 
     python benchmarks/draft_agreement.py --race OUT/fp32/pair-fp32.json GRAPH.onnx [GRAPH.onnx ...]
+        [--report DIR]
+
+--report DIR also writes the dated report (reports.py: the table and a plot of each graph's
+agreement and step) into DIR.
 
 GRAPH: a decoder graph of a bundle (its draft.onnx or target.onnx) with the target's vocabulary.
 """
@@ -21,6 +25,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import machine
+import reports
 
 ROUNDS, CALLS, POSITION = 7, 15, 300
 
@@ -80,12 +87,57 @@ def step_times(sessions: list) -> list[float]:
     return [float(np.median(t)) for t in times]
 
 
+def table(rows: list[dict]) -> str:
+    kinds = list(dict.fromkeys(k for r in rows for k in r["by_kind"]))
+    lines = ["| graph | = target's token | " + " | ".join(kinds) + " | positions | step ms | "
+             "step × the first |", "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['graph']} | {r['agreement']:.3f} | "
+                     + " | ".join(f"{r['by_kind'].get(k, float('nan')):.3f}" for k in kinds)
+                     + f" | {r['positions']} | {r['step_ms']:.1f} | {r['step_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict]):
+    """Left: each graph's share of positions where it proposes the target's token, overall
+    and per kind; right: its 1-token step."""
+    fig, axes = reports.figure(1, 2, size=(11, 4.5))
+    if fig is None:
+        return None
+    names = [r["label"] for r in rows]
+    kinds = list(dict.fromkeys(k for r in rows for k in r["by_kind"]))
+    reports.bars(axes[0, 0], names, {"all": [r["agreement"] for r in rows],
+                                     **{k: [r["by_kind"].get(k) for r in rows] for k in kinds}},
+                 ylabel="share of positions = target's token", rotate=True,
+                 title="agreement with the target's greedy token (teacher-forced)")
+    axes[0, 0].set_ylim(0, 1)
+    reports.bars(axes[0, 1], names, {"step": [r["step_ms"] for r in rows]}, rotate=True,
+                 value_format="{:.3g}", ylabel="ms (median)",
+                 title=f"1-token step at position {POSITION}")
+    return fig
+
+
+def write_report(rows: list[dict], args, directory) -> None:
+    if directory is None:
+        return
+    head = (f"Each graph teacher-forced over the prompts of `{args.race}` and the "
+            f"`{args.system}` row's greedy output ({rows[0]['positions']} positions): the "
+            "share whose argmax is the target's next token, and the 1-token step, the graphs "
+            "timed alternately.")
+    reports.done(reports.write_report(
+        directory, "draft-agreement", title="How often a draft graph proposes the target's "
+        "token, and its step", command=reports.command_line(),
+        machine=machine.describe(machine.info(args.threads)), sections=[head, table(rows)],
+        figure=plot(rows)))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--race", type=Path, required=True, help="a pair race's JSON (pair.py --out)")
     ap.add_argument("--system", default="target-only", help="whose outputs are the target's")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("graphs", type=Path, nargs="+")
+    reports.add_options(ap, default="none", from_json=False)
     args = ap.parse_args(argv)
     race = json.loads(args.race.read_text())
     outputs = {r["prompt"]: r["tokens"] for r in race["runs"]
@@ -97,12 +149,18 @@ def main(argv=None) -> None:
              if outputs.get(i)]
     sessions = [session(g, args.threads) for g in args.graphs]
     steps = step_times(sessions)
+    rows = []
     for g, s, step in zip(args.graphs, sessions, steps):
         by_kind = agreement(s, cases)
         total = [sum(v[i] for v in by_kind.values()) for i in (0, 1)]
         kinds = "  ".join(f"{k} {a / n:.3f}" for k, (a, n) in by_kind.items())
         print(f"{g}: = target's token {total[0] / total[1]:.3f} of {total[1]} ({kinds}); "
               f"step {1000 * step:.1f} ms ({step / steps[0]:.2f}x the first)", flush=True)
+        rows.append({"graph": str(g), "label": f"{g.parent.name}/{g.name}",
+                     "agreement": total[0] / total[1], "positions": total[1],
+                     "by_kind": {k: a / n for k, (a, n) in by_kind.items()},
+                     "step_ms": 1000 * step, "step_ratio": step / steps[0]})
+    write_report(rows, args, reports.directory(args))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@
    What the blocks leave is the 8-bit activations' rounding; re-quantizing adds a second
    rounding of every weight.
 
-    python benchmarks/gguf_block_error.py qwen-0.5b gemma3-270m [--tensors 3]
+    python benchmarks/gguf_block_error.py qwen-0.5b gemma3-270m [--tensors 3] [--report DIR]
+
+--report DIR also writes the dated report (reports.py: these tables and a plot of each
+tensor's error by method, log scale) into DIR.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+import machine  # noqa: E402  (benchmarks/ is not a package)
+import reports  # noqa: E402
 
 
 def one_matmul(k: int, n: int, weight: np.ndarray | None = None, blocks=None):
@@ -85,7 +90,9 @@ def requantized(weight: np.ndarray):
         return onnx.load(str(path))
 
 
-def measure(path: Path, per_type: int) -> None:
+def measure(path: Path, per_type: int) -> dict:
+    """Prints the file's two tables as it measures; returns {"file", "lines" (the tables'
+    markdown), "errors" (a row per tensor measured)}."""
     import gguf
 
     from spec_export.gguf_quants import _tensor_rows, parse
@@ -111,15 +118,20 @@ def measure(path: Path, per_type: int) -> None:
         exact[kind][1] += 1
         if t.name.startswith("blk."):
             layer_tensors[kind].append(t)
-    print(f"\n{path.name}")
-    print("| type | tensors read bit for bit | 32-blocks centred |")
-    print("|---|---:|---:|")
+    lines, errors = [], []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+    say(f"\n{path.name}\n")  # a paragraph of its own: the table below renders as one
+    say("| type | tensors read bit for bit | 32-blocks centred |")
+    say("|---|---:|---:|")
     for kind, (ok, total) in sorted(exact.items()):
         share = f"{centred[kind] / blocks[kind]:.4%}" if blocks[kind] else "n/a (symmetric)"
-        print(f"| {kind} | {ok}/{total} | {share} |")
+        say(f"| {kind} | {ok}/{total} | {share} |")
 
-    print("\n| type | tensor [N×K] | blocks | uncentred | folded | re-quantized int4 |")
-    print("|---|---|---:|---:|---:|---:|")
+    say("\n| type | tensor [N×K] | blocks | uncentred | folded | re-quantized int4 |")
+    say("|---|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     for kind, tensors in sorted(layer_tensors.items()):
         step = max(1, len(tensors) // per_type)
@@ -134,31 +146,62 @@ def measure(path: Path, per_type: int) -> None:
                 return np.linalg.norm(run(model, x) - ref) / np.linalg.norm(ref)
 
             b = parse(kind, raw)
-            uncentred = f"{err(one_matmul(k, n, blocks=b)):.2e}" if b.offsets is not None else ""
-            fold = f"{err(one_matmul(k, n, blocks=folded(b))):.2e}" if b.offsets is not None \
-                else ""
-            mine = err(one_matmul(k, n, blocks=b.centred()))
-            print(f"| {kind} | {t.name} [{n}×{k}] | {mine:.2e} | {uncentred} | {fold} "
-                  f"| {err(requantized(w)):.2e} |")
+            offsets = b.offsets is not None
+            row = {"type": kind, "tensor": t.name, "shape": [n, k],
+                   "blocks": err(one_matmul(k, n, blocks=b.centred())),
+                   "uncentred": err(one_matmul(k, n, blocks=b)) if offsets else None,
+                   "folded": err(one_matmul(k, n, blocks=folded(b))) if offsets else None,
+                   "re-quantized": err(requantized(w))}
+            errors.append(row)
+            say(f"| {kind} | {t.name} [{n}×{k}] | {row['blocks']:.2e} | "
+                + " | ".join("" if row[c] is None else f"{row[c]:.2e}"
+                             for c in ("uncentred", "folded", "re-quantized")) + " |")
+    return {"file": path.name, "lines": lines, "errors": errors}
 
 
-def main() -> None:
+METHODS = ("blocks", "uncentred", "folded", "re-quantized")
+
+
+def plot(measured: list[dict]):
+    """Per file: each measured tensor's relative error by method (log scale)."""
+    fig, axes = reports.figure(len(measured), 1, size=(10, 3.8 * len(measured)))
+    if fig is None:
+        return None
+    for ax, m in zip(axes[:, 0], measured):
+        names = [f"{r['type']} {r['tensor'].removeprefix('blk.')}" for r in m["errors"]]
+        reports.bars(ax, names, {c: [r[c] for r in m["errors"]] for c in METHODS},
+                     ylabel="‖y − y_ref‖ / ‖y_ref‖", rotate=True,
+                     title=f"{m['file']}: one MatMul's relative error by weights")
+        ax.set_yscale("log")
+    return fig
+
+
+def main(argv=None) -> None:
     from real_models import MODELS, fetch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", default=["qwen-0.5b", "gemma3-270m"], choices=list(MODELS))
     ap.add_argument("--tensors", type=int, default=3, help="layer tensors measured per type")
-    args = ap.parse_args()
+    reports.add_options(ap, default="none", from_json=False)
+    args = ap.parse_args(argv)
     import onnxruntime
 
-    print("# GGUF blocks as int4-build weights, per block type (benchmarks/gguf_block_error.py)\n")
-    print(f"- `python benchmarks/gguf_block_error.py {' '.join(args.models)} "
-          f"--tensors {args.tensors}`, onnxruntime {onnxruntime.__version__}, "
-          "MatMulNBits accuracy level 4 on CPU")
-    print("- relative error ‖y − y_ref‖/‖y_ref‖ of x·Wᵀ over 8 Gaussian rows, y_ref in float64 "
-          "from gguf-py's weights")
-    for name in args.models:
-        measure(fetch(name), args.tensors)
+    title = "GGUF blocks as int4-build weights, per block type (benchmarks/gguf_block_error.py)"
+    head = [f"- `python benchmarks/gguf_block_error.py {' '.join(args.models)} "
+            f"--tensors {args.tensors}`, onnxruntime {onnxruntime.__version__}, "
+            "MatMulNBits accuracy level 4 on CPU",
+            "- relative error ‖y − y_ref‖/‖y_ref‖ of x·Wᵀ over 8 Gaussian rows, y_ref in "
+            "float64 from gguf-py's weights"]
+    print(f"# {title}\n")
+    print("\n".join(head))
+    measured = [measure(fetch(name), args.tensors) for name in args.models]
+    directory = reports.directory(args)
+    if directory is not None:
+        reports.done(reports.write_report(
+            directory, "gguf-blocks", title=title, command=reports.command_line(),
+            machine=machine.describe(machine.info(threads=0)),
+            sections=["\n".join(head)] + ["\n".join(m["lines"]) for m in measured],
+            figure=plot(measured)))
 
 
 if __name__ == "__main__":

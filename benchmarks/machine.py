@@ -41,6 +41,22 @@ def info(threads: int) -> dict:
             "versions": versions}
 
 
+def describe(info: dict | None) -> str:
+    """One line for a report: CPU, cores, threads, Python, platform, the versions that are
+    installed (`info` as info() returns it, or as a run's JSON stored it)."""
+    if not info:
+        return "not recorded"
+    cores = [f"{info[k]} {what}" for k, what in (("physical_cores", "physical cores"),
+                                                 ("logical_cpus", "logical"),
+                                                 ("usable_cpus", "usable")) if info.get(k)]
+    parts = [str(info.get("cpu", "unknown CPU"))] + ([" / ".join(cores)] if cores else [])
+    if info.get("threads"):
+        parts.append(f"{info['threads']} threads")
+    parts.append(f"Python {info.get('python', '?')} on {info.get('platform', '?')}")
+    versions = ", ".join(f"{k} {v}" for k, v in (info.get("versions") or {}).items() if v)
+    return ", ".join(parts) + (f"; {versions}" if versions else "")
+
+
 def copy_bandwidth(mib: int = 512, tries: int = 5) -> dict:
     """Best-of-`tries` numpy copy of a `mib` MiB array (one thread). Bandwidth counts the bytes
     read plus the bytes written (STREAM's convention for Copy)."""

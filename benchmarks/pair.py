@@ -43,6 +43,7 @@ import pair_report
 from pair_workers import Pool, WorkerError, mem_available
 import peers
 import real_models
+import reports
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "pair_prompts.json"
@@ -134,7 +135,10 @@ def parse_args(argv=None):
                     help="directory for pair-<precision>.{json,md} (default: "
                     "benchmarks/results/local, git-ignored)")
     ap.add_argument("--replace", action="store_true", help="overwrite existing result files")
+    reports.add_options(ap, default="--out, beside pair-<precision>.json")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return args  # nothing runs: the report of a stored race (main)
     if args.gamma not in (None, "auto"):
         if not str(args.gamma).isdigit():
             ap.error(f"--gamma {args.gamma!r}: use an integer or 'auto'")
@@ -448,11 +452,20 @@ def uptime() -> str:
         return f"loadavg {os.getloadavg()}"
 
 
+def from_json(args) -> None:
+    """The dated report of a stored race (its pair-<precision>.json), nothing measured."""
+    report = pair_report.complete(json.loads(args.from_json.read_text()))
+    reports.rebuilt(args, report, reports.directory(args), pair_report.dated)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.from_json:
+        return from_json(args)
     target = args.target_gguf or real_models.fetch("qwen-1.5b")
     draft = args.draft_gguf or real_models.fetch("qwen-0.5b")
     started, up_before = time.time(), uptime()
+    date = time.strftime("%Y-%m-%dT%H:%M:%S")
     prompts, warmup, eos_ids = prepare_prompts(model_files.hf_dir(target), args)
     print(f"{len(prompts)} prompts; setting up systems (model files built when missing) ...",
           file=sys.stderr, flush=True)
@@ -471,6 +484,7 @@ def main(argv=None) -> None:
     bw_after = machine.copy_bandwidth()
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "date": date, "command": reports.command_line(),
         "target_gguf": str(target), "draft_gguf": str(draft), "eos_ids": eos_ids,
         "machine": machine.info(args.threads),
         "uptime_before": up_before, "uptime_after": uptime(), "loads": loads,

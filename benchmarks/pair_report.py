@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+
+import reports
 
 KIND_ORDER = ("code", "grounded", "chat")
 # our best mode over the best peer mode, per kind (the issue's targets)
@@ -167,7 +170,18 @@ def cell(row: dict | None) -> str:
     return f"{q['median']:.2f}{x}"
 
 
+def title(report: dict) -> str:
+    cfg = report["config"]
+    return (f"Pair race — {cfg['precision']} target, greedy, up to {cfg['max_new_tokens']} new "
+            f"tokens (EOS `{cfg['eos']}`)")
+
+
 def markdown(report: dict) -> str:
+    return f"# {title(report)}\n\n{body(report)}"
+
+
+def body(report: dict) -> str:
+    """The table and its notes, without the title."""
     cfg, m, bw = report["config"], report["machine"], report["bandwidth"]
     summary, systems = report["summary"], report["systems"]
     kinds = list(summary)
@@ -175,8 +189,6 @@ def markdown(report: dict) -> str:
     counts = {k: sum(p["kind"] == k for p in report["prompts"]) for k in kinds if k != "all"}
     workers = "kept loaded" if report["resident"] else "loaded per turn (one model at a time)"
     lines = [
-        f"# Pair race — {cfg['precision']} target, greedy, up to {cfg['max_new_tokens']} new "
-        f"tokens (EOS `{cfg['eos']}`)", "",
         f"- target {Path(report['target_gguf']).name}, draft {Path(report['draft_gguf']).name}"
         f"; prompts {counts}"
         f", {cfg['repeats']} repeat(s), chat template on, identical ids for every system",
@@ -250,10 +262,51 @@ def markdown(report: dict) -> str:
 
 
 def write(report: dict, args) -> None:
+    """pair-<precision>.json and .md under --out, and the dated report (reports.py) where
+    --report says (default: --out too)."""
     from compare_report import write_results
 
     report = build(report, args)
     write_results(args.out / f"pair-{args.precision}", report, markdown(report))
+    reports.done(dated(report, reports.directory(args, args.out)))
+
+
+def complete(report: dict) -> dict:
+    """A stored race's report as write() leaves it: a JSON with its runs but no summary (one
+    written by hand, or cut down) gets the summary, targets and checks build() makes, with
+    the options its config recorded."""
+    if "summary" not in report:
+        cfg = report["config"]
+        ref = cfg.get("float_reference")
+        build(report, SimpleNamespace(precision=cfg["precision"], ours_default=cfg.get(
+            "ours_default"), float_reference=Path(ref) if ref else None))
+    return report
+
+
+def dated(report: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """The race's dated report: the table of markdown() and plot(), as
+    DIRECTORY/pair-<precision>-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    return reports.write_report(
+        directory, f"pair-{report['config']['precision']}", title=title(report),
+        command=command or report.get("command") or reports.command_line(),
+        machine=reports.machine_line(report.get("machine"), machine),
+        sections=body(report), figure=plot(report), date=reports.run_date(report, date),
+        rebuilt_by=rebuilt_by)
+
+
+def plot(report: dict):
+    """reports.speed_plot of the race: tok/s per system and kind, and each speculative row
+    over its own target-only row. None without matplotlib."""
+    systems = report["systems"]
+    return reports.speed_plot(
+        report["summary"], list(systems), {n: s["plain"] for n, s in systems.items()
+                                           if s.get("plain")},
+        ours={n for n, s in systems.items() if s["family"] == "ours"},
+        heading=f"{report['config']['precision']} pair race")
 
 
 def options_text(options: dict) -> str:

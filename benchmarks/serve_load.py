@@ -62,6 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # benchmarks/ is not a package
+import reports
 from serve_process import (  # the server's process: command, start, stop
     HOST, REPO, free_port, resolve_launch, running_server, server_command)
 
@@ -290,7 +291,59 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def head(report: dict) -> str:
+    cfg = report["config"]
+    return (f"{cfg['clients']} clients × {cfg['requests_per_client']} streaming chat requests, "
+            f"max_tokens {cfg['max_tokens']}, greedy; bundle {cfg['bundle']}; load average at "
+            f"start {report['load_before']['load_1m']:.2f}; {report['seconds']:.0f} s")
+
+
+def markdown(report: dict) -> str:
+    """What --out writes beside the JSON: the head line, the table, the notes."""
+    return (head(report) + "\n\n" + table(report) + "\n"
+            + "".join(f"\n- {n}" for n in report["notes"]) + "\n")
+
+
+def plot(report: dict):
+    """Per configuration: throughput of each mode (the speed-up above the speculative bar),
+    and the median per-token latency of each mode."""
+    fig, axes = reports.figure(1, 2, size=(11, 4.5))
+    if fig is None:
+        return None
+    done = [c for c in report["configs"] if "result" in c]
+    names = [c["name"] for c in done]
+    for ax, key, label in ((axes[0, 0], "throughput_tok_s", "tokens/s (all clients)"),
+                           (axes[0, 1], "per_token_p50_ms", "ms per token, p50")):
+        reports.bars(ax, names, {MODE_NAMES[m]: [c["result"]["modes"][m][key] for c in done]
+                                 for m in MODES}, ylabel=label, rotate=len(names) > 3,
+                     value_format="{:.1f}", title=label + " per server configuration")
+    for i, c in enumerate(done):
+        if c["result"]["speedup"]:
+            top = max(c["result"]["modes"][m]["throughput_tok_s"] or 0 for m in MODES)
+            axes[0, 0].annotate(f"{c['result']['speedup']:.2f}×", (i, top * 1.08),
+                                ha="center", fontsize=9, fontweight="bold")
+    axes[0, 0].set_ylim(top=1.2 * max([c["result"]["modes"][m]["throughput_tok_s"] or 0
+                                       for c in done for m in MODES], default=1))
+    return fig
+
+
+def dated(report: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """DIRECTORY/serve-load[-ray]-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    ray = report["config"].get("ray")
+    return reports.write_report(
+        directory, "serve-load-ray" if ray else "serve-load",
+        title="Load on specrun serve" + (" --ray" if ray else "") + ": speculative and "
+        "target-only", command=command or report.get("command") or reports.command_line(),
+        machine=reports.machine_line(report.get("machine"), machine),
+        sections=markdown(report), figure=plot(report), date=reports.run_date(report, date),
+        rebuilt_by=rebuilt_by)
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-b", "--bundle", default=None,
@@ -324,7 +377,11 @@ def main() -> None:
                     help="write the JSON report here and the table next to it as .md (the "
                          "committed ones: benchmarks/results/serve-load.json, serve-load-ray.json"
                          ") [default: print the table, write nothing]")
-    args = ap.parse_args()
+    reports.add_options(ap, default="beside --out's file; without --out, none")
+    args = ap.parse_args(argv)
+    if args.from_json:  # the report of a stored run: nothing measured
+        stored = json.loads(args.from_json.read_text())
+        return reports.rebuilt(args, stored, reports.directory(args), dated)
 
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         ap.error("--clients, --requests and --max-tokens must be >= 1")
@@ -359,7 +416,7 @@ def main() -> None:
 
     report = {
         "benchmark": "serve_load",
-        "date": load_before["time"],
+        "date": load_before["time"], "command": reports.command_line(),
         "git": git_state(),
         "machine": machine.info(threads=0),
         "load_before": load_before,
@@ -416,19 +473,15 @@ def main() -> None:
     errors = sum(c["result"]["all"]["errors"] for c in report["configs"] if "result" in c)
     if errors:
         report["notes"].append(f"{errors} requests failed (see error_samples per mode)")
-    md = table(report)
-    head = (f"{args.clients} clients × {args.requests} streaming chat requests, max_tokens "
-            f"{args.max_tokens}, greedy; bundle {report['config']['bundle']}; "
-            f"load average at start {load_before['load_1m']:.2f}; {report['seconds']:.0f} s")
-    print("\n" + head + "\n\n" + md)
+    print("\n" + head(report) + "\n\n" + table(report))
     for n in report["notes"]:
         print(f"note: {n}")
     if args.out is not None:  # only when asked: never over the committed results by default
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
-        args.out.with_suffix(".md").write_text(
-            head + "\n\n" + md + "\n" + "".join(f"\n- {n}" for n in report["notes"]) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(report))
         print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
+    reports.done(dated(report, reports.directory(args, args.out.parent if args.out else None)))
     failed = [c["name"] for c in report["configs"] if c.get("failed") or c.get("exit_code") != 0]
     if failed:
         sys.exit(1)

@@ -5,6 +5,10 @@ request, and, for comparison, after a second independent load() (what a slot wou
 had its own sessions and so its own copy of the weights).
 
     python benchmarks/slot_memory.py [BUNDLE] [--slots 3] [--out benchmarks/results/slot-memory.json]
+    python benchmarks/slot_memory.py --from-json FILE [--report DIR]   # a stored run's report
+
+With --out the dated report (reports.py: the table and a plot of memory by slots) goes beside
+the JSON, or into --report DIR.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import machine  # noqa: E402  (benchmarks/ is not a package)
+import reports  # noqa: E402
 import spec_runtime  # noqa: E402
 
 
@@ -44,13 +52,74 @@ def long_request(gen) -> None:
     gen.generate(prompt, max_new_tokens=64, temperature=0)
 
 
-def main() -> None:
+def table(run: dict) -> str:
+    lines = ["| slots | resident memory MB | more than one slot fewer |", "|---:|---:|---:|",
+             f"| 0 (loaded, no request yet) | {run['rss_after_load_mb']:.1f} | |"]
+    prev = None
+    for row in run["rows"]:
+        more = "" if prev is None else f"{row['rss_mb'] - prev:.1f}"
+        lines.append(f"| {row['slots']} | {row['rss_mb']:.1f} | {more} |")
+        prev = row["rss_mb"]
+    return "\n".join(lines) + (
+        f"\n\nBundle files {run['bundle_files_mb']:.1f} MB (max_len {run['max_len']}); the KV "
+        f"caches of one slot {run['kv_cache_per_slot_mb']:.1f} MB; a second independent load "
+        f"(its own sessions, its own weights) added {run['second_independent_load_mb']:.1f} MB"
+        f"; the slots share their sessions: {run['sessions_shared']}.")
+
+
+def plot(run: dict):
+    """Resident memory by slots, measured (forks sharing the sessions), against what each slot
+    would add as an independent load."""
+    fig, axes = reports.figure(size=(7, 4))
+    if fig is None:
+        return None
+    ax = axes[0, 0]
+    slots = [r["slots"] for r in run["rows"]]
+    rss = [r["rss_mb"] for r in run["rows"]]
+    ax.plot(slots, rss, marker="o", label="slots sharing one load's sessions (measured)")
+    ax.plot(slots, [rss[0] + (n - 1) * run["second_independent_load_mb"] for n in slots],
+            marker="s", ls="--", color="C3",
+            label="each slot a load of its own (measured once, projected)")
+    ax.axhline(run["rss_after_load_mb"], color="gray", lw=0.8, ls=":",
+               label="after load, before any request")
+    ax.set_xticks(slots)
+    ax.set_xlabel("server slots, each after a long request")
+    ax.set_ylabel("resident memory (VmRSS), MB")
+    ax.set_ylim(bottom=0)
+    ax.set_title("what one more specrun serve slot costs", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def dated(run: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """DIRECTORY/slot-memory-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    head = (f"Resident memory of one process serving `{run['bundle']}`: after load, then after "
+            "a long request on each slot (Generator.fork: the same sessions, KV caches of its "
+            "own).")
+    return reports.write_report(
+        directory, "slot-memory", title="What one more serve slot costs in memory",
+        command=command or run.get("command") or reports.command_line(),
+        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
+        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", nargs="?", default=None)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--out", default=None,
                     help="write the JSON report here [default: print it, write nothing]")
-    a = ap.parse_args()
+    reports.add_options(ap, default="beside --out's file; without --out, none")
+    a = ap.parse_args(argv)
+    if a.from_json:  # the report of a stored run: nothing measured
+        stored = json.loads(a.from_json.read_text())
+        return reports.rebuilt(a, stored, reports.directory(a), dated)
+    date, command = time.strftime("%Y-%m-%dT%H:%M:%S"), reports.command_line()
 
     before = rss_mb()
     gen = spec_runtime.load(a.bundle)
@@ -68,6 +137,7 @@ def main() -> None:
     per_slot = [(b["rss_mb"] - a_["rss_mb"]) for a_, b in zip(rows, rows[1:])]
     files = sum(f.bytes for f in gen.manifest.files.values()) / 2**20
     report = {
+        "date": date, "command": command, "machine": machine.info(threads=0),
         "bundle": str(gen.bundle_dir), "max_len": gen.manifest.max_len,
         "bundle_files_mb": round(files, 1),
         "rss_before_load_mb": round(before, 1), "rss_after_load_mb": round(loaded, 1),
@@ -81,6 +151,7 @@ def main() -> None:
     if a.out is not None:  # only when asked: never over the committed results by default
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    reports.done(dated(report, reports.directory(a, Path(a.out).parent if a.out else None)))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ competes with them (on 2 cores, interleaving doubled every time measured here).
 
     python benchmarks/step_time.py BUNDLE [BUNDLE ...] [--threads 2] [--runs 30] [--json FILE]
                                    [--one-row as-is,padded] [--rows 1,5,9,17]
-                                   [--device cpu|cuda|tensorrt]
+                                   [--device cpu|cuda|tensorrt] [--report DIR]
+    python benchmarks/step_time.py --from-json FILE [--report DIR]   # a stored run's report
+
+With --json the dated report (reports.py: the table and a plot of ms per call by rows, a line
+per bundle) goes beside the JSON, or into --report DIR.
 
 `--one-row` times each bundle's 1-token calls in each of the given forms (spec_runtime/engines/rows.py):
 "padded" is what a machine whose 1-row kernels differ runs, so its step time against "as-is" is
@@ -30,18 +34,92 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (benchmarks/ is not a package)
+import reports  # noqa: E402
+
 CALLS = [(1, 100), (5, 100), (1, 1000), (5, 1000)]  # (tokens, position)
 
 
-def main() -> None:
+def calls_of(median: dict) -> list[tuple[int, int]]:
+    """The (tokens, position) calls of a bundle's medians ("5@100": ms, ratios left out)."""
+    return [(int(n), int(p)) for n, p in (k.split("@") for k in median if "@" in k)]
+
+
+def table(run: dict) -> str:
+    """Per bundle: the median ms of each call, and each call over the 1-token call at the same
+    position."""
+    meds = run["median_ms"]
+    calls = sorted({c for m in meds.values() for c in calls_of(m)}, key=lambda c: (c[1], c[0]))
+    lines = ["| bundle (precision, kernels, 1-row form) | "
+             + " | ".join(f"{n} tok @{p} ms" for n, p in calls) + " | "
+             + " | ".join(f"{n}/1 @{p}" for n, p in calls if n != 1) + " |",
+             "|---|" + "---:|" * (len(calls) + sum(n != 1 for n, _ in calls))]
+    for label, m in meds.items():
+        ms = [m.get(f"{n}@{p}") for n, p in calls]
+        ratio = [m[f"{n}@{p}"] / m[f"1@{p}"] if f"{n}@{p}" in m and f"1@{p}" in m else None
+                 for n, p in calls if n != 1]
+        lines.append(f"| {label} | " + " | ".join("–" if v is None else f"{v:.2f}" for v in ms)
+                     + " | " + " | ".join("–" if v is None else f"{v:.2f}×" for v in ratio)
+                     + " |")
+    return "\n".join(lines)
+
+
+def plot(run: dict):
+    """ms per call by the rows (tokens) it scores, a line per bundle (and position)."""
+    fig, axes = reports.figure(size=(8, 4.5))
+    if fig is None:
+        return None
+    ax = axes[0, 0]
+    for i, (label, m) in enumerate(run["median_ms"].items()):
+        calls = calls_of(m)
+        positions = sorted({p for _, p in calls})
+        for j, pos in enumerate(positions):
+            pts = sorted((n, m[f"{n}@{pos}"]) for n, p in calls if p == pos)
+            ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}",
+                    ls=("-", "--", ":", "-.")[j % 4],
+                    label=label + (f" @{pos}" if len(positions) > 1 else ""))
+    ax.set_xticks(sorted({n for m in run["median_ms"].values() for n, _ in calls_of(m)}))
+    ax.set_xlabel("tokens scored in one call (rows)")
+    ax.set_ylabel("ms per call (median)")
+    ax.set_ylim(bottom=0)
+    where = (f"ORT CPU, {run['threads']} threads" if run.get("device", "cpu") == "cpu"
+             else run["device"])
+    ax.set_title(f"the target's call time by rows ({where}, median of {run['runs']} calls)",
+                 fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def dated(run: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """DIRECTORY/step-time-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    where = (f"ONNX Runtime's CPU provider, {run['threads']} threads"
+             if run.get("device", "cpu") == "cpu" else f"device {run['device']}")
+    head = (f"The target's `forward` as the decode loop calls it, {where}: the median of "
+            f"{run['runs']} calls per bundle and call (ms), and each call over the 1-token "
+            "call at the same position (what verifying a draft costs against a step).")
+    return reports.write_report(
+        directory, "step-time", title="The cost of one target call, by rows",
+        command=command or run.get("command") or reports.command_line(),
+        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
+        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bundles", nargs="+", type=Path)
+    ap.add_argument("bundles", nargs="*", type=Path)
     ap.add_argument("--threads", type=int, default=2, help="ORT intra_op_num_threads")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--json", type=Path, help="also write the medians here")
@@ -51,7 +129,14 @@ def main() -> None:
                                    "(default: 1 and 5 tokens at positions 100 and 1000)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "tensorrt"],
                     help="where the target runs (scripts/gpu_check.sh times the GPU paths)")
-    args = ap.parse_args()
+    reports.add_options(ap, default="beside --json's file; without --json, none")
+    args = ap.parse_args(argv)
+    if args.from_json:  # the report of a stored run: nothing measured
+        stored = json.loads(args.from_json.read_text())
+        return reports.rebuilt(args, stored, reports.directory(args), dated)
+    if not args.bundles:
+        ap.error("give one or more BUNDLE directories (or --from-json FILE)")
+    date, command = time.strftime("%Y-%m-%dT%H:%M:%S"), reports.command_line()
     calls = [(int(n), 100) for n in args.rows.split(",")] if args.rows else CALLS
     if calls[0][0] != 1:
         ap.error("--rows must start with 1 (the step the other calls are compared with)")
@@ -104,10 +189,12 @@ def main() -> None:
                   + f" {r100:9.2f} {r1000:10.2f}")
             report[label] = {f"{n}@{p}": med[(n, p)] for n, p in calls}
             report[label].update(ratio_100=r100, ratio_1000=r1000)
+    run = {"date": date, "command": command, "machine": machine.info(args.threads),
+           "device": args.device, "threads": args.threads, "runs": args.runs,
+           "median_ms": report}
     if args.json:
-        args.json.write_text(json.dumps({"device": args.device, "threads": args.threads,
-                                         "runs": args.runs,
-                                         "median_ms": report}, indent=1))
+        args.json.write_text(json.dumps(run, indent=1))
+    reports.done(dated(run, reports.directory(args, args.json.parent if args.json else None)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ rank ≤ k, plus the target's token; every t of every output is a start. The rat
 tokens per round ÷ (verify(rows) + γ draft steps), both medians of calls timed here.
 
     python benchmarks/tree_gain.py --race OUT/fp32/pair-fp32.json --draft BUNDLE/draft.onnx \\
-        TARGET.onnx [TARGET.onnx ...] [--rows 1,5,9,13,17]
+        TARGET.onnx [TARGET.onnx ...] [--rows 1,5,9,13,17] [--report DIR]
+
+--report DIR also writes the dated report (reports.py: the best chain and tree per target, and
+a plot of the best projected rate by verify rows, chains against trees) into DIR.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from draft_agreement import feeds, fitting_position, session
+import machine
+import reports
 
 CALLS = 11
 
@@ -94,6 +99,65 @@ def price(times: dict[int, float], rows: int) -> float:
     return float(np.interp(rows, xs, [times[x] for x in xs]))
 
 
+def shape_text(sh) -> str:
+    g, d, k, n = sh
+    return f"γ {g}" + (f" + top-{k} leaves at {d} depths" if k > 1 else "") + f", {n} rows"
+
+
+def table(found: list[dict]) -> str:
+    lines = ["| target | verify ms by rows | draft step ms | best chain | tok/s | best tree | "
+             "tok/s | tree / chain |", "|---|---|---:|---|---:|---|---:|---:|"]
+    for f in found:
+        rate, chain, tree = f["rate"], f["chain"], f["tree"]
+        lines.append(
+            f"| {f['target']} | " + ", ".join(f"{n}: {v:.1f}" for n, v in f["verify_ms"].items())
+            + f" | {f['step_ms']:.1f} | {shape_text(chain)} ({f['tokens'][chain]:.2f} "
+            f"tokens/round) | {rate[chain]:.2f} | {shape_text(tree)} ({f['tokens'][tree]:.2f} "
+            f"tokens/round) | {rate[tree]:.2f} | {rate[tree] / rate[chain]:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(found: list[dict]):
+    """Per target: the best projected tok/s at each verify row count, chains against chains
+    with leaves (trees)."""
+    fig, axes = reports.figure(size=(8, 4.5))
+    if fig is None:
+        return None
+    ax = axes[0, 0]
+    for i, f in enumerate(found):
+        for trees, ls, what in ((False, "-", "chain"), (True, "--", "tree")):
+            best = {}
+            for sh, r in f["rate"].items():
+                if (sh[2] > 1) == trees:
+                    best[sh[3]] = max(best.get(sh[3], 0.0), r)
+            xs = sorted(best)
+            ax.plot(xs, [best[x] for x in xs], ls=ls, marker="o" if not trees else "s",
+                    ms=3, color=f"C{i}", label=f"{Path(f['target']).parent.name}/"
+                    f"{Path(f['target']).name}: best {what}")
+    ax.set_xlabel("verify rows per round")
+    ax.set_ylabel("projected tok/s (greedy)")
+    ax.set_title("best chain against best tree at each row count", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def write_report(found: list[dict], ranks_share: dict, positions: int, args,
+                 directory) -> None:
+    if directory is None:
+        return
+    head = (f"The draft `{args.draft}` teacher-forced over `{args.race}` (the `{args.system}` "
+            f"row, {positions} positions): the target's token is the draft's 1st choice at "
+            f"{ranks_share[1]:.3f}, 2nd {ranks_share[2]:.3f}, 3rd {ranks_share[3]:.3f}. Each "
+            "chain of γ draft tokens and each chain with top-k leaves at its first depths, "
+            "priced on the target's verify time by rows and the draft's step, both measured "
+            "here.")
+    reports.done(reports.write_report(
+        directory, "tree-gain", title="Would a token tree pay on this machine?",
+        command=reports.command_line(), machine=machine.describe(machine.info(args.threads)),
+        sections=[head, table(found)], figure=plot(found)))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--race", type=Path, required=True, help="a pair race's JSON (pair.py --out)")
@@ -102,6 +166,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", default="1,5,9,13,17", help="verify row counts to time")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("targets", type=Path, nargs="+", help="target graphs to price rounds on")
+    reports.add_options(ap, default="none", from_json=False)
     args = ap.parse_args(argv)
     race = json.loads(args.race.read_text())
     outputs = {r["prompt"]: r["tokens"] for r in race["runs"]
@@ -119,6 +184,7 @@ def main(argv=None) -> None:
     step = call_times(draft, [1])[1]
     per_shape = {sh: float(np.mean([tokens_per_round(r, *sh[:3]) for r in rank]))
                  for sh in shapes(max(rows))}
+    found = []
     for path in args.targets:
         times = call_times(session(path, args.threads), rows)
         print(f"{path}: verify ms by rows " + ", ".join(f"{n}: {1e3 * t:.1f}"
@@ -133,6 +199,11 @@ def main(argv=None) -> None:
                   + f", {n} rows: {per_shape[sh]:.2f} tokens/round, "
                   f"{1e3 * (price(times, n) + g * step):.0f} ms/round, {rate[sh]:.2f} tok/s")
         print(f"  tree / chain: {rate[tree] / rate[chain]:.3f}", flush=True)
+        found.append({"target": str(path), "verify_ms": {n: 1e3 * t for n, t in times.items()},
+                      "step_ms": 1e3 * step, "rate": rate, "chain": chain, "tree": tree,
+                      "tokens": {sh: per_shape[sh] for sh in (chain, tree)}})
+    ranks_share = {k: float((flat == k).mean()) for k in (1, 2, 3)}
+    write_report(found, ranks_share, len(flat), args, reports.directory(args))
 
 
 if __name__ == "__main__":

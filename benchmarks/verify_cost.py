@@ -7,6 +7,10 @@ no prepacking, and (with --fp32-bundle) the same model quantized again at block 
 Then ONNX Runtime's profiler splits the baseline's kernel time by operator. One run, one table:
 
     python benchmarks/verify_cost.py INT4_BUNDLE [--fp32-bundle FP32_BUNDLE] [--json FILE]
+    python benchmarks/verify_cost.py --from-json FILE [--report DIR]   # a stored run's report
+
+With --json the dated report (reports.py: the table and a plot of ms per call by variant and
+the kernel time by operator) goes beside the JSON, or into --report DIR.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ import argparse
 import collections
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402  (benchmarks/ is not a package)
+import reports  # noqa: E402
 
 ROWS = (1, 5, 9)
 
@@ -90,14 +99,83 @@ def profile(path, manifest, n: int, prefix: str) -> dict[str, float]:
     return {op: round(t / total, 3) for op, t in per_op.most_common(6)}
 
 
-def main() -> None:
+def ms_of(row: dict) -> dict[int, float]:
+    """A variant's median ms by rows (the JSON's keys are strings)."""
+    return {int(n): v for n, v in row["ms"].items()}
+
+
+def table(run: dict) -> str:
+    lines = ["| variant | " + " | ".join(f"{n} tok ms" for n in ROWS) + " | 5/1 | 9/1 |",
+             "|---|" + "---:|" * (len(ROWS) + 2)]
+    for row in run["rows"]:
+        ms = ms_of(row)
+        lines.append(f"| {row['variant']} | " + " | ".join(f"{ms[n]:.2f}" for n in ROWS)
+                     + f" | {ms[5] / ms[1]:.2f} | {ms[9] / ms[1]:.2f} |")
+    shares = ["Kernel time of the as-built graph by operator (ONNX Runtime's profiler):", ""]
+    shares += [f"- {n}-token call: " + ", ".join(f"{op} {v:.0%}" for op, v in share.items())
+               for n, share in run.get("kernel_share", {}).items()]
+    return "\n".join(lines) + ("\n\n" + "\n".join(shares) if run.get("kernel_share") else "")
+
+
+def plot(run: dict):
+    """Left: ms per call by variant, a bar per row count; right: the as-built call's kernel
+    time by operator, per row count."""
+    fig, axes = reports.figure(1, 2, size=(12, 5))
+    if fig is None:
+        return None
+    variants = [r["variant"] for r in run["rows"]]
+    reports.bars(axes[0, 0], variants, {f"{n} tok": [ms_of(r)[n] for r in run["rows"]]
+                                        for n in ROWS},
+                 ylabel="ms per call (median, log scale)", rotate=True,
+                 title="an int4 call of 1, 5, 9 tokens by variant, at position 100")
+    axes[0, 0].set_yscale("log")
+    ax = axes[0, 1]
+    shares = {int(n): s for n, s in run.get("kernel_share", {}).items()}
+    ops = list(dict.fromkeys(op for s in shares.values() for op in s))
+    bottom = [0.0] * len(shares)
+    for i, op in enumerate(ops):
+        v = [shares[n].get(op, 0.0) for n in shares]
+        ax.bar([str(n) for n in shares], v, bottom=bottom, label=op, color=f"C{i}")
+        bottom = [b + x for b, x in zip(bottom, v)]
+    ax.set_xlabel("tokens in the call")
+    ax.set_ylabel("share of kernel time")
+    ax.set_title("as built: kernel time by operator (top 6)", fontsize=10)
+    if ops:
+        ax.legend(fontsize=7)
+    return fig
+
+
+def dated(run: dict, directory: Path | None, *, command: str | None = None,
+          date: str | None = None, machine: str | None = None,
+          rebuilt_by: str | None = None) -> Path | None:
+    """DIRECTORY/verify-cost-<date>.md and .png (None: no report)."""
+    if directory is None:
+        return None
+    head = (f"The int4 target of `{run['bundle']}`: a 1-, 5- and 9-token call at position 100 "
+            "(median ms) as built and with what ONNX Runtime offers against a multi-row call's "
+            "cost, and each call over the 1-token call.")
+    return reports.write_report(
+        directory, "verify-cost", title="Where an int4 verify call's time goes",
+        command=command or run.get("command") or reports.command_line(),
+        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
+        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("bundle", type=Path)
+    ap.add_argument("bundle", type=Path, nargs="?")
     ap.add_argument("--fp32-bundle", type=Path, help="also quantize its target at blocks 32/64/128")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    reports.add_options(ap, default="beside --json's file; without --json, none")
+    args = ap.parse_args(argv)
+    if args.from_json:  # the report of a stored run: nothing measured
+        stored = json.loads(args.from_json.read_text())
+        return reports.rebuilt(args, stored, reports.directory(args), dated)
+    if args.bundle is None:
+        ap.error("give the int4 BUNDLE (or --from-json FILE)")
+    date, command = time.strftime("%Y-%m-%dT%H:%M:%S"), reports.command_line()
 
     from spec_runtime.bundle.manifest import read_manifest
 
@@ -132,9 +210,11 @@ def main() -> None:
     shares = {n: profile(graph, manifest, n, str(tmp / f"prof{n}")) for n in ROWS}
     for n, share in shares.items():
         print(f"kernel time, {n} rows: " + ", ".join(f"{op} {s:.0%}" for op, s in share.items()))
+    run = {"date": date, "command": command, "machine": machine.info(2),
+           "bundle": str(args.bundle), "rows": rows, "kernel_share": shares}
     if args.json:
-        args.json.write_text(json.dumps({"bundle": str(args.bundle), "rows": rows,
-                                         "kernel_share": shares}, indent=2) + "\n")
+        args.json.write_text(json.dumps(run, indent=2) + "\n")
+    reports.done(dated(run, reports.directory(args, args.json.parent if args.json else None)))
 
 
 if __name__ == "__main__":

@@ -332,9 +332,14 @@ def test_draft_agreement_counts_what_hugging_face_predicts(llama_pair, tmp_path,
     race.write_text(json.dumps({"prompts": [{"kind": k, "ids": ids} for k, ids in prompts],
                                 "runs": runs}))
     assert 0 < sum(want.values()) < 40  # neither none nor all: the count means something
-    draft_agreement.main(["--race", str(race), str(bundle / "draft.onnx")])
+    draft_agreement.main(["--race", str(race), str(bundle / "draft.onnx"), "--report",
+                          str(tmp_path / "report")])
     line = capsys.readouterr().out
     assert "of 40 (" in line
+    [md] = (tmp_path / "report").glob("draft-agreement-*.md")  # the dated report, as asked
+    share = re.search(r"= target's token ([0-9.]+) of 40", line).group(1)
+    assert f"| {bundle / 'draft.onnx'} | {share} |" in md.read_text()
+    assert md.with_suffix(".png").stat().st_size > 0
     for kind in want:
         got = round(float(re.search(rf"{kind} ([0-9.]+)", line).group(1)) * 20)
         assert abs(got - want[kind]) <= close[kind], (kind, got, want[kind], close[kind])
@@ -397,9 +402,13 @@ def test_tree_gain_ranks_are_the_draft_models_ranks_in_hugging_face(llama_pair, 
     race.write_text(json.dumps({"prompts": [{"kind": "code", "ids": ids}], "runs": [
         {"system": "target-only", "prompt": 0, "repeat": 0, "tokens": out}]}))
     tree_gain.main(["--race", str(race), "--draft", str(bundle / "draft.onnx"),
-                    "--rows", "1,5", str(bundle / "target.onnx")])
+                    "--rows", "1,5", str(bundle / "target.onnx"), "--report", str(tmp_path)])
     report = capsys.readouterr().out
     assert "16 positions" in report and "best chain: γ" in report and "tree / chain:" in report
+    [md] = tmp_path.glob("tree-gain-*.md")  # the dated report, as asked
+    ratio = report.split("tree / chain: ")[1].split()[0]
+    assert f"| {ratio} |" in md.read_text() and "16 positions" in md.read_text()
+    assert md.with_suffix(".png").stat().st_size > 0
 
 
 class SpeedWorker(FakeWorker):
