@@ -384,7 +384,7 @@ def test_the_docs_site_builds_strictly(tmp_path):
     cli = (tmp_path / "site" / "cli" / "index.html").read_text()
     for command in ("specexport build", "specrun generate", "specrun serve", "--max-new-tokens"):
         assert command in cli, f"the CLI reference lacks {command!r}"  # made from click's help
-    assert (tmp_path / "site" / "results" / "qwen-pair" / "race6-fp32" / "index.html").is_file()
+    assert (tmp_path / "site" / "results" / "pair-fp32-2026-12-04.png").is_file()
 
 
 def test_readme_is_short_and_links_into_the_docs():
