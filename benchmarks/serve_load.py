@@ -31,11 +31,11 @@ and the speed-up comes from one run. Per mode:
 speed-up = speculative throughput / target-only throughput of the same configuration (and the
 median of the per-pair ratios, rounds 2p and 2p+1, in the JSON).
 
-Which code the server runs: `--launch module` runs `python -m specedge.cli.specrun` (the
+Which code the server runs: `--launch module` runs `python -m draftproof.cli.specrun` (the
 installed package), `--launch tree` runs this working tree's `cli/specrun.py` (`from
 cli.specrun import main`, with the repository as the working directory), `--launch app` runs the
 working tree's `spec_runtime.apps.server.create_app` under `run_uvicorn` directly (no `--ray`).
-`auto` (the default) takes `module` when the installed `specedge.cli.specrun` and
+`auto` (the default) takes `module` when the installed `draftproof.cli.specrun` and
 `spec_runtime` both resolve inside this repository, else `tree`.
 
 Like every benchmark here it times CPU work: run it on a quiet machine. The 1-minute load
@@ -354,7 +354,7 @@ def main() -> None:
     kind = "all" if args.prompts is not None and args.prompts.suffix != ".json" else "chat"
     prompts = [p["text"] for p in bench.load_prompts(args.prompts, kind=kind)]
     launch, where = resolve_launch(args.launch)
-    installed = where.get("specedge.cli.specrun")
+    installed = where.get("draftproof.cli.specrun")
     print(f"server code: --launch {launch}" + (f" (installed CLI: {installed})" if where else ""))
 
     report = {

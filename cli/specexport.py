@@ -22,7 +22,7 @@ def bundle_option(fn):
 
 
 @click.group(invoke_without_command=True)
-@click.version_option(package_name="specedge", message="%(prog)s %(version)s")
+@click.version_option(package_name="draftproof", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx):
     """Export Hugging Face models to ONNX bundles for exact speculative decoding: `specexport

@@ -31,7 +31,7 @@ def stats_line(stats: dict) -> str:
 
 
 @click.group(invoke_without_command=True)
-@click.version_option(package_name="specedge", message="%(prog)s %(version)s")
+@click.version_option(package_name="draftproof", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx):
     """Generate with exact speculative decoding from a specedge bundle: `specrun generate

@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specedge.models.llama import rope_table
+from draftproof.models.llama import rope_table
 
 from spec_runtime.engines import gqa_window
 from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, decoder_io

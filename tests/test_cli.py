@@ -7,8 +7,8 @@ import shutil
 import pytest
 from helpers import assert_input_error, run
 
-from specedge.cli.specexport import main as specexport
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specexport import main as specexport
+from draftproof.cli.specrun import main as specrun
 
 
 def test_build_then_generate_json(tmp_path):

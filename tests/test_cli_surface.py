@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from helpers import assert_input_error, run
 
 import spec_runtime
-from specedge.cli.specexport import main as specexport
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specexport import main as specexport
+from draftproof.cli.specrun import main as specrun
 
 TOOLS = {"specexport": specexport, "specrun": specrun}
 READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "chat"), ("specrun", "bench"),
@@ -29,7 +29,7 @@ def commands():
 @pytest.mark.parametrize("name", TOOLS)
 def test_version_and_a_bare_command_prints_help(name):
     r = CliRunner().invoke(TOOLS[name], ["--version"], prog_name=name)
-    assert r.exit_code == 0 and r.stdout == f"{name} {version('specedge')}\n", r.output
+    assert r.exit_code == 0 and r.stdout == f"{name} {version('draftproof')}\n", r.output
     r = CliRunner().invoke(TOOLS[name], [], prog_name=name)
     assert r.exit_code == 0 and "Usage:" in r.stdout and "Commands:" in r.stdout, r.output
 

@@ -18,7 +18,7 @@ import pytest
 
 from spec_export import output
 from spec_export.journal import will_write
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 from helpers import assert_input_error, run
 
 
@@ -285,7 +285,7 @@ def test_no_build_deletes_a_file_it_did_not_write(tmp_path, target, monkeypatch)
 
 
 def start_build(target, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specedge.cli.specexport", "build", "--target", str(target),
+    cmd = [sys.executable, "-m", "draftproof.cli.specexport", "build", "--target", str(target),
            "--draft", "ngram", "--out", str(out), "--max-len", "64", "--quiet"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

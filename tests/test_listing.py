@@ -7,7 +7,7 @@ from pathlib import Path
 
 from helpers import assert_input_error, run
 
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 
 def expected(bundle: Path) -> dict:

@@ -27,7 +27,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 def server(bundle, *args, env=None):
     """`specrun serve` on a free port; yields (base URL, process); stops it with SIGTERM and
     expects a clean exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "specedge.cli.specrun", "serve", "-b",
+    proc = subprocess.Popen([sys.executable, "-m", "draftproof.cli.specrun", "serve", "-b",
                              str(bundle), "--port", "0", "--log-level", "warning", *args],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     lines = []
