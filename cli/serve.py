@@ -181,7 +181,7 @@ def _unwritable(path: Path, e: OSError) -> BadInput:
                    "at start]")
 @click.option("--ray", "use_ray", is_flag=True,
               help="serve as a Ray Serve application: --replicas copies, each with --slots "
-                   "(needs the ray extra: pip install \"specedge[ray]\", or pip install -e "
+                   "(needs the ray extra: pip install \"draftproof[ray]\", or pip install -e "
                    "\".[ray]\" in a checkout) [default: one process]")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="with --ray: replicas of the server, >= 1, each one device's worth of slots "
@@ -195,7 +195,7 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
           pid_file, use_ray, replicas, ray_address, device, draft_device, threads):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
-    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]", or
+    /metrics (Prometheus). Needs the serve extra: pip install "draftproof[serve]", or
     pip install -e ".[serve]" in a checkout."""
     try:
         import fastapi  # noqa: F401

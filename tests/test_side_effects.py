@@ -1,6 +1,6 @@
 """What a user's commands leave behind: a benchmark writes its results only where it is asked
 to, a server can be stopped by its own process id, and install hints name the command that
-works for the way specedge is installed."""
+works for the way draftproof is installed."""
 
 import importlib.util
 import os
@@ -36,12 +36,12 @@ def test_install_hints_name_the_command_for_this_installation(tmp_path):
     assert install_extra("serve") == f'pip install -e "{ROOT}[serve]"'
     # an installation without the project beside it (a wheel in site-packages)
     assert _errors_module(tmp_path / "site").install_extra("ray") == \
-        'pip install "specedge[ray]"'
-    # another project's pyproject.toml above the package is not specedge's checkout
+        'pip install "draftproof[ray]"'
+    # another project's pyproject.toml above the package is not draftproof's checkout
     other = tmp_path / "other"
     other.mkdir()
     (other / "pyproject.toml").write_text('[project]\nname = "something-else"\n')
-    assert _errors_module(other).install_extra("ray") == 'pip install "specedge[ray]"'
+    assert _errors_module(other).install_extra("ray") == 'pip install "draftproof[ray]"'
 
 
 def _snapshot(directory: Path) -> dict:
