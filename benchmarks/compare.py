@@ -328,7 +328,10 @@ def main(argv=None) -> None:
         return pair.main([a for a in argv if a != "--pair"])
     args = parse_args(argv)
     import spec_runtime
+    from spec_runtime import renamed
     from spec_runtime.bundle.reader import default_bundle_dir
+
+    renamed.show_warnings()  # the old names of the default bundle, the model cache
 
     bundle_dir = args.bundle or default_bundle_dir()
     load_before = os.getloadavg()[0]

@@ -43,6 +43,7 @@ import pair_report
 from pair_workers import Pool, WorkerError, mem_available
 import peers
 import real_models
+from spec_runtime import renamed
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "pair_prompts.json"
@@ -450,6 +451,7 @@ def uptime() -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    renamed.show_warnings()  # the old names of the model caches
     target = args.target_gguf or real_models.fetch("qwen-1.5b")
     draft = args.draft_gguf or real_models.fetch("qwen-0.5b")
     started, up_before = time.time(), uptime()

@@ -190,8 +190,8 @@ def _too_long(tmp_path):
     ("specexport", "build", "--out", "{long}/bundle"), ("specexport", "verify", "-b", "{long}"),
     ("specexport", "build", "--target", "{long}"),
     ("specexport", "build", "--draft-model", "{long}", "--out", "{tmp}/b"),
-    ("specrun", "where", "$SPECEDGE_BUNDLE"), ("specrun", "list", "$SPECEDGE_BUNDLE"),
-    ("specrun", "generate", "hi", "$SPECEDGE_BUNDLE"), ("specrun", "list", "$XDG_DATA_HOME"),
+    ("specrun", "where", "$DRAFTPROOF_BUNDLE"), ("specrun", "list", "$DRAFTPROOF_BUNDLE"),
+    ("specrun", "generate", "hi", "$DRAFTPROOF_BUNDLE"), ("specrun", "list", "$XDG_DATA_HOME"),
 ], ids=lambda c: " ".join(c[:3]))
 def test_a_path_component_past_the_name_limit_is_one_line(tmp_path, monkeypatch, command):
     """ENAMETOOLONG names neither the part nor the limit: each entry point says which value,

@@ -99,7 +99,7 @@ def test_stream_json_is_one_object_per_piece_then_the_result(llama_pair):
 def test_chat_default_is_the_same_in_the_cli_and_the_api(llama_pair, monkeypatch):
     """A text prompt goes through the bundle's chat template in both, unless told otherwise;
     `load()` with no argument opens the default bundle."""
-    monkeypatch.setenv("SPECEDGE_BUNDLE", str(llama_pair[2]))
+    monkeypatch.setenv("DRAFTPROOF_BUNDLE", str(llama_pair[2]))
     gen = spec_runtime.load()
     assert gen.chat_template
     cli = json.loads(run(specrun, "generate", "hello", "--max-new-tokens", 8, "--json").stdout)

@@ -147,7 +147,7 @@ def test_every_example_runs_as_written(default_bundle, tmp_path):
     work.mkdir()
     for name in CHECKOUT:
         (work / name).symlink_to(ROOT / name)
-    env = dict(os.environ, SPECEDGE_BUNDLE=str(default_bundle), PYTHONPATH="",
+    env = dict(os.environ, DRAFTPROOF_BUNDLE=str(default_bundle), PYTHONPATH="",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     try:
         ran, skipped = run_blocks(work, env)

@@ -237,7 +237,7 @@ def test_response_format_json_schema_is_the_python_apis(tiny):
 
 
 def test_api_key(llama_pair):
-    with server(llama_pair[2], env={"SPECEDGE_API_KEY": "s3cret"}) as (url, _):
+    with server(llama_pair[2], env={"DRAFTPROOF_API_KEY": "s3cret"}) as (url, _):
         assert_error(httpx.get(url + "/v1/models"), 401, "API key", code="invalid_api_key")
         assert_error(httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}),
                      401)
