@@ -23,8 +23,9 @@ and the speed-up comes from one run. Per mode:
   a round in flight together, queued for a slot when K > slots);
 - TTFT: from sending the request to the first stream chunk with content (queueing included);
 - per-token latency: (last content chunk time - first content chunk time) / (tokens - 1);
-- tokens: the last chunk's `specedge.new_tokens` (else usage.completion_tokens);
-- the speculative statistics of the `specedge` field: mean α, accepted / proposed, new tokens /
+- tokens: the last chunk's `draftproof.new_tokens` (else usage.completion_tokens);
+- the speculative statistics of the `draftproof` field (`specedge` from a server older than the
+  rename): mean α, accepted / proposed, new tokens /
   target calls, and the server's own decode tokens/s;
 - errors: a status other than 200, an error event in the stream, no [DONE], a timeout.
 
@@ -106,7 +107,7 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
             "stream_options": {"include_usage": True}, "use_draft": use_draft, **extra}
     data = json.dumps(body).encode()
     out = {"ok": False, "status": None, "error": None, "ttft_s": None, "per_token_s": None,
-           "e2e_s": None, "tokens": None, "chunks": 0, "specedge": None}
+           "e2e_s": None, "tokens": None, "chunks": 0, "draftproof": None}
     first = last = None
     usage = None
     done = False
@@ -141,8 +142,9 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
                     first = now if first is None else first
                     last = now
                     out["chunks"] += 1
-            if event.get("specedge"):
-                out["specedge"] = event["specedge"]
+            ext = event.get("draftproof") or event.get("specedge")  # a server before the rename
+            if ext:
+                out["draftproof"] = ext
             if event.get("usage"):
                 usage = event["usage"]
         end = time.perf_counter()
@@ -153,7 +155,7 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
         conn.close()
     if out["error"] is None and not done:
         out["error"] = "the stream ended without [DONE]"
-    stats = out["specedge"] or {}
+    stats = out["draftproof"] or {}
     tokens = stats.get("new_tokens", (usage or {}).get("completion_tokens"))
     out["tokens"] = tokens
     out["e2e_s"] = end - t0
@@ -162,7 +164,7 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
         if tokens and tokens > 1:
             out["per_token_s"] = (last - first) / (tokens - 1)
     if out["error"] is None and tokens is None:
-        out["error"] = "no token count (neither specedge.new_tokens nor usage) in the stream"
+        out["error"] = "no token count (neither draftproof.new_tokens nor usage) in the stream"
     out["ok"] = out["error"] is None
     return out
 
@@ -218,7 +220,7 @@ def summarise(requests: list, rounds: list) -> dict:
     ok = [r for r in requests if r["ok"]]
     wall = sum(r["wall_s"] for r in rounds)
     tokens = sum(r["tokens"] for r in ok)
-    stats = [r["specedge"] or {} for r in ok]
+    stats = [r["draftproof"] or {} for r in ok]
     proposed = sum(s.get("proposed", 0) for s in stats)
     accepted = sum(s.get("accepted", 0) for s in stats)
     calls = sum(s.get("target_calls", 0) for s in stats)
