@@ -123,7 +123,7 @@ def test_build_refuses_to_overwrite_a_directory_that_is_not_a_bundle(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     r = run(specexport, "build", "--target", tmp_path, "--out", tmp_path / "mine")
-    assert_input_error(r, "not a specedge bundle")
+    assert_input_error(r, "not a draftproof bundle")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
