@@ -1,10 +1,11 @@
-"""specedge against its peers on one CPU: same model, same prompt token ids, same number of new
+"""draftproof against its peers on one CPU: same model, same prompt token ids, same number of new
 tokens, greedy, tokens/s measured in one run.
 
 Systems (names for --skip):
-    specedge          spec_runtime, target-only (use_draft=False)
-    specedge-spec     spec_runtime, speculative with the bundle's draft (the default bundle's:
+    draftproof        spec_runtime, target-only (use_draft=False)
+    draftproof-spec   spec_runtime, speculative with the bundle's draft (the default bundle's:
                       the target's own GGUF blocks at int4)
+                      (results before the rename call these two specedge and specedge-spec)
     hf                transformers `generate` in PyTorch, greedy
     hf-lookup         the same with prompt lookup (`prompt_lookup_num_tokens`)
     ortgenai          onnxruntime-genai on its own model-builder build of the same weights
@@ -48,7 +49,7 @@ from compare_report import (  # noqa: E402
     PLAIN_OF, REFERENCE, SYSTEMS, float_agreement, markdown, write_results)
 import reports  # noqa: E402
 
-# What each --precision compares. An int4 entry adds the int4 rows: a specedge bundle exported at
+# What each --precision compares. An int4 entry adds the int4 rows: a draftproof bundle exported at
 # int4 (--bundle), onnxruntime-genai's `-p int4` build; PyTorch has no comparable CPU int4 path, so
 # its rows would be skipped with that reason.
 PRECISIONS = {
@@ -67,7 +68,7 @@ PRECISIONS = {
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", type=Path, help="specedge bundle (default: `specrun where`)")
+    ap.add_argument("--bundle", type=Path, help="draftproof bundle (default: `specrun where`)")
     ap.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     ap.add_argument("--prompts-kind", choices=["grounded", "chat", "all"], default="all")
     ap.add_argument("--prompts", type=Path, help="prompt file for spec_runtime.apps.bench.load_prompts")
@@ -76,7 +77,7 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and prompt")
     ap.add_argument("--threads", type=int, default=2, help="threads for every system "
                     "(physical cores of the reference machine)")
-    ap.add_argument("--gamma", default=None, help="specedge γ: an integer or 'auto' "
+    ap.add_argument("--gamma", default=None, help="draftproof γ: an integer or 'auto' "
                     "(default: the bundle's)")
     ap.add_argument("--prompt-lookup", type=int, default=10,
                     help="HF prompt_lookup_num_tokens for hf-lookup")
@@ -136,15 +137,15 @@ def prepare_prompts(gen, args) -> list[dict]:
 
 def build_systems(args, gen, eos_id: int):
     """-> ({name: system}, {name: skip reason}, hf_model or None). `gen` is the loaded bundle
-    (both specedge modes share its engine, as in `specrun bench`). A peer that cannot be set up
+    (both draftproof modes share its engine, as in `specrun bench`). A peer that cannot be set up
     is skipped with its reason rather than ending the run."""
     stop = args.eos == "stop"
     setup = PRECISIONS[args.precision]
     systems, skipped, hf_model = {}, {name: "--skip" for name in args.skip}, None
     wanted = [s for s in SYSTEMS if s not in skipped]
-    for name in ("specedge", "specedge-spec"):
+    for name in ("draftproof", "draftproof-spec"):
         if name in wanted:
-            systems[name] = peers.Specedge(gen, name == "specedge-spec", args.gamma, stop)
+            systems[name] = peers.Draftproof(gen, name == "draftproof-spec", args.gamma, stop)
     if {"hf", "hf-lookup"} & set(wanted):
         if setup["hf_skip"]:
             skipped.update({n: setup["hf_skip"] for n in ("hf", "hf-lookup") if n in wanted})
@@ -310,7 +311,7 @@ def notes(args) -> list[str]:
                    "genai with its builder's own int4 re-quantization of the de-quantized "
                    "weights; activations are 8-bit in all three, so their tokens differ.")
     if args.eos == "continue":
-        out.append("EOS is an ordinary token everywhere: specedge Generator.eos_token_ids "
+        out.append("EOS is an ordinary token everywhere: draftproof Generator.eos_token_ids "
                    "cleared, HF eos_token_id=None, genai's eos_token_id swapped for "
                    f"{peers.STAND_IN_EOS[0]!r} (none of them masks EOS, so greedy tokens agree).")
     return out
@@ -336,7 +337,10 @@ def main(argv=None) -> None:
         stored = json.loads(args.from_json.read_text())
         return reports.rebuilt(args, stored, reports.directory(args), compare_report.dated)
     import spec_runtime
+    from spec_runtime import renamed
     from spec_runtime.bundle.reader import default_bundle_dir
+
+    renamed.show_warnings()  # the old names of the default bundle, the model cache
 
     bundle_dir = args.bundle or default_bundle_dir()
     load_before = os.getloadavg()[0]

@@ -12,26 +12,28 @@ import numpy as np
 
 import reports
 
-SYSTEMS = ("specedge", "specedge-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
+SYSTEMS = ("draftproof", "draftproof-spec", "hf", "hf-lookup", "ortgenai", "ortgenai-ngram",
            "llamacpp", "llamacpp-lookup", "openvino", "openvino-lookup", "openvino-draft")
 REFERENCE = "hf"
 # without hf (int4), each speculative mode is compared with its own plain mode: exactness is
 # relative to the deployed target
-PLAIN_OF = {"specedge-spec": "specedge", "ortgenai-ngram": "ortgenai",
+PLAIN_OF = {"draftproof-spec": "draftproof", "ortgenai-ngram": "ortgenai",
             "llamacpp-lookup": "llamacpp", "hf-lookup": "hf", "openvino-lookup": "openvino",
             "openvino-draft": "openvino"}
 # speed targets: (ours, peer, wanted ratio) per precision; the fp32 one against every peer
 # mode at true f32, the int4 one against OpenVINO's int4 with prompt lookup (first step 1.0×,
 # the goal 1.3×)
-TARGETS = {"fp32": [("specedge-spec", peer, 1.5) for peer in
+TARGETS = {"fp32": [("draftproof-spec", peer, 1.5) for peer in
                     ("ortgenai-ngram", "openvino", "openvino-lookup", "openvino-draft")],
-           "int4": [("specedge-spec", "openvino-lookup", 1.0), ("specedge-spec", "openvino", 1.0),
-                    ("specedge-spec", "ortgenai-ngram", 1.3), ("specedge-spec", "llamacpp", 1.5)]}
+           "int4": [("draftproof-spec", "openvino-lookup", 1.0),
+                    ("draftproof-spec", "openvino", 1.0),
+                    ("draftproof-spec", "ortgenai-ngram", 1.3),
+                    ("draftproof-spec", "llamacpp", 1.5)]}
 
 
 def title(report: dict) -> str:
     cfg = report["config"]
-    return f"specedge vs peers — {cfg['precision']}, greedy, {cfg['max_new_tokens']} new tokens"
+    return f"draftproof vs peers — {cfg['precision']}, greedy, {cfg['max_new_tokens']} new tokens"
 
 
 def markdown(report: dict) -> str:
@@ -54,8 +56,8 @@ def body(report: dict) -> str:
         f"MiB, read+write); target weights {w['bytes'] / 1e6:.0f} MB → bandwidth floor "
         f"{w['floor_ms_per_token']:.1f} ms/token, ceiling **{w['ceiling_tokens_per_s']:.1f} "
         f"tok/s** for target-only decoding",
-        f"- specedge target: {target_summary(report)}",
-        f"- specedge-spec: draft {draft_summary(report['draft'])}, γ {cfg['gamma_used']}; "
+        f"- draftproof target: {target_summary(report)}",
+        f"- draftproof-spec: draft {draft_summary(report['draft'])}, γ {cfg['gamma_used']}; "
         f"HF prompt_lookup_num_tokens "
         f"{cfg['prompt_lookup']}; onnxruntime-genai n-gram: ngram_size {cfg['genai_ngram_size']}"
         f", max_draft_tokens {cfg['genai_max_draft']}, chained {cfg['genai_chained']}",

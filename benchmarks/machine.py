@@ -29,7 +29,7 @@ def info(threads: int) -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("specedge", "numpy", "torch", "transformers", "onnxruntime", "onnxruntime-genai",
+    for pkg in ("draftproof", "numpy", "torch", "transformers", "onnxruntime", "onnxruntime-genai",
                 "tokenizers"):
         try:
             versions[pkg] = metadata.version(pkg)

@@ -1,5 +1,6 @@
 """The model files the peers need, built once from a GGUF file and cached under
-benchmarks/.cache/ (git-ignored; $SPECEDGE_BENCH_CACHE names another directory). Every build
+benchmarks/.cache/ (git-ignored; $DRAFTPROOF_BENCH_CACHE names another directory, as
+$SPECEDGE_BENCH_CACHE does until the next release, with a warning). Every build
 goes to a temporary name and is renamed into place when it is complete, so an interrupted build
 is redone, never used.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -31,10 +31,17 @@ import sys
 import time
 from pathlib import Path
 
+from spec_runtime import renamed
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# $SPECEDGE_BENCH_CACHE lets another checkout use the files one has built
-CACHE = Path(os.environ.get("SPECEDGE_BENCH_CACHE") or Path(__file__).resolve().parent / ".cache")
 OV_GROUP_SIZES = (128, 64, 32)  # optimum-intel's default group first
+
+
+def cache() -> Path:
+    """$DRAFTPROOF_BENCH_CACHE (which lets another checkout use the files one has built), else
+    benchmarks/.cache; read when used, so that a script shows the warning about the old name."""
+    _, value = renamed.getenv("DRAFTPROOF_BENCH_CACHE")
+    return Path(value or Path(__file__).resolve().parent / ".cache")
 
 
 def smollm2_gguf() -> Path:
@@ -66,7 +73,7 @@ def hf_dir(gguf: Path | None = None) -> Path:
     A GGUF-loaded model refuses save_pretrained (it stays flagged as quantized), so its weights
     go into a fresh model built from its config on the meta device and take over the loaded
     tensors (assign=True): one copy of the weights in memory, not two."""
-    out = CACHE / ("hf-fp32" if gguf is None else f"hf{_tag(gguf)}")
+    out = cache() / ("hf-fp32" if gguf is None else f"hf{_tag(gguf)}")
     if (out / "config.json").exists():
         return out
 
@@ -92,14 +99,14 @@ def hf_dir(gguf: Path | None = None) -> Path:
 def ortgenai_dir(precision: str = "fp32", gguf: Path | None = None) -> Path:
     """onnxruntime-genai's build of the model with its own model builder (CPU); `precision` is
     the builder's -p (fp32; int4 gives MatMulNBits weights, its default block size 32)."""
-    out = CACHE / f"ortgenai{_tag(gguf)}-{precision}"
+    out = cache() / f"ortgenai{_tag(gguf)}-{precision}"
     if (out / "genai_config.json").exists():
         return out
     src = hf_dir(gguf)
 
     def make(tmp: Path) -> None:
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o",
-               str(tmp), "-p", precision, "-e", "cpu", "-c", str(CACHE / "builder-cache")]
+               str(tmp), "-p", precision, "-e", "cpu", "-c", str(cache() / "builder-cache")]
         done = subprocess.run(cmd, capture_output=True, text=True)  # progress bars: not logs
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -122,7 +129,7 @@ def openvino_dir(python: Path, precision: str, gguf: Path | None = None) -> Path
     """optimum-intel's OpenVINO IR of the model, exported with the OpenVINO environment's own
     optimum-cli: fp32 weights, or int4 (asymmetric, every layer: ratio 1, group size from
     ov_group_size)."""
-    out = CACHE / f"ov{_tag(gguf)}-{precision}"
+    out = cache() / f"ov{_tag(gguf)}-{precision}"
     if (out / "openvino_model.xml").exists():
         return out
     src = hf_dir(gguf)
@@ -262,6 +269,7 @@ def main(argv=None) -> None:
     ap.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
     ap.add_argument("--openvino-python", type=Path)
     args = ap.parse_args(argv)
+    renamed.show_warnings()
     t0 = time.perf_counter()
     if args.what == "hf":
         out = hf_dir(args.gguf)

@@ -3,7 +3,7 @@ Qwen2.5-Coder 1.5B and 0.5B GGUF files of real_models.py), every system on the s
 table per precision. Run through `compare.py --pair` or directly:
 
     python benchmarks/pair.py --precision fp32 --openvino-python OVENV/bin/python \\
-        --specedge-target target-only=B_T --specedge draft-0.5b=B_D --specedge auto=B_A
+        --draftproof-target target-only=B_T --draftproof draft-0.5b=B_D --draftproof auto=B_A
 
 Systems (names for --skip; PEERS below says what each runs):
     hf, hf-draft, hf-lookup                      transformers in PyTorch (fp32 table)
@@ -11,8 +11,9 @@ Systems (names for --skip; PEERS below says what each runs):
     openvino, openvino-lookup, openvino-draft    OpenVINO GenAI on optimum-intel's IR
     llamacpp, llamacpp-ngram, llamacpp-draft     llama.cpp's own llama-server, built natively
                                                  (llama_server.py), on the GGUF files
-    ours: each --specedge NAME=BUNDLE (speculative) and --specedge-target NAME=BUNDLE
-    (use_draft=False on the same engines) is a row of its own
+    ours: each --draftproof NAME=BUNDLE (speculative) and --draftproof-target NAME=BUNDLE
+    (use_draft=False on the same engines) is a row of its own (--specedge, --specedge-target and
+    --specedge-python, the flags' names before the rename, still work until the next release)
 
 Every system runs in a worker process of its own (worker.py; OpenVINO: ov_worker.py in its own
 environment): its peak RSS is its own. The draft-model modes first get a sweep of their
@@ -44,6 +45,7 @@ from pair_workers import Pool, WorkerError, mem_available
 import peers
 import real_models
 import reports
+from spec_runtime import renamed
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "pair_prompts.json"
@@ -78,13 +80,16 @@ def parse_args(argv=None):
     ap.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
     ap.add_argument("--target-gguf", type=Path, help="default: real_models.py's qwen-1.5b")
     ap.add_argument("--draft-gguf", type=Path, help="default: real_models.py's qwen-0.5b")
-    ap.add_argument("--specedge", action="append", default=[], metavar="NAME=BUNDLE",
+    ap.add_argument("--draftproof", "--specedge", action="append", default=[],
+                    metavar="NAME=BUNDLE",
                     help="a speculative row of ours (repeatable)")
-    ap.add_argument("--specedge-target", action="append", default=[], metavar="NAME=BUNDLE",
+    ap.add_argument("--draftproof-target", "--specedge-target", action="append", default=[],
+                    metavar="NAME=BUNDLE",
                     help="a target-only row of ours (use_draft=False): what our speculative "
                     "rows of the same bundle are compared with for '= own greedy' (the first "
                     "one for a bundle without its own)")
-    ap.add_argument("--specedge-python", type=Path, default=Path(sys.executable),
+    ap.add_argument("--draftproof-python", "--specedge-python", type=Path,
+                    default=Path(sys.executable),
                     help="python whose spec_runtime runs our rows (default: this one)")
     ap.add_argument("--ours-default", metavar="NAME", help="the row of ours that is the "
                     "default bundle (target: within 10%% of our best mode)")
@@ -151,7 +156,7 @@ def parse_args(argv=None):
     bad = [p for p in args.draft_precisions if p not in ("int4", "fp32")]
     if bad:
         ap.error(f"--draft-precisions {bad}: use int4 and/or fp32")
-    for flag in ("specedge", "specedge_target"):
+    for flag in ("draftproof", "draftproof_target"):
         for item in getattr(args, flag):
             name, _, bundle = item.partition("=")
             if not name or not bundle or not (Path(bundle) / "manifest.json").is_file():
@@ -266,19 +271,19 @@ def build_systems(args, target: Path, draft: Path, eos_ids: list[int]):
 
 
 def our_systems(args, common: dict) -> list[System]:
-    """A row per --specedge-target (use_draft=False) and --specedge bundle; a speculative row's
+    """A row per --draftproof-target (use_draft=False) and --draftproof bundle; a speculative row's
     "= own greedy" is against the target-only row of its own bundle, else the first one."""
     plains = [(n, Path(b).resolve()) for n, b in
-              (item.partition("=")[::2] for item in args.specedge_target)]
+              (item.partition("=")[::2] for item in args.draftproof_target)]
     systems = []
-    for flag, use_draft in ((args.specedge_target, False), (args.specedge, True)):
+    for flag, use_draft in ((args.draftproof_target, False), (args.draftproof, True)):
         for item in flag:
             name, _, bundle = item.partition("=")
-            spec = {**common, "kind": "specedge", "bundle": bundle, "use_draft": use_draft,
+            spec = {**common, "kind": "draftproof", "bundle": bundle, "use_draft": use_draft,
                     "gamma": args.gamma}
             own = next((n for n, b in plains if b == Path(bundle).resolve()),
                        plains[0][0] if plains else None)
-            systems.append(System(name, [worker_cmd(spec, args.specedge_python)], ["-"], "ours",
+            systems.append(System(name, [worker_cmd(spec, args.draftproof_python)], ["-"], "ours",
                                   own if use_draft else None, bundle_target_bytes(bundle),
                                   size(bundle), what=f"bundle {bundle}" +
                                   ("" if use_draft else ", use_draft=False")))
@@ -462,6 +467,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.from_json:
         return from_json(args)
+    renamed.show_warnings()  # the old names of the model caches
     target = args.target_gguf or real_models.fetch("qwen-1.5b")
     draft = args.draft_gguf or real_models.fetch("qwen-0.5b")
     started, up_before = time.time(), uptime()

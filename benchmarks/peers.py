@@ -40,7 +40,7 @@ class Run:
 
 # -- systems ------------------------------------------------------------------------------------
 
-class Specedge:
+class Draftproof:
     """spec_runtime on the bundle: target-only (use_draft=False) or speculative."""
 
     def __init__(self, gen, use_draft: bool, gamma, stop_at_eos: bool):

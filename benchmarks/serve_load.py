@@ -23,19 +23,20 @@ and the speed-up comes from one run. Per mode:
   a round in flight together, queued for a slot when K > slots);
 - TTFT: from sending the request to the first stream chunk with content (queueing included);
 - per-token latency: (last content chunk time - first content chunk time) / (tokens - 1);
-- tokens: the last chunk's `specedge.new_tokens` (else usage.completion_tokens);
-- the speculative statistics of the `specedge` field: mean α, accepted / proposed, new tokens /
+- tokens: the last chunk's `draftproof.new_tokens` (else usage.completion_tokens);
+- the speculative statistics of the `draftproof` field (`specedge` from a server older than the
+  rename): mean α, accepted / proposed, new tokens /
   target calls, and the server's own decode tokens/s;
 - errors: a status other than 200, an error event in the stream, no [DONE], a timeout.
 
 speed-up = speculative throughput / target-only throughput of the same configuration (and the
 median of the per-pair ratios, rounds 2p and 2p+1, in the JSON).
 
-Which code the server runs: `--launch module` runs `python -m specedge.cli.specrun` (the
+Which code the server runs: `--launch module` runs `python -m draftproof.cli.specrun` (the
 installed package), `--launch tree` runs this working tree's `cli/specrun.py` (`from
 cli.specrun import main`, with the repository as the working directory), `--launch app` runs the
 working tree's `spec_runtime.apps.server.create_app` under `run_uvicorn` directly (no `--ray`).
-`auto` (the default) takes `module` when the installed `specedge.cli.specrun` and
+`auto` (the default) takes `module` when the installed `draftproof.cli.specrun` and
 `spec_runtime` both resolve inside this repository, else `tree`.
 
 Like every benchmark here it times CPU work: run it on a quiet machine. The 1-minute load
@@ -107,7 +108,7 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
             "stream_options": {"include_usage": True}, "use_draft": use_draft, **extra}
     data = json.dumps(body).encode()
     out = {"ok": False, "status": None, "error": None, "ttft_s": None, "per_token_s": None,
-           "e2e_s": None, "tokens": None, "chunks": 0, "specedge": None}
+           "e2e_s": None, "tokens": None, "chunks": 0, "draftproof": None}
     first = last = None
     usage = None
     done = False
@@ -142,8 +143,9 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
                     first = now if first is None else first
                     last = now
                     out["chunks"] += 1
-            if event.get("specedge"):
-                out["specedge"] = event["specedge"]
+            ext = event.get("draftproof") or event.get("specedge")  # a server before the rename
+            if ext:
+                out["draftproof"] = ext
             if event.get("usage"):
                 usage = event["usage"]
         end = time.perf_counter()
@@ -154,7 +156,7 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
         conn.close()
     if out["error"] is None and not done:
         out["error"] = "the stream ended without [DONE]"
-    stats = out["specedge"] or {}
+    stats = out["draftproof"] or {}
     tokens = stats.get("new_tokens", (usage or {}).get("completion_tokens"))
     out["tokens"] = tokens
     out["e2e_s"] = end - t0
@@ -163,7 +165,7 @@ def chat_request(port: int, prompt: str, use_draft: bool, max_tokens: int,
         if tokens and tokens > 1:
             out["per_token_s"] = (last - first) / (tokens - 1)
     if out["error"] is None and tokens is None:
-        out["error"] = "no token count (neither specedge.new_tokens nor usage) in the stream"
+        out["error"] = "no token count (neither draftproof.new_tokens nor usage) in the stream"
     out["ok"] = out["error"] is None
     return out
 
@@ -219,7 +221,7 @@ def summarise(requests: list, rounds: list) -> dict:
     ok = [r for r in requests if r["ok"]]
     wall = sum(r["wall_s"] for r in rounds)
     tokens = sum(r["tokens"] for r in ok)
-    stats = [r["specedge"] or {} for r in ok]
+    stats = [r["draftproof"] or {} for r in ok]
     proposed = sum(s.get("proposed", 0) for s in stats)
     accepted = sum(s.get("accepted", 0) for s in stats)
     calls = sum(s.get("target_calls", 0) for s in stats)
@@ -402,8 +404,10 @@ def main(argv=None) -> None:
     from spec_runtime.apps import bench
 
     if args.bundle is None:
+        from spec_runtime import renamed
         from spec_runtime.bundle.reader import default_bundle_dir
 
+        renamed.show_warnings()  # the default bundle's old names
         args.bundle = str(default_bundle_dir())
     if not Path(args.bundle).is_dir():
         raise SystemExit(f"bundle {args.bundle!r} is not a directory: build it with specexport "
@@ -411,7 +415,7 @@ def main(argv=None) -> None:
     kind = "all" if args.prompts is not None and args.prompts.suffix != ".json" else "chat"
     prompts = [p["text"] for p in bench.load_prompts(args.prompts, kind=kind)]
     launch, where = resolve_launch(args.launch)
-    installed = where.get("specedge.cli.specrun")
+    installed = where.get("draftproof.cli.specrun")
     print(f"server code: --launch {launch}" + (f" (installed CLI: {installed})" if where else ""))
 
     report = {

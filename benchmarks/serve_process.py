@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def resolve_launch(launch: str) -> tuple[str, dict]:
     """The launch mode, and where the installed CLI and runtime resolve from the repository."""
-    probe = ("import specedge.cli.specrun as m, spec_runtime as s; print(m.__file__); "
+    probe = ("import draftproof.cli.specrun as m, spec_runtime as s; print(m.__file__); "
              "print(s.__file__)")
     where = {}
     try:
@@ -42,7 +42,7 @@ def resolve_launch(launch: str) -> tuple[str, dict]:
                            text=True, timeout=120, check=False)
         if r.returncode == 0:
             cli_file, runtime_file = r.stdout.split()[-2:]
-            where = {"specedge.cli.specrun": cli_file, "spec_runtime": runtime_file}
+            where = {"draftproof.cli.specrun": cli_file, "spec_runtime": runtime_file}
     except (OSError, subprocess.SubprocessError, ValueError):
         pass
     if launch == "auto":
@@ -57,7 +57,7 @@ def server_command(launch: str, bundle: str, port: int, slots: int, queue: int,
         if replicas is not None:
             raise SystemExit("--launch app runs create_app under uvicorn: it cannot run --ray")
         return [sys.executable, "-c", APP_MAIN, bundle, str(slots), str(queue), str(port)]
-    head = ([sys.executable, "-m", "specedge.cli.specrun"] if launch == "module"
+    head = ([sys.executable, "-m", "draftproof.cli.specrun"] if launch == "module"
             else [sys.executable, "-c", TREE_MAIN])
     cmd = head + ["serve"]
     if replicas is not None:

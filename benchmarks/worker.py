@@ -8,7 +8,7 @@ ready line, then sends one request per line and reads one answer per line:
     -> {"tokens": [...], "wall_s": s, "info": {...}, "peak_rss": bytes}
 
 SPEC_JSON kinds (every one has "threads" and "stop_at_eos"):
-    {"kind": "specedge", "bundle": DIR, "use_draft": bool, "gamma": null | int | "auto"}
+    {"kind": "draftproof", "bundle": DIR, "use_draft": bool, "gamma": null | int | "auto"}
     {"kind": "hf", "model": DIR, "assistant": DIR | null, "lookup": int, "eos_ids": [...]}
     {"kind": "ortgenai", "model": DIR, "draft": DIR | null, "spec": {...} | null, "eos_id": int}
     {"kind": "llamacpp", "gguf": FILE, "lookup": int, "eos_ids": [...]}
@@ -33,18 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine
 import peers
 
-VERSIONS = {"specedge": ("specedge", "onnxruntime"), "hf": ("torch", "transformers"),
+VERSIONS = {"draftproof": ("draftproof", "onnxruntime"), "hf": ("torch", "transformers"),
             "ortgenai": ("onnxruntime-genai",), "llamacpp": ("llama-cpp-python",)}
 
 
 def build(spec: dict):
     """The system a spec describes, loaded."""
     kind, threads, stop = spec["kind"], spec["threads"], spec["stop_at_eos"]
-    if kind == "specedge":
+    if kind == "draftproof":
         import spec_runtime
 
         gen = spec_runtime.load(spec["bundle"], threads=threads)
-        return peers.Specedge(gen, spec["use_draft"], spec.get("gamma"), stop)
+        return peers.Draftproof(gen, spec["use_draft"], spec.get("gamma"), stop)
     if kind == "hf":
         model = peers.load_hf(Path(spec["model"]), threads)
         assistant = peers.load_hf(Path(spec["assistant"]), threads) if spec.get("assistant") \

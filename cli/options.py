@@ -21,7 +21,7 @@ from .common import BadInput
 def bundle_option(fn):
     """-b/--bundle, the same for every command that reads a bundle."""
     return click.option("-b", "--bundle", type=click.Path(), default=None,
-                        help="bundle directory [default: $SPECEDGE_BUNDLE, else where "
+                        help="bundle directory [default: $DRAFTPROOF_BUNDLE, else where "
                              "`specexport build` writes without --out: see `specrun where`]")(fn)
 
 

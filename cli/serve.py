@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import click
 
+from spec_runtime import renamed
 from spec_runtime.errors import install_extra
 
 from .common import BadInput, BundleCommand, input_errors, library_messages
@@ -30,6 +31,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+API_KEY_ENV = "DRAFTPROOF_API_KEY"  # $SPECEDGE_API_KEY stands in, for one release
 PID_LINE = re.compile(r"[1-9][0-9]{0,9}\n?")  # what a pid file holds: one process id
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -164,8 +166,8 @@ def _unwritable(path: Path, e: OSError) -> BadInput:
 @click.option("--queue", type=click.IntRange(min=0), default=16, show_default=True,
               help="requests that may wait for a slot, >= 0; beyond it the server answers 429 "
                    "with Retry-After")
-@click.option("--api-key", envvar="SPECEDGE_API_KEY", default=None,
-              help="require 'Authorization: Bearer KEY' on /v1/ [default: $SPECEDGE_API_KEY, "
+@click.option("--api-key", envvar=API_KEY_ENV, default=None,
+              help="require 'Authorization: Bearer KEY' on /v1/ [default: $DRAFTPROOF_API_KEY, "
                    "else none]")
 @click.option("--model-name", default=None,
               help="the name clients send as `model` [default: the target's file or "
@@ -181,7 +183,7 @@ def _unwritable(path: Path, e: OSError) -> BadInput:
                    "at start]")
 @click.option("--ray", "use_ray", is_flag=True,
               help="serve as a Ray Serve application: --replicas copies, each with --slots "
-                   "(needs the ray extra: pip install \"specedge[ray]\", or pip install -e "
+                   "(needs the ray extra: pip install \"draftproof[ray]\", or pip install -e "
                    "\".[ray]\" in a checkout) [default: one process]")
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="with --ray: replicas of the server, >= 1, each one device's worth of slots "
@@ -195,7 +197,7 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
           pid_file, use_ray, replicas, ray_address, device, draft_device, threads):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
-    /metrics (Prometheus). Needs the serve extra: pip install "specedge[serve]", or
+    /metrics (Prometheus). Needs the serve extra: pip install "draftproof[serve]", or
     pip install -e ".[serve]" in a checkout."""
     try:
         import fastapi  # noqa: F401
@@ -211,6 +213,8 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
     elif threads is not None:
         raise BadInput(f"--threads {threads} applies to one server process; with --ray each "
                        f"replica takes its own machine's cores: leave --threads out")
+    if api_key is None:  # $SPECEDGE_API_KEY, until the next release (with a warning)
+        api_key = renamed.getenv(API_KEY_ENV)[1]
     with pid_file_of(pid_file):
         _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
                use_ray, replicas, ray_address, device, draft_device, threads)

@@ -1,4 +1,4 @@
-"""specexport: export a target and a draft model into a specedge bundle."""
+"""specexport: export a target and a draft model into a draftproof bundle."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import click
 
 from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
 
-from .common import BundleCommand, input_errors, library_messages, sigterm_as_interrupt
+from .common import (BundleCommand, input_errors, library_messages, renamed_warnings,
+                     sigterm_as_interrupt)
 from .options import in_cli_words
 
-BUNDLE_HELP = ("bundle directory [default: $SPECEDGE_BUNDLE, else "
-               "~/.local/share/specedge/default: where `specexport build` writes without --out "
+BUNDLE_HELP = ("bundle directory [default: $DRAFTPROOF_BUNDLE, else "
+               "~/.local/share/draftproof/default: where `specexport build` writes without --out "
                "and specrun looks; `specrun where` prints it]")
 
 
@@ -22,13 +23,14 @@ def bundle_option(fn):
 
 
 @click.group(invoke_without_command=True)
-@click.version_option(package_name="specedge", message="%(prog)s %(version)s")
+@click.version_option(package_name="draftproof", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx):
     """Export Hugging Face models to ONNX bundles for exact speculative decoding: `specexport
     build` writes a bundle (the embedded default SmolLM2-135M-Instruct without options),
     `specexport verify` re-checks one against PyTorch, `specexport engine` builds TensorRT
     engines for one."""
+    ctx.with_resource(renamed_warnings("specexport"))
     if ctx.invoked_subcommand is None:
         click.echo(ctx.get_help())
 
@@ -52,7 +54,7 @@ def main(ctx):
                    "auto (measured against them at build, the faster kept) [default: none]")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="bundle directory to write: new, empty, or a bundle to replace [default: "
-                   "$SPECEDGE_BUNDLE, else ~/.local/share/specedge/default, where specrun "
+                   "$DRAFTPROOF_BUNDLE, else ~/.local/share/draftproof/default, where specrun "
                    "looks; `specrun where` prints it]")
 @click.option("--max-len", type=int, default=None,
               help="KV cache capacity in tokens (prompt + generated), at least 16 and more "

@@ -1,4 +1,4 @@
-"""specrun: run exact speculative decoding on a specedge bundle.
+"""specrun: run exact speculative decoding on a draftproof bundle.
 
 Each command makes its request once: options.generation_options makes the GenerationOptions
 (each value checked once) before the bundle loads, Generator.request binds them to the bundle
@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from .common import BundleCommand, input_errors
+from .common import BundleCommand, input_errors, renamed_warnings
 from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
                       no_draft_option, parse_gammas, read_prompt, sampling_options)
@@ -31,12 +31,13 @@ def stats_line(stats: dict) -> str:
 
 
 @click.group(invoke_without_command=True)
-@click.version_option(package_name="specedge", message="%(prog)s %(version)s")
+@click.version_option(package_name="draftproof", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx):
-    """Generate with exact speculative decoding from a specedge bundle: `specrun generate
+    """Generate with exact speculative decoding from a draftproof bundle: `specrun generate
     "PROMPT"`, `specrun chat`, `specrun bench`, `specrun check`. Every command reads the bundle
     that `specexport build` wrote, or the one -b/--bundle names."""
+    ctx.with_resource(renamed_warnings("specrun"))
     if ctx.invoked_subcommand is None:
         click.echo(ctx.get_help())
 
@@ -303,7 +304,7 @@ def check(bundle, tokens, samples, seconds, gamma, seed, as_json, device, draft_
 @click.option("--json", "as_json", is_flag=True, help="print the list as JSON")
 @input_errors
 def list_bundles(dirs, as_json):
-    """List the bundles on this machine: the default one ($SPECEDGE_BUNDLE, else `specrun
+    """List the bundles on this machine: the default one ($DRAFTPROOF_BUNDLE, else `specrun
     where`) and the others beside it, or those in DIRS (bundles, or folders holding them), with
     their target, precision, draft, cache length and size. Reads manifests only."""
     from spec_runtime.apps.listing import find_bundles, format_bundles

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Verify specedge's GPU paths on this machine (a CUDA workstation or a Jetson): first, in
+# Verify draftproof's GPU paths on this machine (a CUDA workstation or a Jetson): first, in
 # seconds, what it has — a CUDA device, onnxruntime-gpu's CUDA and TensorRT providers, native
 # TensorRT — and a stop naming what is missing when no GPU path exists; then the GPU tests
 # (each path against the CPU), then fp16 bundles of the target and, on every path this machine
@@ -100,7 +100,7 @@ if [ -z "$paths" ]; then
   echo "== no GPU path can run on this machine (what is missing is listed above): stopping"
   exit 1
 fi
-work=${1:-$(mktemp -d -t specedge-gpu-XXXXXX)}
+work=${1:-$(mktemp -d -t draftproof-gpu-XXXXXX)}
 mkdir -p "$work"
 echo "== GPU paths here: $paths; work directory: $work"
 has() { [[ " $paths " == *" $1 "* ]]; }

@@ -71,7 +71,7 @@ def eos_ids(hf_model, tokenizer) -> list[int]:
 def generation_defaults(hf_model) -> dict:
     """The sampling settings the model's generation_config asks for, as Hugging Face's generate
     reads them: without do_sample it decodes greedily (temperature, top-k, top-p and min-p are
-    then unused), and repetition_penalty applies either way. Only what differs from specedge's
+    then unused), and repetition_penalty applies either way. Only what differs from draftproof's
     own defaults (greedy, no truncation, no penalty) is recorded."""
     gc = getattr(hf_model, "generation_config", None)
     if gc is None:
@@ -95,7 +95,7 @@ def library_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for name in ("specedge", "torch", "transformers", "onnx", "onnxruntime", "tokenizers"):
+    for name in ("draftproof", "torch", "transformers", "onnx", "onnxruntime", "tokenizers"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -291,7 +291,7 @@ def build_bundle(
                        draft_precision=draft_precision, draft_gguf_file=draft_gguf_file,
                        int4_weights=int4_weights, kernels=kernels, draft_vocab=draft_vocab,
                        draft_vocab_corpus=draft_vocab_corpus)
-    out = resolve_out(Path(out) if out is not None else default_bundle_dir())
+    out = resolve_out(Path(out) if out is not None else default_bundle_dir(to_write=True))
     with file_system_errors(out):
         check_out(out)  # before minutes of work: what is in the way, and why
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def decoder_start_token_id(hf_model) -> int:
 
 
 def is_encoder_decoder(config) -> bool:
-    from specedge.models import is_encoder_decoder as check
+    from draftproof.models import is_encoder_decoder as check
 
     return check(config)
 
@@ -61,7 +61,7 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
                  precision: str, parity_ids: list[int], stage) -> ModelEntry:
     """Export `role`.encoder.onnx and `role`.decoder.onnx, check them against PyTorch; returns
     the model's manifest entry (its source is added by the caller)."""
-    from specedge.models import for_hf_seq2seq
+    from draftproof.models import for_hf_seq2seq
 
     from .export_seq2seq import export_seq2seq
     from .parity_seq2seq import check_parity_seq2seq

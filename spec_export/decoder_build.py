@@ -60,8 +60,8 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     file's 4-bit blocks and re-quantizes the wider ones to 4 bits (a draft model: draft_plan).
     `head_ids` (sorted token ids, a trimmed draft: draft_vocab.py): the lm_head keeps only those
     rows, and every check compares the logits at those ids."""
-    from specedge.models import for_hf_model
-    from specedge.models.common import consuming
+    from draftproof.models import for_hf_model
+    from draftproof.models.common import consuming
 
     from .onnx_export import export_decoder
     from .onnx_fused import export_fused_llama

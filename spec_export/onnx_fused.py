@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specedge.models.llama import rope_table
+from draftproof.models.llama import rope_table
 
 from spec_runtime.engines import gqa_window
 from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
@@ -199,7 +199,7 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     model = helper.make_model(
         helper.make_graph(g.nodes, f"{module.model_type}_fused", inputs, outputs),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
-        producer_name="specedge")
+        producer_name="draftproof")
     model.ir_version = 8
     if any(layer.window is not None for layer in module.layers):
         helper.set_model_props(model, {gqa_window.WINDOW_METADATA: gqa_window.reading()})
@@ -216,7 +216,7 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
         external = save_graph(model, path)
     del model
     desc = describe(path)
-    desc.update(exporter="specedge fused writer", external_data=external,
+    desc.update(exporter="draftproof fused writer", external_data=external,
                 export_s=time.perf_counter() - t0, max_len=max_len)
     ins, outs = fused_io(module, max_len)
     check_contract(desc, ins, outs)
@@ -312,7 +312,7 @@ def window_probe_model() -> onnx.ModelProto:
     model = helper.make_model(helper.make_graph([node], "gqa_window_probe", inputs, outputs),
                               opset_imports=[helper.make_opsetid("", 17),
                                              helper.make_opsetid(MS_DOMAIN, 1)],
-                              producer_name="specedge")
+                              producer_name="draftproof")
     model.ir_version = 8
     return model
 

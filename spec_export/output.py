@@ -7,7 +7,7 @@
         bundle/                         the new bundle, renamed to <parent>/<name> when done
         old/                            the bundle it replaces, moved aside for the swap
 
-- `--out` may be missing, an empty directory, or a specedge bundle that holds nothing but the
+- `--out` may be missing, an empty directory, or a draftproof bundle that holds nothing but the
   files its manifest lists, each still of the size and sha256 it lists. Anything else is
   refused before any work, naming what is in the way.
 - The swap renames the old bundle to `old/`, the new one into place, then unlinks those of the
@@ -44,7 +44,7 @@ from .sources import BuildError
 log = logging.getLogger(__name__)
 
 MARKER = "build.json"
-MARKER_FORMAT = "specedge-build"
+MARKER_FORMAT = "specedge-build"  # a file format (build.json): keeps the project's first name
 TMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-[A-Za-z0-9_]+$")
 OLD_PATTERN = re.compile(r"^\.(?P<name>.+)\.old-\d+$")  # what builds before this module left
 
@@ -113,16 +113,16 @@ def check_out(out: Path, hashes: bool = True) -> None:
         return
     listed = bundle_files(out)
     if listed is None:
-        raise BuildError(f"--out {str(out)!r} is not empty and not a specedge bundle (it holds "
+        raise BuildError(f"--out {str(out)!r} is not empty and not a draftproof bundle (it holds "
                          f"{_names(entries)}): choose a new or empty directory")
     foreign = [e for e in entries if e not in listed or not _plain_file(out / e)]
     if foreign:
-        raise BuildError(f"--out {str(out)!r} is a specedge bundle but also holds "
+        raise BuildError(f"--out {str(out)!r} is a draftproof bundle but also holds "
                          f"{_names(foreign)}, which its manifest does not list and a rebuild would "
                          f"delete: move them away, or choose another --out")
     changed = [e for e in entries if not _as_listed(out / e, listed[e], hashes)]
     if changed:
-        raise BuildError(f"--out {str(out)!r} is a specedge bundle, but {_names(changed)} "
+        raise BuildError(f"--out {str(out)!r} is a draftproof bundle, but {_names(changed)} "
                          f"{'is' if len(changed) == 1 else 'are'} not what its manifest lists "
                          f"(edited or replaced since it was built), and a rebuild would delete "
                          f"{'it' if len(changed) == 1 else 'them'}: move "

@@ -1,4 +1,4 @@
-"""specedge runtime: exact speculative decoding on exported graphs.
+"""draftproof runtime: exact speculative decoding on exported graphs.
 
 Imports numpy (and, when a bundle is loaded, onnxruntime and tokenizers) only: it never imports
 torch or transformers, and does nothing at import time beyond defining names.
@@ -43,7 +43,7 @@ __all__ = [
 
 def load(bundle_dir=None, device: str = "cpu", **kwargs) -> Generator:
     """Open an exported bundle (see `specexport build`) and return its `Generator`; without
-    `bundle_dir`, the default bundle (`$SPECEDGE_BUNDLE`, else where `specexport build` writes
+    `bundle_dir`, the default bundle (`$DRAFTPROOF_BUNDLE`, else where `specexport build` writes
     without --out: `specrun where` prints it)."""
     from .bundle.reader import load_bundle
 

@@ -1,8 +1,8 @@
-"""The errors specedge raises for what its user can fix.
+"""The errors draftproof raises for what its user can fix.
 
 `InputError` and its subclasses are bad input: a value, a file, a bundle, a model. Each message
 names the value and the fix. The command-line tools turn exactly these into one line on stderr
-and exit code 2; any other exception is a bug in specedge and keeps its traceback. They derive
+and exit code 2; any other exception is a bug in draftproof and keeps its traceback. They derive
 from ValueError, so code that catches ValueError keeps working.
 """
 
@@ -57,17 +57,17 @@ class TemplateError(InputError):
 
 
 def install_extra(extra: str) -> str:
-    """The command that installs one of specedge's extras here: from a checkout (the package's
+    """The command that installs one of draftproof's extras here: from a checkout (the package's
     directory sits beside its pyproject.toml, as an editable install leaves it) `pip install -e
-    "CHECKOUT[extra]"`, else `pip install "specedge[extra]"`."""
+    "CHECKOUT[extra]"`, else `pip install "draftproof[extra]"`."""
     from pathlib import Path
 
     checkout = Path(__file__).resolve().parents[1]
     project = checkout / "pyproject.toml"
     try:
-        ours = 'name = "specedge"' in project.read_text(encoding="utf-8")
+        ours = 'name = "draftproof"' in project.read_text(encoding="utf-8")
     except OSError:
         ours = False
     if ours:
         return f'pip install -e "{checkout}[{extra}]"'
-    return f'pip install "specedge[{extra}]"'
+    return f'pip install "draftproof[{extra}]"'

@@ -56,7 +56,7 @@ def default_bundle(tmp_path_factory):
     minute on 2 cores)."""
     from click.testing import CliRunner
 
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     out = tmp_path_factory.mktemp("default") / "bundle"
     r = CliRunner().invoke(specexport, ["build", "--out", str(out), "--quiet"])

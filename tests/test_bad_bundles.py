@@ -18,7 +18,7 @@ import pytest
 
 import spec_runtime
 from spec_runtime.bundle.manifest import BundleError, sha256_file
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 from helpers import edit_manifest, run
 
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from spec_runtime.apps.bench import load_prompts, run_bench
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 
 def test_bench_report_is_consistent(llama_pair, tmp_path):

@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import assert_input_error, edit_manifest, run
 
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 from spec_export import sources
 from spec_export.quality import WARN_TOP1_AGREEMENT
 from spec_export.summary import build_summary
@@ -94,7 +94,7 @@ def test_library_chatter_stays_out_of_the_build_output(tmp_path):
     from tiny_models import llama, save
 
     target = save(llama(0, layers=1), tmp_path / "t")
-    r = subprocess.run([sys.executable, "-m", "specedge.cli.specexport", "build", "--target",
+    r = subprocess.run([sys.executable, "-m", "draftproof.cli.specexport", "build", "--target",
                         str(target), "--draft", "ngram", "--kernels", "portable", "--precision",
                         "int8", "--out", str(tmp_path / "b"), "--max-len", "32", "--quiet"],
                        capture_output=True, text=True, timeout=600)

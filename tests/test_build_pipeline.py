@@ -14,8 +14,8 @@ from tiny_models import byte_tokenizer, llama, write_gguf
 from spec_export import onnx_fused
 from spec_export.build import build_bundle
 from spec_export.parity import check_parity, hf_reference, open_decoder, plan_calls, run_calls
-from specedge.models import for_hf_model
-from specedge.models.common import consuming
+from draftproof.models import for_hf_model
+from draftproof.models.common import consuming
 
 PROMPT = list(range(3, 45))
 

@@ -158,7 +158,7 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
         (lambda b: (b / "draft.onnx").unlink(), "missing"),
         (lambda b: (b / "manifest.json").unlink(), "no manifest.json"),
         (lambda b: (b / "manifest.json").write_text("{not json"), "not valid JSON"),
-        (lambda b: edit_manifest(b, lambda m: m.update(schema_version=99)), "upgrade specedge"),
+        (lambda b: edit_manifest(b, lambda m: m.update(schema_version=99)), "upgrade draftproof"),
         (lambda b: edit_manifest(b, lambda m: m.update(schema_version=0)), "re-run"),
         # "auto" came with schema 3: a schema-2 manifest that holds it was edited, not built
         (lambda b: edit_manifest(b, lambda m: m.update(schema_version=2, default_gamma="auto")),

@@ -17,7 +17,7 @@ import spec_runtime.decode.loop
 from spec_runtime import GenerationOptions, Generator, ModelDraft
 from spec_runtime.apps import check, twosample
 from spec_runtime.decode.sampling import sample
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 
 def run_cli(bundle, *args):

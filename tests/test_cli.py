@@ -7,8 +7,8 @@ import shutil
 import pytest
 from helpers import assert_input_error, run
 
-from specedge.cli.specexport import main as specexport
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specexport import main as specexport
+from draftproof.cli.specrun import main as specrun
 
 
 def test_build_then_generate_json(tmp_path):
@@ -123,7 +123,7 @@ def test_build_refuses_to_overwrite_a_directory_that_is_not_a_bundle(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     r = run(specexport, "build", "--target", tmp_path, "--out", tmp_path / "mine")
-    assert_input_error(r, "not a specedge bundle")
+    assert_input_error(r, "not a draftproof bundle")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
@@ -190,8 +190,8 @@ def _too_long(tmp_path):
     ("specexport", "build", "--out", "{long}/bundle"), ("specexport", "verify", "-b", "{long}"),
     ("specexport", "build", "--target", "{long}"),
     ("specexport", "build", "--draft-model", "{long}", "--out", "{tmp}/b"),
-    ("specrun", "where", "$SPECEDGE_BUNDLE"), ("specrun", "list", "$SPECEDGE_BUNDLE"),
-    ("specrun", "generate", "hi", "$SPECEDGE_BUNDLE"), ("specrun", "list", "$XDG_DATA_HOME"),
+    ("specrun", "where", "$DRAFTPROOF_BUNDLE"), ("specrun", "list", "$DRAFTPROOF_BUNDLE"),
+    ("specrun", "generate", "hi", "$DRAFTPROOF_BUNDLE"), ("specrun", "list", "$XDG_DATA_HOME"),
 ], ids=lambda c: " ".join(c[:3]))
 def test_a_path_component_past_the_name_limit_is_one_line(tmp_path, monkeypatch, command):
     """ENAMETOOLONG names neither the part nor the limit: each entry point says which value,

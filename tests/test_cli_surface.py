@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from helpers import assert_input_error, run
 
 import spec_runtime
-from specedge.cli.specexport import main as specexport
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specexport import main as specexport
+from draftproof.cli.specrun import main as specrun
 
 TOOLS = {"specexport": specexport, "specrun": specrun}
 READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "chat"), ("specrun", "bench"),
@@ -29,7 +29,7 @@ def commands():
 @pytest.mark.parametrize("name", TOOLS)
 def test_version_and_a_bare_command_prints_help(name):
     r = CliRunner().invoke(TOOLS[name], ["--version"], prog_name=name)
-    assert r.exit_code == 0 and r.stdout == f"{name} {version('specedge')}\n", r.output
+    assert r.exit_code == 0 and r.stdout == f"{name} {version('draftproof')}\n", r.output
     r = CliRunner().invoke(TOOLS[name], [], prog_name=name)
     assert r.exit_code == 0 and "Usage:" in r.stdout and "Commands:" in r.stdout, r.output
 
@@ -99,7 +99,7 @@ def test_stream_json_is_one_object_per_piece_then_the_result(llama_pair):
 def test_chat_default_is_the_same_in_the_cli_and_the_api(llama_pair, monkeypatch):
     """A text prompt goes through the bundle's chat template in both, unless told otherwise;
     `load()` with no argument opens the default bundle."""
-    monkeypatch.setenv("SPECEDGE_BUNDLE", str(llama_pair[2]))
+    monkeypatch.setenv("DRAFTPROOF_BUNDLE", str(llama_pair[2]))
     gen = spec_runtime.load()
     assert gen.chat_template
     cli = json.loads(run(specrun, "generate", "hello", "--max-new-tokens", 8, "--json").stdout)

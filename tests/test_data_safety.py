@@ -1,5 +1,5 @@
 """`specexport build` never deletes a file it did not write: it replaces only an empty directory
-or a specedge bundle that holds nothing but what its manifest lists, refuses anything else
+or a draftproof bundle that holds nothing but what its manifest lists, refuses anything else
 before any work (exit 2, naming what is in the way), reports the file system's refusals as
 input errors, and finds the temporary directories of builds that were killed outright."""
 
@@ -18,7 +18,7 @@ import pytest
 
 from spec_export import output
 from spec_export.journal import will_write
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 from helpers import assert_input_error, run
 
 
@@ -60,7 +60,7 @@ def test_a_directory_with_someone_elses_manifest_is_refused_and_kept(tmp_path, t
     (w / "manifest.json").write_text('{"name":"app"}')
     (w / "important.txt").write_text("notes")
     before = snapshot(w)
-    assert_input_error(build(target, w), "'important.txt'", "not a specedge bundle",
+    assert_input_error(build(target, w), "'important.txt'", "not a draftproof bundle",
                        "choose a new or empty directory")
     assert snapshot(w) == before
     assert [p.name for p in tmp_path.iterdir()] == ["w"]  # nothing else written either
@@ -101,7 +101,7 @@ def test_a_file_a_manifest_merely_claims_is_kept(tmp_path, target):
     (d / "manifest.json").write_text(json.dumps({"format": "specedge-bundle", "files": {
         "thesis.docx": {"bytes": 1, "sha256": "0" * 64}}}))
     before = snapshot(d)
-    assert_input_error(build(target, d), "not a specedge bundle", "'thesis.docx'")
+    assert_input_error(build(target, d), "not a draftproof bundle", "'thesis.docx'")
     assert snapshot(d) == before
 
 
@@ -285,7 +285,7 @@ def test_no_build_deletes_a_file_it_did_not_write(tmp_path, target, monkeypatch)
 
 
 def start_build(target, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specedge.cli.specexport", "build", "--target", str(target),
+    cmd = [sys.executable, "-m", "draftproof.cli.specexport", "build", "--target", str(target),
            "--draft", "ngram", "--out", str(out), "--max-len", "64", "--quiet"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specedge.cli.specexport import main as specexport
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specexport import main as specexport
+from draftproof.cli.specrun import main as specrun
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from spec_runtime.engines.devices import DEVICES
 from spec_runtime.engines.kv_cache import DeviceCache, HostCache
 from spec_runtime.engines.ort import provider_options
 from helpers import assert_input_error, call_schedule, run
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 
 @pytest.fixture(scope="module", params=["fused", "portable"])
@@ -68,7 +68,7 @@ def test_fp16_keeps_the_norm_statistics_in_float32_past_float16s_range(tmp_path)
     from spec_export.parity import quantized_parity
     from spec_export.quality import FP16_TOLERANCE
     from spec_export.quantize import convert_fp16
-    from specedge.models import for_hf_model
+    from draftproof.models import for_hf_model
 
     hf = llama(0, layers=2, tied=False).eval()
     with torch.no_grad():

@@ -90,7 +90,7 @@ def test_what_a_draft_model_request_cannot_be(pair, tmp_path):
         build_bundle(str(t), "hybrid", tmp_path / "x", draft_model=str(root / "nope.gguf"),
                      progress=False)
     other = save(llama(1, layers=1, vocab=300), tmp_path / "other", word_tokenizer(300))
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     r = CliRunner().invoke(specexport, ["build", "--target", str(t), "--draft", "hybrid",
                                         "--draft-model", str(other), "--out",

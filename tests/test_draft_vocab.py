@@ -18,7 +18,7 @@ from spec_export.build import build_bundle
 from spec_runtime import Generator, ModelDraft, NgramDraft, SamplingParams, warp
 from spec_runtime.decode.draft_vocab import KeptVocab
 from spec_runtime.decode.drafts import HybridDraft
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 
 PROMPT = [1, 2, 3, 1, 2]
 VOCAB = 6

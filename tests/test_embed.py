@@ -2,7 +2,7 @@
 Python it was built for, loads a tiny bundle through `spec_runtime.load`, generates greedily from
 a text prompt and prints the text and the new token ids; they must equal what the same call gives
 in Python. The host runs from a directory outside the repository, with no PYTHONPATH, and with
-another virtual environment (one without specedge) active on PATH: it must find specedge because
+another virtual environment (one without draftproof) active on PATH: it must find draftproof because
 it was built for this Python (or virtual environment), not because of where or how it started."""
 
 import os
@@ -37,9 +37,10 @@ def embed_flags() -> list[str] | None:
     return None
 
 
-def build_host(python: str, exe: Path) -> Path:
-    """The README's build: python3-config's embedding flags, and SPECEDGE_PYTHON set to what
-    `python -c 'import sys; print(sys.executable)'` prints."""
+def build_host(python: str, exe: Path, macro: str = "DRAFTPROOF_PYTHON") -> tuple[Path, str]:
+    """The README's build: python3-config's embedding flags, and DRAFTPROOF_PYTHON (`macro`)
+    set to what `python -c 'import sys; print(sys.executable)'` prints. -> (the program, what
+    the compiler said)."""
     gxx, flags = shutil.which("g++"), embed_flags()
     if gxx is None or flags is None:
         reason = "g++ is not installed" if gxx is None else "no python-config with --embed flags"
@@ -48,10 +49,10 @@ def build_host(python: str, exe: Path) -> Path:
     executable = subprocess.run([python, "-c", "import sys; print(sys.executable)"],
                                 capture_output=True, text=True, check=True).stdout.strip()
     build = subprocess.run([gxx, "-std=c++17", str(HOST), *flags,
-                            f'-DSPECEDGE_PYTHON="{executable}"', "-o", str(exe)],
+                            f'-D{macro}="{executable}"', "-o", str(exe)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    return exe
+    return exe, build.stderr
 
 
 def make_venv(path: Path) -> str:
@@ -81,8 +82,9 @@ def python_output(bundle, prompt: str) -> bytes:
 
 
 def test_cpp_host_generates_what_python_generates(llama_pair, tmp_path):
-    exe = build_host(sys.executable, tmp_path / "host")
-    other = tmp_path / "other"  # a virtual environment without specedge, active when it runs
+    exe, said = build_host(sys.executable, tmp_path / "host")
+    assert "deprecated" not in said, said
+    other = tmp_path / "other"  # a virtual environment without draftproof, active when it runs
     make_venv(other)
     bundle = llama_pair[2]
     out = run_host(exe, bundle, PROMPT, cwd=tmp_path, active=other)
@@ -107,7 +109,7 @@ def test_cpp_host_uses_the_virtual_environment_it_was_built_for(llama_pair, tmp_
     while another one is active. The environment reaches this interpreter's packages through a
     .pth file (what --system-site-packages does, but that would miss them when the tests
     themselves run in a virtual environment); without the file the host must not find
-    specedge, although the Python the environment was made from may have it."""
+    draftproof, although the Python the environment was made from may have it."""
     venv = tmp_path / "venv"
     python = make_venv(venv)
     where = "import sysconfig; print(sysconfig.get_path('purelib'))"
@@ -116,7 +118,7 @@ def test_cpp_host_uses_the_virtual_environment_it_was_built_for(llama_pair, tmp_
     ours = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
     pth = Path(purelib) / "outer_site.pth"
     pth.write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in ours))
-    exe = build_host(python, tmp_path / "host")
+    exe, _ = build_host(python, tmp_path / "host")
     other = tmp_path / "other"  # active instead of `venv` when the host runs
     make_venv(other)
     bundle = llama_pair[2]
@@ -129,3 +131,15 @@ def test_cpp_host_uses_the_virtual_environment_it_was_built_for(llama_pair, tmp_
     pth.unlink()
     out = run_host(exe, bundle, cwd=tmp_path, active=other)
     assert out.returncode == 1 and b"No module named 'spec_runtime'" in out.stderr, out.stderr
+
+
+def test_the_macros_old_name_still_builds_the_host_with_a_warning(llama_pair, tmp_path):
+    """-DSPECEDGE_PYTHON, the name before the project was renamed, builds the same host until
+    the next release; the compiler warns, naming DRAFTPROOF_PYTHON."""
+    exe, said = build_host(sys.executable, tmp_path / "host", macro="SPECEDGE_PYTHON")
+    assert "SPECEDGE_PYTHON is deprecated" in said and "define DRAFTPROOF_PYTHON" in said, said
+    other = tmp_path / "other"
+    make_venv(other)
+    out = run_host(exe, llama_pair[2], PROMPT, cwd=tmp_path, active=other)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout == python_output(llama_pair[2], PROMPT)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 
 from spec_export.onnx_export import expected_io, export_decoder
 from spec_export.parity import check_parity
-from specedge.models import SUPPORTED, for_hf_model
+from draftproof.models import SUPPORTED, for_hf_model
 
 MAX_LEN = 64
 TOL = 1e-4

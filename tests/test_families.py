@@ -26,7 +26,7 @@ import spec_runtime
 from spec_export.build import build_bundle
 from spec_runtime import SamplingParams
 from spec_runtime.errors import BundleError
-from specedge.models import UnsupportedModel, for_hf_model
+from draftproof.models import UnsupportedModel, for_hf_model
 
 MAX_LEN = 96
 NEW_TOKENS = 30
@@ -233,7 +233,7 @@ def test_the_multimodal_gemma3_is_refused_with_the_fix():
 def test_a_refused_feature_stops_the_cli_with_its_name(tmp_path):
     from helpers import assert_input_error, run
 
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     cfg = make("gemma3").config
     model = AutoModelForCausalLM.from_config(

@@ -108,7 +108,7 @@ def test_blocks_read_back_as_the_file_dequantizes(q4_1):
 
 
 def test_bad_int4_weights_requests(tmp_path, monkeypatch):
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     t = save(llama(0, layers=1), tmp_path / "hf")
     r = CliRunner().invoke(specexport, ["build", "--target", str(t), "--precision", "int4",
@@ -143,7 +143,7 @@ def test_self_draft_is_the_targets_own_weights_at_int4(q4_1, tmp_path):
 
 
 def test_auto_draft_is_the_hybrid_for_an_fp32_gguf_target_only(q4_1, tmp_path):
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     r = CliRunner().invoke(specexport, ["build", "--target", str(q4_1[0]), "--out",
                                         str(tmp_path / "fp32"), "--max-len", "64", "--quiet"])

@@ -16,7 +16,7 @@ from gguf_damage import n_dims_at, patched, truncated, type_id_at, value_at
 from helpers import assert_input_error, run
 from tiny_models import byte_tokenizer, llama, write_gguf
 
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 from spec_export.gguf_check import GGUFDamaged, read_layout
 
 DOWNLOAD = "the file is damaged or not a GGUF file: download it again"

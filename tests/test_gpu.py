@@ -115,7 +115,7 @@ def test_the_gpu_computes_what_the_cpu_computes(path):
 def test_greedy_parity_and_specrun_check(path):
     """Speculative greedy equals target-only greedy on the GPU's engines, drafts were
     accepted, and `specrun check` passes there."""
-    from specedge.cli.specrun import main as specrun
+    from draftproof.cli.specrun import main as specrun
 
     bundle, device, draft_device, _ = path
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device)

@@ -163,7 +163,7 @@ def test_int4_draft_with_fp32_target(tmp_path):
 def test_verify_reports_top1_and_kl_for_int4(int4_pair):
     from click.testing import CliRunner
 
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     r = CliRunner().invoke(specexport, ["verify", "--bundle", str(int4_pair), "--json"])
     assert r.exit_code == 0, r.output
@@ -216,7 +216,7 @@ def test_verify_fails_an_int4_graph_whose_weights_are_not_the_models(int4_pair, 
 
     from helpers import edit_manifest
     from spec_runtime.bundle.manifest import sha256_file
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     bad = tmp_path / "bad"
     shutil.copytree(int4_pair, bad)

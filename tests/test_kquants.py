@@ -84,7 +84,7 @@ def float_graph(root, tied: bool):
     """The mixed GGUF under `root`/m and its float graph `root`/fp32.onnx, exported as the int4
     build exports it (lm_head untied); untied, its weights in an external data file, as a large
     model's are (read one by one)."""
-    from specedge.models import for_hf_model
+    from draftproof.models import for_hf_model
 
     from spec_export.load import load_hf_model
     from spec_export.onnx_fused import export_fused_llama
@@ -257,7 +257,7 @@ def test_gguf_4bit_without_4bit_blocks_or_a_gguf_is_refused(tmp_path):
     from tiny_models import save
 
     from spec_export.build import BuildError
-    from specedge.cli.specexport import main as specexport
+    from draftproof.cli.specexport import main as specexport
 
     t = save(llama(0, layers=1), tmp_path / "hf")
     r = CliRunner().invoke(specexport, ["build", "--target", str(t), "--precision", "int4",

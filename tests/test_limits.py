@@ -16,7 +16,7 @@ from helpers import assert_input_error, run
 
 import spec_runtime
 from spec_runtime import limits
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 # a child that reads without a bound dies here (MemoryError) instead of taking the machine
 CHILD_ADDRESS_SPACE = 2 << 30
@@ -34,7 +34,7 @@ def one_line(result, *words):
 # mark across exec), this small parent's are a few MiB.
 MEASURE = """
 import json, os, subprocess, sys
-proc = subprocess.Popen([sys.executable, "-m", "specedge.cli.specrun", *sys.argv[1:]],
+proc = subprocess.Popen([sys.executable, "-m", "draftproof.cli.specrun", *sys.argv[1:]],
                         stdout=subprocess.DEVNULL)
 _, status, usage = os.wait4(proc.pid, 0)
 print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024]))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from helpers import assert_input_error, run
 
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 
 def expected(bundle: Path) -> dict:
@@ -25,12 +25,13 @@ def listed(*args) -> list[dict]:
 
 def test_the_default_bundle_and_those_beside_it(llama_pair, gpt2_pair, tmp_path, monkeypatch):
     data = tmp_path / "data"
-    home = data / "specedge"
+    home = data / "draftproof"
     home.mkdir(parents=True)
     shutil.copytree(gpt2_pair[2], home / "gpt2")
     (home / "notes").mkdir()  # not a bundle: left out
     monkeypatch.setenv("XDG_DATA_HOME", str(data))
-    monkeypatch.setenv("SPECEDGE_BUNDLE", str(llama_pair[2]))
+    monkeypatch.setenv("DRAFTPROOF_BUNDLE", str(llama_pair[2]))
+    monkeypatch.delenv("SPECEDGE_BUNDLE", raising=False)
     rows = listed()
     assert [r["path"] for r in rows] == [str(llama_pair[2]), str(home / "gpt2")]
     assert [r["default"] for r in rows] == [True, False]
@@ -41,16 +42,30 @@ def test_the_default_bundle_and_those_beside_it(llama_pair, gpt2_pair, tmp_path,
     assert text.splitlines()[1].startswith("*  " + str(llama_pair[2]))
     assert "gpt2" in text and "notes" not in text
 
-    # without $SPECEDGE_BUNDLE the default is the data directory's `default`, when built
-    monkeypatch.delenv("SPECEDGE_BUNDLE")
+    # without $DRAFTPROOF_BUNDLE the default is the data directory's `default`, when built
+    monkeypatch.delenv("DRAFTPROOF_BUNDLE")
     shutil.copytree(llama_pair[2], home / "default")
     rows = listed()
     assert [(Path(r["path"]).name, r["default"]) for r in rows] == [("default", True),
                                                                     ("gpt2", False)]
 
+    # specedge's data directory (before the rename, read until the next release): its bundles
+    # are listed after draftproof's, and its `default` is the default while draftproof's is not
+    # built (tests/test_renamed.py checks the warning)
+    old = data / "specedge"
+    shutil.copytree(llama_pair[2], old / "default")
+    rows = listed()
+    assert [(r["path"], r["default"]) for r in rows] == [
+        (str(home / "default"), True), (str(home / "gpt2"), False), (str(old / "default"), False)]
+    shutil.rmtree(home / "default")
+    rows = listed()
+    assert [(r["path"], r["default"]) for r in rows] == [
+        (str(old / "default"), True), (str(home / "gpt2"), False)]
+
 
 def test_given_directories_and_what_is_not_a_bundle(llama_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "empty"))
+    monkeypatch.delenv("DRAFTPROOF_BUNDLE", raising=False)
     monkeypatch.delenv("SPECEDGE_BUNDLE", raising=False)
     assert run(specrun, "list").stdout.startswith("no bundles found")
     folder = tmp_path / "bundles"

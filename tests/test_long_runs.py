@@ -15,13 +15,13 @@ from click.testing import CliRunner
 
 import spec_runtime
 from spec_runtime.bundle.manifest import BundleError
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 
 
 def build_until_first_graph_then(sig, target, draft, out: Path) -> tuple[int, str]:
     """Start `specexport build` in a subprocess, send `sig` once its temporary directory holds
     the target graph (the draft is then still being exported), return (exit code, stderr)."""
-    cmd = [sys.executable, "-m", "specedge.cli.specexport", "build", "--target", str(target),
+    cmd = [sys.executable, "-m", "draftproof.cli.specexport", "build", "--target", str(target),
            "--draft", str(draft), "--out", str(out), "--max-len", "64", "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300

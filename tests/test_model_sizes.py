@@ -16,8 +16,8 @@ import tiny_models
 from gguf_damage import patched, value_at
 from helpers import assert_input_error, run
 
-from specedge.cli.specexport import main as specexport
-from specedge.models import ENCODER_DECODER, SUPPORTED
+from draftproof.cli.specexport import main as specexport
+from draftproof.models import ENCODER_DECODER, SUPPORTED
 from spec_export import config_sizes
 from spec_export.config_sizes import FAMILIES, check_config, with_defaults
 from spec_runtime.errors import BuildError
@@ -140,7 +140,7 @@ def test_huge_sizes_are_refused_at_once_in_bounded_memory(saved, tmp_path):
         import json, sys
         import torch, transformers
         from click.testing import CliRunner
-        from specedge.cli.specexport import main
+        from draftproof.cli.specexport import main
     """) + CAP + textwrap.dedent(f"""
         out = {{}}
         for i, target in enumerate(json.loads(sys.argv[1])):

@@ -119,9 +119,9 @@ def test_results_are_not_overwritten_without_replace(tmp_path, capsys):
     assert pair.parse_args(["--out", str(tmp_path), "--replace"]).replace
 
 
-def test_a_specedge_row_needs_a_bundle_directory(tmp_path, capsys):
+def test_a_draftproof_row_needs_a_bundle_directory(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        pair.parse_args(["--out", str(tmp_path), "--specedge", f"x={tmp_path}"])
+        pair.parse_args(["--out", str(tmp_path), "--draftproof", f"x={tmp_path}"])
     assert "manifest.json" in capsys.readouterr().err
 
 
@@ -464,15 +464,21 @@ def test_each_speculative_row_is_checked_against_its_own_bundles_target_only_row
     other = tmp_path / "other"
     shutil.copytree(llama_pair[2], other)
     args = pair.parse_args(["--out", str(tmp_path / "out"),
-                            "--specedge-target", f"t-a={llama_pair[2]}",
-                            "--specedge-target", f"t-b={other}",
-                            "--specedge", f"s-b={other}", "--specedge", f"s-a={llama_pair[2]}",
-                            "--specedge", f"s-c={other}/."])
+                            "--draftproof-target", f"t-a={llama_pair[2]}",
+                            "--draftproof-target", f"t-b={other}",
+                            "--draftproof", f"s-b={other}", "--draftproof", f"s-a={llama_pair[2]}",
+                            "--draftproof", f"s-c={other}/."])
     rows = {s.name: s.plain for s in pair.our_systems(args, {"threads": 1})}
     assert rows == {"t-a": None, "t-b": None, "s-b": "t-b", "s-a": "t-a", "s-c": "t-b"}
-    args = pair.parse_args(["--out", str(tmp_path / "out"), "--specedge-target",
-                            f"t-a={llama_pair[2]}", "--specedge", f"s-b={other}"])
+    args = pair.parse_args(["--out", str(tmp_path / "out"), "--draftproof-target",
+                            f"t-a={llama_pair[2]}", "--draftproof", f"s-b={other}"])
     assert [s.plain for s in pair.our_systems(args, {"threads": 1})] == [None, "t-a"]
+    # the flags' names before the rename, until the next release
+    old = pair.parse_args(["--out", str(tmp_path / "out"), "--specedge-target",
+                           f"t-a={llama_pair[2]}", "--specedge", f"s-b={other}",
+                           "--specedge-python", sys.executable])
+    assert (old.draftproof_target, old.draftproof, old.draftproof_python) == \
+        (args.draftproof_target, args.draftproof, Path(sys.executable))
 
 
 def test_a_draft_row_whose_plain_row_did_not_run_is_not_a_target_only_row():

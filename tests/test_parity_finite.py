@@ -17,8 +17,8 @@ from helpers import assert_input_error, run
 from onnx import numpy_helper
 from tiny_models import byte_tokenizer, llama, write_gguf
 
-from specedge.cli.specexport import main as specexport
-from specedge.models import for_hf_model
+from draftproof.cli.specexport import main as specexport
+from draftproof.models import for_hf_model
 from spec_export import onnx_fused
 from spec_export.parity import hf_reference, open_decoder, plan_calls, quantized_parity, run_calls
 from spec_runtime.errors import BuildError

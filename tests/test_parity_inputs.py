@@ -14,7 +14,7 @@ from tiny_models import VOCAB, byte_tokenizer, save, word_level_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import spec_runtime
-from specedge.cli.specexport import main as specexport
+from draftproof.cli.specexport import main as specexport
 from spec_export.quality import (PARITY_PROMPT, PARITY_TOKENS, QUANT_PROMPTS, QUANT_TOKENS,
                                  check_inputs)
 

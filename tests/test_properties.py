@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spec_runtime.decode.sampling import SamplingParams, accept_drafts, warp
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 temperatures = st.one_of(st.just(0.0), st.floats(1e-3, 20.0))
 params = st.builds(SamplingParams, temperature=temperatures, top_k=st.integers(0, 50),

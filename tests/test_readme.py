@@ -147,7 +147,7 @@ def test_every_example_runs_as_written(default_bundle, tmp_path):
     work.mkdir()
     for name in CHECKOUT:
         (work / name).symlink_to(ROOT / name)
-    env = dict(os.environ, SPECEDGE_BUNDLE=str(default_bundle), PYTHONPATH="",
+    env = dict(os.environ, DRAFTPROOF_BUNDLE=str(default_bundle), PYTHONPATH="",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     try:
         ran, skipped = run_blocks(work, env)
@@ -226,8 +226,8 @@ def parse_cli(argv: list[str]) -> None:
     """Parse `argv` with the tool's own click objects, as running it would (options exist,
     values convert to their types, choices and ranges hold, no stray argument), without
     running it; a click.UsageError / BadParameter says what is wrong."""
-    from specedge.cli.specexport import main as specexport
-    from specedge.cli.specrun import main as specrun
+    from draftproof.cli.specexport import main as specexport
+    from draftproof.cli.specrun import main as specrun
 
     import click
 
@@ -296,8 +296,8 @@ def _option_names(command) -> set[str]:
 
 
 def test_synopsis_names_real_options_and_every_build_option():
-    from specedge.cli.specexport import main as specexport
-    from specedge.cli.specrun import main as specrun
+    from draftproof.cli.specexport import main as specexport
+    from draftproof.cli.specrun import main as specrun
 
     tools = {"specrun": specrun, "specexport": specexport}
     synopsis = _synopsis()

@@ -81,7 +81,7 @@ def test_greedy_equals_hf_on_real_weights(name, tmp_path, request):
     max_len, prompts = MODELS[name]
     bundle = tmp_path / "bundle"
     build = subprocess.run(
-        [sys.executable, "-c", "from specedge.cli.specexport import main; main()", "build",
+        [sys.executable, "-c", "from draftproof.cli.specexport import main; main()", "build",
          "--target", str(path), "--draft", "ngram", "--max-len", str(max_len), "--out",
          str(bundle), "--quiet"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_greedy_equals_hf_on_real_weights(name, tmp_path, request):
     import spec_runtime
     from spec_export.load import load_hf_model
     from spec_export.parity import open_decoder
-    from specedge.models import for_hf_model
+    from draftproof.models import for_hf_model
     from tiny_models import window_shifted
 
     hf, tok = load_hf_model(str(path))

@@ -13,7 +13,7 @@ from spec_runtime import NonFiniteLogitsError, SamplingParams
 from spec_runtime.decode.loop import RequestState, generate_tokens
 from spec_runtime.bundle.manifest import BundleError, sha256_file
 from spec_runtime.decode.stats import DecodeStats, Recorder
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 from helpers import assert_input_error as assert_exit_2
 from helpers import edit_manifest
 from helpers import run as run_cli

@@ -27,7 +27,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 def server(bundle, *args, env=None):
     """`specrun serve` on a free port; yields (base URL, process); stops it with SIGTERM and
     expects a clean exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "specedge.cli.specrun", "serve", "-b",
+    proc = subprocess.Popen([sys.executable, "-m", "draftproof.cli.specrun", "serve", "-b",
                              str(bundle), "--port", "0", "--log-level", "warning", *args],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     lines = []
@@ -94,6 +94,8 @@ def test_openai_client_completions_equal_the_python_api(tiny):
     assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[ref.finish_reason]
     stats = r.model_extra["specedge"]
     assert stats["mode"] == "speculative" and stats["new_tokens"] == len(ref.tokens)
+    # `draftproof` carries the statistics; `specedge` (the name before it) the same, for a release
+    assert r.model_extra["draftproof"] == stats
     # target-only through the use_draft extension: the same greedy tokens
     base = c.completions.create(model=model, prompt="abc abc abc", max_tokens=12,
                                 temperature=0, extra_body={"use_draft": False})
@@ -119,7 +121,8 @@ def test_chat_streaming_stop_and_seeds(tiny):
     # OpenAI's usage chunk is the last one (no choices), and the stats ride on the last chunk
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
     assert chunks[-1].model_extra["specedge"]["new_tokens"] == len(ref.tokens)
-    assert "specedge" not in (final[0].model_extra or {})
+    assert chunks[-1].model_extra["draftproof"] == chunks[-1].model_extra["specedge"]
+    assert not {"specedge", "draftproof"} & set(final[0].model_extra or {})
 
     # a stop string cuts the text where the library cuts it
     stop = ref.text[3:5] if len(ref.text) >= 5 else None
@@ -237,7 +240,7 @@ def test_response_format_json_schema_is_the_python_apis(tiny):
 
 
 def test_api_key(llama_pair):
-    with server(llama_pair[2], env={"SPECEDGE_API_KEY": "s3cret"}) as (url, _):
+    with server(llama_pair[2], env={"DRAFTPROOF_API_KEY": "s3cret"}) as (url, _):
         assert_error(httpx.get(url + "/v1/models"), 401, "API key", code="invalid_api_key")
         assert_error(httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}),
                      401)
@@ -261,6 +264,10 @@ def test_metrics_count_requests_and_tokens(tiny):
     assert values["specedge_queue_depth"] == 0
     assert "specedge_time_to_first_token_seconds_bucket" in text
     assert 0 <= values["specedge_acceptance_rate"] <= 1
+    # every metric also as draftproof_* (the new names, beside the old ones for a release)
+    old = {k: v for k, v in values.items() if k.startswith("specedge_")}
+    assert {"draftproof_" + k[len("specedge_"):]: v for k, v in old.items()} == \
+        {k: v for k, v in values.items() if k.startswith("draftproof_")}
 
 
 # -- on the real default bundle: requests long enough to overlap ---------------------------------

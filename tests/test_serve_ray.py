@@ -49,7 +49,7 @@ TIMEOUT = 30  # one request, client side: a request that hangs fails the test
 
 LOOPBACK_HOOK_MODULE = """
 def runtime_env(env):  # RAY_RUNTIME_ENV_HOOK: ray.init's runtime_env, plus the setup hook
-    return {**(env or {}), "worker_process_setup_hook": "specedge_loopback_hook.setup"}
+    return {**(env or {}), "worker_process_setup_hook": "draftproof_loopback_hook.setup"}
 
 
 def setup():  # in each Ray worker: a Serve replica's gRPC server on 127.0.0.1, not [::]
@@ -103,12 +103,12 @@ def listening(root: int) -> list | None:
 def test_run_serves_until_sigterm_then_returns(llama_pair, tmp_path):
     """run() in a process of its own, as the CLI calls it: a local Ray instance on 127.0.0.1,
     the app on the given port, then SIGTERM: the app is deleted, Ray shut down, exit code 0."""
-    (tmp_path / "specedge_loopback_hook.py").write_text(LOOPBACK_HOOK_MODULE)
+    (tmp_path / "draftproof_loopback_hook.py").write_text(LOOPBACK_HOOK_MODULE)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",
                                                             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
-    env["RAY_RUNTIME_ENV_HOOK"] = "specedge_loopback_hook.runtime_env"
+    env["RAY_RUNTIME_ENV_HOOK"] = "draftproof_loopback_hook.runtime_env"
     proc = subprocess.Popen([sys.executable, "-c", RUN, str(llama_pair[2]), str(port)],
                             stderr=subprocess.PIPE, text=True, env=env)
     lines, ready = [], threading.Event()
@@ -305,6 +305,7 @@ def test_greedy_output_is_the_python_apis(cluster, llama_pair):
         assert r.choices[0].text == ref.text
         assert r.usage.completion_tokens == len(ref.tokens)
         assert r.model_extra["specedge"]["new_tokens"] == len(ref.tokens)
+        assert r.model_extra["draftproof"] == r.model_extra["specedge"]
         m = c.chat.completions.create(model=model, messages=HELLO, max_tokens=16,
                                       temperature=0)
         assert m.choices[0].message.content == chat_ref.text

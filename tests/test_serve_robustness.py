@@ -250,7 +250,9 @@ def test_a_schema_the_engine_cannot_follow_is_a_400_before_decoding(gen, name): 
         r = in_process(app, {"messages": HELLO, "max_tokens": 8, "stream": stream,
                              "response_format": schema_format(schema)})
         assert_error(r, 400, "response_format", words, param="response_format")
-    assert "specedge_generated_tokens_total 0.0" in app.state.metrics.text().decode()
+    text = app.state.metrics.text().decode()
+    assert "specedge_generated_tokens_total 0.0" in text
+    assert "draftproof_generated_tokens_total 0.0" in text
 
 
 def test_an_engine_error_mid_decode_is_an_error_never_a_stop(gen, fails_mid_decode):  # noqa: F811

@@ -1,6 +1,6 @@
 """What a user's commands leave behind: a benchmark writes its results only where it is asked
 to, a server can be stopped by its own process id, and install hints name the command that
-works for the way specedge is installed."""
+works for the way draftproof is installed."""
 
 import importlib.util
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_input_error, run
 
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specrun import main as specrun
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -36,12 +36,12 @@ def test_install_hints_name_the_command_for_this_installation(tmp_path):
     assert install_extra("serve") == f'pip install -e "{ROOT}[serve]"'
     # an installation without the project beside it (a wheel in site-packages)
     assert _errors_module(tmp_path / "site").install_extra("ray") == \
-        'pip install "specedge[ray]"'
-    # another project's pyproject.toml above the package is not specedge's checkout
+        'pip install "draftproof[ray]"'
+    # another project's pyproject.toml above the package is not draftproof's checkout
     other = tmp_path / "other"
     other.mkdir()
     (other / "pyproject.toml").write_text('[project]\nname = "something-else"\n')
-    assert _errors_module(other).install_extra("ray") == 'pip install "specedge[ray]"'
+    assert _errors_module(other).install_extra("ray") == 'pip install "draftproof[ray]"'
 
 
 def _snapshot(directory: Path) -> dict:
@@ -82,7 +82,7 @@ def test_a_stale_pid_file_is_replaced_and_an_unwritable_one_refused(llama_pair, 
     dead.wait()
     stale = tmp_path / "stale.pid"
     stale.write_text(f"{dead.pid}\n")
-    from specedge.cli.serve import pid_file_of
+    from draftproof.cli.serve import pid_file_of
 
     with pid_file_of(stale):
         assert stale.read_text() == f"{os.getpid()}\n"
@@ -104,8 +104,8 @@ def _dead_pid() -> int:
                                      "x" * 4096])
 def test_a_file_that_holds_no_process_id_is_refused_and_kept(tmp_path, content):
     """A user's file is not a stale pid file: only exactly a process id (and a newline) is."""
-    from specedge.cli.common import BadInput
-    from specedge.cli.serve import pid_file_of
+    from draftproof.cli.common import BadInput
+    from draftproof.cli.serve import pid_file_of
 
     notes = tmp_path / "notes.txt"
     notes.write_text(content)
@@ -129,8 +129,8 @@ def test_serve_refuses_a_users_file_as_pid_file_before_loading(tmp_path):
 
 @pytest.mark.parametrize("target", ["a user's file", "a dead pid", "missing"])
 def test_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path, target):
-    from specedge.cli.common import BadInput
-    from specedge.cli.serve import pid_file_of
+    from draftproof.cli.common import BadInput
+    from draftproof.cli.serve import pid_file_of
 
     real = tmp_path / "real.txt"
     content = {"a user's file": "notes\n", "a dead pid": f"{_dead_pid()}\n"}.get(target)
@@ -146,8 +146,8 @@ def test_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path, target):
 
 
 def test_a_fifo_or_directory_is_refused_without_blocking(tmp_path):
-    from specedge.cli.common import BadInput
-    from specedge.cli.serve import pid_file_of
+    from draftproof.cli.common import BadInput
+    from draftproof.cli.serve import pid_file_of
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -160,7 +160,7 @@ def test_a_fifo_or_directory_is_refused_without_blocking(tmp_path):
 
 
 def test_a_new_pid_file_holds_our_pid_and_is_removed_at_exit(tmp_path):
-    from specedge.cli.serve import pid_file_of
+    from draftproof.cli.serve import pid_file_of
 
     path = tmp_path / "serve.pid"
     with pid_file_of(path):
@@ -171,7 +171,7 @@ def test_a_new_pid_file_holds_our_pid_and_is_removed_at_exit(tmp_path):
 @pytest.mark.parametrize("change", ["replaced", "edited"])
 def test_a_pid_file_someone_changed_while_serving_is_kept_at_exit(tmp_path, change):
     """At exit only the file written at start, still holding this process's id, is removed."""
-    from specedge.cli.serve import pid_file_of
+    from draftproof.cli.serve import pid_file_of
 
     path = tmp_path / "serve.pid"
     with pid_file_of(path):

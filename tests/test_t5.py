@@ -115,7 +115,7 @@ def test_relative_buckets_match_hf_at_long_range():
     from transformers import T5Config, T5ForConditionalGeneration
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    from specedge.models import for_hf_seq2seq
+    from draftproof.models import for_hf_seq2seq
 
     hf = T5ForConditionalGeneration(T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=8, num_layers=1,
                                              num_heads=2, decoder_start_token_id=0))
@@ -136,7 +136,7 @@ def test_relative_buckets_match_hf_at_long_range():
 def test_model_registry_keeps_the_two_kinds_apart():
     from tiny_models import gpt2, t5
 
-    from specedge.models import ENCODER_DECODER, SUPPORTED, for_hf_model, for_hf_seq2seq
+    from draftproof.models import ENCODER_DECODER, SUPPORTED, for_hf_model, for_hf_seq2seq
 
     with pytest.raises(ValueError, match="for_hf_seq2seq"):
         for_hf_model(t5(0, d_model=16, layers=1, heads=2, d_kv=8), 16)
@@ -317,8 +317,8 @@ def test_cli_build_then_generate(tmp_path):
     from click.testing import CliRunner
     from tiny_models import save, t5, t5_tokenizer, truncated_t5
 
-    from specedge.cli.specexport import main as specexport
-    from specedge.cli.specrun import main as specrun
+    from draftproof.cli.specexport import main as specexport
+    from draftproof.cli.specrun import main as specrun
 
     def run(cli, *args):
         return CliRunner().invoke(cli, list(map(str, args)))

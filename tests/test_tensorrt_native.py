@@ -22,8 +22,8 @@ from spec_runtime.engines import devices
 from spec_runtime.engines import tensorrt as trt_engine
 from spec_runtime.errors import BundleError
 from spec_export.trt_build import build_engines
-from specedge.cli.specexport import main as specexport
-from specedge.cli.specrun import main as specrun
+from draftproof.cli.specexport import main as specexport
+from draftproof.cli.specrun import main as specrun
 from helpers import assert_input_error, run
 
 GPU = {"gpu": "Fake GPU", "compute_capability": "9.0"}

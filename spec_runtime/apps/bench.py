@@ -216,7 +216,7 @@ def plot(report: dict, path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("γ (draft tokens per round)")
     ax.set_ylabel("speedup over target-only")
-    ax.set_title(f"specedge bench — draft: {report['draft']}, T={report['temperature']}")
+    ax.set_title(f"draftproof bench — draft: {report['draft']}, T={report['temperature']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,10 +1,18 @@
 """The server's Prometheus metrics: requests by endpoint and status, errors by type, tokens read
 and generated, draft tokens proposed and accepted, time to first token and request duration,
-and the slots' state (GET /metrics)."""
+and the slots' state (GET /metrics).
+
+Each metric is named `specedge_*` (the project's name before draftproof; dashboards and alerts
+query these names) and, for one release, also shown as `draftproof_*` with the same values, so
+that dashboards can move to the new names; the next release keeps only `draftproof_*`.
+"""
 
 import time
 
 from .slots import Slots
+
+PREFIX = "specedge_"  # the names below
+ALSO = "draftproof_"  # the same metrics, shown under this prefix as well (until the next release)
 
 
 class Metrics:
@@ -57,6 +65,30 @@ class Metrics:
         self.latency.observe(now - started)
 
     def text(self) -> bytes:
-        from prometheus_client import generate_latest
+        from prometheus_client import CollectorRegistry, generate_latest
 
-        return generate_latest(self.registry)
+        also = CollectorRegistry()
+        also.register(_Renamed(self.registry, PREFIX, ALSO))
+        return generate_latest(self.registry) + generate_latest(also)
+
+
+class _Renamed:
+    """A collector: the metrics of `registry` with the name prefix `old` replaced by `new`,
+    collected when scraped (the same values, not a copy that could drift)."""
+
+    def __init__(self, registry, old: str, new: str):
+        self.registry, self.old, self.new = registry, old, new
+
+    def _name(self, name: str) -> str:
+        return self.new + name[len(self.old):] if name.startswith(self.old) else name
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        for family in self.registry.collect():
+            renamed = Metric(self._name(family.name), family.documentation, family.type,
+                             family.unit)
+            for s in family.samples:
+                renamed.add_sample(self._name(s.name), s.labels, s.value, s.timestamp,
+                                   s.exemplar)
+            yield renamed

@@ -240,9 +240,20 @@ STATS_FIELDS = ("mode", "draft_kind", "alpha", "acceptance_rate", "proposed", "a
                 "predicted_speedup", "new_tokens", "prompt_tokens")
 
 
+# the fields of a response that carry its statistics: `draftproof`, and `specedge` (the
+# project's name before draftproof, which clients read) the same until the next release
+EXTENSION_FIELDS = ("draftproof", "specedge")
+
+
 def extension(stats: dict) -> dict:
-    """The request's speculative statistics, as the `specedge` field of a response."""
+    """The request's speculative statistics, as the `draftproof` field of a response."""
     return {k: stats[k] for k in STATS_FIELDS if k in stats}
+
+
+def extensions(stats: dict) -> dict:
+    """The response's statistics fields, each holding `extension(stats)`."""
+    ext = extension(stats)
+    return {name: dict(ext) for name in EXTENSION_FIELDS}
 
 
 def usage(result) -> dict:
@@ -297,7 +308,7 @@ def completion_body(result, rid: str, chat: bool, model_name: str, token_text=No
               {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": [choice],
-            "usage": usage(result), "specedge": extension(result.stats)}
+            "usage": usage(result), **extensions(result.stats)}
 
 
 class StreamEvents:
@@ -343,7 +354,7 @@ class StreamEvents:
         """The stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
         comes last before [DONE] (choices empty), else the chunk that ends the choice."""
         reason = FINISH.get(result.finish_reason, result.finish_reason)
-        stats = {"specedge": extension(result.stats)}
+        stats = extensions(result.stats)
         rest = result.logprobs[logprobs_sent:] if result.logprobs is not None else None
         usage_wanted = self.job.include_usage
         out = [self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats))]
@@ -358,10 +369,15 @@ class StreamEvents:
         return [f"data: {json.dumps(err.body())}\n\n", "data: [DONE]\n\n"]
 
 
+# the name of a model without one (a Generator made without a manifest): clients send it back as
+# `model`, which must match, so it keeps the project's name from before draftproof
+FALLBACK_MODEL_NAME = "specedge"
+
+
 def default_model_name(manifest) -> str:
     """The name clients send as `model`: the target's file or repository name."""
     if manifest is None:
-        return "specedge"
+        return FALLBACK_MODEL_NAME
     t = manifest.target
     name = t.gguf_file or str(t.source).rstrip("/").split("/")[-1]
-    return name.removesuffix(".gguf") or "specedge"
+    return name.removesuffix(".gguf") or FALLBACK_MODEL_NAME

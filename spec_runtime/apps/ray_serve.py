@@ -22,7 +22,7 @@ bundle and `slots` decode slots, on one device. Ray does the rest, with its own 
 With Ray's own CLI (arguments as key=value, the names of build_application's parameters, the
 bundle as `bundle`):
 
-    serve run spec_runtime.apps.ray_serve:app_builder bundle=/srv/specedge/bundle replicas=2
+    serve run spec_runtime.apps.ray_serve:app_builder bundle=/srv/draftproof/bundle replicas=2
 
 or a config file for `serve run config.yaml` / `serve deploy config.yaml`:
 
@@ -31,16 +31,18 @@ or a config file for `serve run config.yaml` / `serve deploy config.yaml`:
       - name: specedge
         route_prefix: /
         import_path: spec_runtime.apps.ray_serve:app_builder
-        args: {bundle: /srv/specedge/bundle, replicas: 2, slots: 2, api_key: KEY}
+        args: {bundle: /srv/draftproof/bundle, replicas: 2, slots: 2, api_key: KEY}
 
 A replica loads the bundle from its own node's disk: copy the bundle to the same absolute path
 on every node (the path is resolved to an absolute one where the application is built). Every
-node needs specedge installed with the ray extra (`pip install "specedge[ray]"`, or
+node needs draftproof installed with the ray extra (`pip install "draftproof[ray]"`, or
 `pip install -e ".[ray]"` in a checkout).
 
-Each response carries an `x-specedge-replica` header naming the Ray Serve replica that served
-it. GET /metrics through Ray's proxy reaches one replica (its own counters); Ray exports its
-own per-deployment metrics (ray_serve_*) on each node's metrics port.
+Each response carries an `x-draftproof-replica` header naming the Ray Serve replica that served
+it (and, until the next release, the same as `x-specedge-replica`, its name before the project
+was renamed). GET /metrics through Ray's proxy reaches one replica (its own counters); Ray
+exports its own per-deployment metrics (ray_serve_*) on each node's metrics port. The
+application keeps its name `specedge` (APP_NAME), which those metrics carry.
 
 This module imports ray only inside its functions, and spec_runtime itself never imports it.
 """
@@ -63,8 +65,13 @@ from .server import RETRY_AFTER_S, check_count, check_number, create_app
 
 log = logging.getLogger(__name__)
 
-APP_NAME = "specedge"  # the Serve application's and the deployment's name
-REPLICA_HEADER = "x-specedge-replica"
+# the Serve application's and the deployment's name: Ray's own metrics, dashboards and actor names
+# carry it, and operators' scripts use it (`serve status`), so it keeps the project's name from
+# before draftproof
+APP_NAME = "specedge"
+REPLICA_HEADER = "x-draftproof-replica"
+# the same header under the project's name before draftproof, sent as well until the next release
+OLD_REPLICA_HEADER = "x-specedge-replica"
 HEALTH_CHECK_PERIOD_S = 10.0  # Ray's defaults, stated here
 HEALTH_CHECK_TIMEOUT_S = 30.0
 
@@ -136,7 +143,7 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     def build_asgi_app():  # Ray calls this on each replica, as the replica starts
         return _replica_app(bundle, config)
 
-    class SpecedgeReplica:
+    class DraftproofReplica:
         """One replica: the app build_asgi_app returned; Ray's health checks call
         check_health."""
 
@@ -144,7 +151,7 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
             app = getattr(self, "_asgi_app", None) or self.app
             await _check_health(app)
 
-    ingress = serve.ingress(build_asgi_app)(SpecedgeReplica)
+    ingress = serve.ingress(build_asgi_app)(DraftproofReplica)
     actor_options = {}
     if num_cpus is not None:
         actor_options["num_cpus"] = num_cpus
@@ -222,7 +229,8 @@ class ReplicaHeader:
             if message["type"] == "http.response.start":
                 message = dict(message)
                 message["headers"] = [*message.get("headers", ()),
-                                      (REPLICA_HEADER.encode(), self.replica)]
+                                      (REPLICA_HEADER.encode(), self.replica),
+                                      (OLD_REPLICA_HEADER.encode(), self.replica)]
             await send(message)
 
         await self.app(scope, receive, send_named)

@@ -9,9 +9,12 @@
 Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
 presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
-specedge's own as documented extensions (top_k, min_p, repetition_penalty, gamma, use_draft);
-openai_api.py parses them and shapes the responses. Each response carries the request's
-speculative statistics in a `specedge` field (on the last chunk of a stream).
+draftproof's own as documented extensions (top_k, min_p, repetition_penalty, gamma,
+use_draft); openai_api.py parses them and shapes the responses. Each response carries the
+request's speculative statistics in a `draftproof` field (on the last chunk of a stream), and
+the same object in a `specedge` field, the name clients read before the project was renamed:
+`specedge` stays until the next release, then only `draftproof` is sent. (Also kept for
+dashboards: the Prometheus metrics' `specedge_*` names, beside `draftproof_*`: metrics.py.)
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
 ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
@@ -105,7 +108,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         check_slots(slots, generator.manifest, engine_devices(generator), loaded=True)
     server = Server(generator, slots=slots, queue=queue, api_key=api_key,
                     model_name=model_name, drain_seconds=drain_seconds)
-    app = FastAPI(title="specedge", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="draftproof", docs_url=None, redoc_url=None, openapi_url=None)
     _routes(app, server)
     app.add_middleware(Gate, check=server.gate)
     s = app.state
@@ -170,7 +173,7 @@ def _routes(app, server: "Server") -> None:
     async def _models():
         server.metrics.requests.labels("/v1/models", "200").inc()
         return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "specedge"}]}
+                                            "created": server.created, "owned_by": "draftproof"}]}
 
     @app.post("/v1/completions")
     async def _completions(request: Request):

@@ -18,7 +18,7 @@ from .openai_api import APIError, Job, input_error
 
 log = logging.getLogger(__name__)
 
-DECODE_THREAD = "specedge-decode"
+DECODE_THREAD = "draftproof-decode"
 
 
 class Overloaded(Exception):

@@ -293,7 +293,7 @@ def _precision(entry: dict, where: str) -> None:
     precision = entry.get("precision", "fp32")
     if precision not in PRECISIONS:
         raise BundleError(f"manifest {where}precision {precision!r} is not one this runtime "
-                          f"runs {PRECISIONS}: upgrade specedge (`pip install -U specedge`), "
+                          f"runs {PRECISIONS}: upgrade draftproof (`pip install -U draftproof`), "
                           f"or rebuild with `specexport build --precision fp32`")
 
 
@@ -334,8 +334,8 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) 
             value = graph.get(key, SCHEMA_1_DEFAULTS[key])
             if value not in allowed:
                 raise BundleError(f"manifest {at}.{key} {value!r} is not one this runtime runs "
-                                  f"{allowed}: upgrade specedge (`pip install -U specedge`), or "
-                                  f"{REBUILD}")
+                                  f"{allowed}: upgrade draftproof (`pip install -U "
+                                  f"draftproof`), or {REBUILD}")
         devices = graph.get("devices")
         if devices is not None and not (isinstance(devices, list) and devices
                                         and all(isinstance(d, str) for d in devices)):

@@ -12,8 +12,8 @@ the upgrade command, an older one with the rebuild command):
 2 — each graph records `kernels` ("portable": standard ONNX ops; "fused": ONNX Runtime contrib
     ops) and `kv_cache` ("new-slots", as in 1; "in-place": `present` is the whole cache, written
     where it lies). A version-1 reader must not run an in-place graph, hence the new version.
-    Graphs built since carry specedge metadata (role, graph, precision) that the reader checks
-    when present.
+    Graphs built since carry metadata (specedge.role, .graph, .precision: the format's keys
+    keep the project's first name) that the reader checks when present.
 3 — `default_gamma` may be "auto" (the runtime chooses each round's draft length: loop.py's
     GammaPolicy); a version-2 reader would refuse the string, hence the new version.
 4 — a model draft may hold `draft.vocab` (a head trimmed to some of the target's ids, listed in
@@ -270,14 +270,14 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BundleError(f"{path} is not valid JSON ({reason}); {REBUILD}") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise BundleError(f"{path} is not a specedge manifest; {REBUILD}")
+        raise BundleError(f"{path} is not a draftproof bundle manifest; {REBUILD}")
     if depth(d, MAX_DEPTH) > MAX_DEPTH:
         raise BundleError(f"{path} nests its values more than {MAX_DEPTH} deep, where a "
                           f"manifest needs a few levels; {REBUILD}")
     version = d.get("schema_version")
     if version not in READABLE_SCHEMAS or isinstance(version, bool):
         if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
-            hint = "upgrade specedge (`pip install -U specedge`) to read it"
+            hint = "upgrade draftproof (`pip install -U draftproof`) to read it"
         else:
             hint = REBUILD
         raise BundleError(f"bundle schema_version {version!r}, this runtime reads "

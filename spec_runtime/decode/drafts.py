@@ -446,8 +446,8 @@ def open_draft(entry: DraftEntry, target_vocab: int,
     trimmed (the manifest's draft.vocab), for the kinds that hold a model draft."""
     if entry.kind not in DRAFTS:
         raise BundleError(f"manifest draft.kind {entry.kind!r} is not one this runtime knows "
-                          f"({sorted(DRAFTS)}): upgrade specedge (`pip install -U specedge`), or "
-                          f"{REBUILD}")
+                          f"({sorted(DRAFTS)}): upgrade draftproof (`pip install -U "
+                          f"draftproof`), or {REBUILD}")
     if kept is None:
         return DRAFTS[entry.kind](entry, target_vocab, open_engine)
     if entry.kind not in TRIMMABLE:

@@ -165,8 +165,8 @@ def open_session(path, graph: GraphEntry, *, where: str, metadata: dict | None =
                  device: Device = DEVICES["cpu"], threads: int | None = None,
                  spinning: bool = True, provider_options: dict | None = None):
     """make_session, then check that ONNX Runtime sees the graph the manifest describes as
-    `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own specedge
-    metadata, where it has any (bundles built before it was written have none), names the
+    `where` (names, dtypes and shapes of inputs and outputs), and that the graph's own metadata
+    (specedge.role...), where it has any (bundles built before it was written have none), names the
     same role, graph and precision, and that its sliding windows, if any, were written for this
     ONNX Runtime's reading of them (gqa_window.py)."""
     session = make_session(path, device, threads, spinning, provider_options)

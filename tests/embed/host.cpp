@@ -1,17 +1,22 @@
-// A C++ program that embeds Python and generates with a specedge bundle (the README example).
+// A C++ program that embeds Python and generates with a draftproof bundle (the README example).
 //
-//   PY=$(python3 -c 'import sys; print(sys.executable)')    # the Python that has specedge
-//   g++ -std=c++17 host.cpp $(python3-config --embed --cflags --ldflags) -DSPECEDGE_PYTHON="\"$PY\"" -o host
+//   PY=$(python3 -c 'import sys; print(sys.executable)')    # the Python that has draftproof
+//   g++ -std=c++17 host.cpp $(python3-config --embed --cflags --ldflags) -DDRAFTPROOF_PYTHON="\"$PY\"" -o host
 //   ./host BUNDLE_DIR ["PROMPT"]     # prints the generated text, then its token ids on one line
 //
-// The interpreter starts as SPECEDGE_PYTHON does: same prefix and site-packages, a virtual
+// The interpreter starts as DRAFTPROOF_PYTHON does: same prefix and site-packages, a virtual
 // environment's included, from any directory and whatever PATH says; no PYTHONPATH needed.
 #include <Python.h>
 
 #include <cstdio>
 
-#ifndef SPECEDGE_PYTHON
-#error "define SPECEDGE_PYTHON, the path of the Python to run as: see the build command above"
+// SPECEDGE_PYTHON, the name before the project was renamed, still works until the next release
+#if !defined(DRAFTPROOF_PYTHON) && defined(SPECEDGE_PYTHON)
+#warning "SPECEDGE_PYTHON is deprecated: specedge is now draftproof, define DRAFTPROOF_PYTHON"
+#define DRAFTPROOF_PYTHON SPECEDGE_PYTHON
+#endif
+#ifndef DRAFTPROOF_PYTHON
+#error "define DRAFTPROOF_PYTHON, the path of the Python to run as: see the build command above"
 #endif
 
 namespace {
@@ -88,7 +93,7 @@ int main(int argc, char** argv) {
     // that one's prefix and site-packages (another Python's, or a virtual environment's or not).
     PyConfig config;
     PyConfig_InitPythonConfig(&config);
-    PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, SPECEDGE_PYTHON);
+    PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, DRAFTPROOF_PYTHON);
     if (!PyStatus_Exception(status)) status = Py_InitializeFromConfig(&config);
     PyConfig_Clear(&config);
     if (PyStatus_Exception(status)) Py_ExitStatusException(status);
