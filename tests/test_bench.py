@@ -108,7 +108,8 @@ def test_greedy_runs_count_speculative_output_equal_to_target_only(monkeypatch):
     from test_runtime_text import word_tokenizer
     from toy_models import ToyEngine
 
-    from spec_runtime import Generator, ModelDraft, loop
+    from spec_runtime import Generator, ModelDraft
+    from spec_runtime.decode import loop
 
     prompts = [{"kind": "grounded", "text": "red green blue"}, {"kind": "chat", "text": "red"}]
     gen = Generator(ToyEngine(vocab=6, seed=0), ModelDraft(ToyEngine(vocab=6, seed=1)),

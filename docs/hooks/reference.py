@@ -33,12 +33,8 @@ def cli_reference() -> str:
     """Every command's --help, as click prints it, in a text block per command."""
     import click
 
-    try:
-        from draftproof.cli.specexport import main as specexport
-        from draftproof.cli.specrun import main as specrun
-    except ModuleNotFoundError:  # an install from before the rename
-        from specedge.cli.specexport import main as specexport
-        from specedge.cli.specrun import main as specrun
+    from draftproof.cli.specexport import main as specexport
+    from draftproof.cli.specrun import main as specrun
 
     out = []
     for name, group in (("specexport", specexport), ("specrun", specrun)):
