@@ -10,8 +10,9 @@ Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
 presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
 specedge's own as documented extensions (top_k, min_p, repetition_penalty, gamma, use_draft);
-openai_api.py parses them and shapes the responses. Each response carries the request's
-speculative statistics in a `specedge` field (on the last chunk of a stream).
+openai_protocol.py declares them as pydantic models, openai_api.py makes a request's Job of
+them and shapes the responses. Each response carries the request's speculative
+statistics in a `specedge` field (on the last chunk of a stream).
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
 ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
@@ -22,9 +23,10 @@ freeing the slot. On SIGTERM the server stops accepting connections, answers new
 open connections with 503, lets the requests it holds finish for up to `drain_seconds`, then
 cancels the rest (each gets an error, in its JSON or as a last stream event) and exits.
 
-    body ─ parse_completion / parse_chat ─► Job ─ Server.check ─► Request (Generator.request:
-    checked once, before a slot is taken) ─ a free slot ─► Decode (slots.py: a worker thread
-    streams the Request on that slot's Generator) ─► pieces ─► JSON body or server-sent events
+    body ─ parse_completion / parse_chat (its JSON types: the request's pydantic model) ─► Job
+    ─ Server.check ─► Request (Generator.request: its values checked once, before a slot is
+    taken) ─ a free slot ─► Decode (slots.py: a worker thread streams the Request on that slot's
+    Generator) ─► pieces ─► JSON body or server-sent events
 
 The app is plain ASGI (FastAPI on Starlette): uvicorn runs it (run_server.py), and Ray Serve runs
 the same app in each replica (ray_serve.py).
