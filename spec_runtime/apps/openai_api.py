@@ -1,8 +1,9 @@
 """The OpenAI API's side of `specrun serve`: request bodies validated as the API's pydantic
 models (openai_protocol.py declares them) and made into `Job`s, with what the API itself allows
 checked here; the errors, library and pydantic ones alike, in the API's error body (a status,
-one line naming the field, and `param`: its path, as messages[0].content); and the response
-bodies in the API's shapes. No web framework here (server.py serves them)."""
+one line naming the field, and `param`: its path, as messages[0].content); and the responses
+and streamed events, made as openai_protocol.py's models. No web framework here (server.py
+serves them)."""
 
 import json
 import time
@@ -14,8 +15,12 @@ from pydantic import ValidationError
 from ..decode.sampling import SAMPLING_NAMES
 from ..errors import CacheCapacityError, FieldError, InputError
 from ..request import MAX_TOP_LOGPROBS
-from .openai_protocol import (ABSENT, MAX_COMPLETION_LOGPROBS, ChatCompletionRequest,
-                              CommonRequest, CompletionRequest, Invalid, locate)
+from .openai_protocol import (ABSENT, MAX_COMPLETION_LOGPROBS, ChatChoice, ChatChunkChoice,
+                              ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                              ChatLogprobs, ChatMessage, CommonRequest, Completion,
+                              CompletionChoice, CompletionChunk, CompletionLogprobs,
+                              CompletionRequest, Delta, ErrorInfo, ErrorResponse, Invalid,
+                              TokenLogprob, TopLogprob, Usage, locate)
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -33,8 +38,8 @@ class APIError(Exception):
         self.param, self.code, self.headers = param, code, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
 
 
 # a request field whose name the API spells otherwise
@@ -177,11 +182,11 @@ def extension(stats: dict) -> dict:
     return {k: stats[k] for k in STATS_FIELDS if k in stats}
 
 
-def usage(result) -> dict:
+def usage(result) -> Usage:
     """OpenAI's `usage` of a finished request."""
     prompt, completion = result.stats["prompt_tokens"], len(result.tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
 
 
 # -- log-probabilities, in the API's two shapes ---------------------------------------------------
@@ -193,42 +198,43 @@ def _lp(x: float) -> float:
     return max(float(x), LOGPROB_FLOOR)
 
 
-def chat_logprobs(entries, token_text) -> dict:
-    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}, from the
-    generator's TokenLogprobs; `token_text(id)` is a token's text."""
+def chat_logprobs(entries, token_text) -> ChatLogprobs:
+    """Chat's `logprobs` from the generator's TokenLogprobs; `token_text(id)` is a token's
+    text."""
     def one(tok, lp):
         text = token_text(tok)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+        return dict(token=text, logprob=_lp(lp), bytes=list(text.encode("utf-8")))
 
-    return {"content": [{**one(e.token, e.logprob),
-                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+    return ChatLogprobs(content=[TokenLogprob(**one(e.token, e.logprob), top_logprobs=[
+        TopLogprob(**one(t, lp)) for t, lp in e.top]) for e in entries])
 
 
-def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
-    """The legacy completions API's `logprobs`: parallel lists of tokens, their logprobs, the
-    top alternatives ({text: logprob}) and each token's offset in the text, from `offset`."""
+def completion_logprobs(entries, token_text, offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions API's `logprobs`, each token's offset counted from `offset`."""
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
         tokens.append(token_text(e.token))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{token_text(t): _lp(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[_lp(e.logprob) for e in entries],
+        top_logprobs=[{token_text(t): _lp(lp) for t, lp in e.top} for e in entries],
+        text_offset=offsets)
 
 
-def completion_body(result, rid: str, chat: bool, model_name: str, token_text=None) -> dict:
+def completion_body(result, rid: str, chat: bool, model_name: str,
+                    token_text=None) -> Completion | ChatCompletion:
     """The response to a request that did not stream."""
     reason = FINISH.get(result.finish_reason, result.finish_reason)
     logprobs = None
     if result.logprobs is not None:
         logprobs = (chat_logprobs if chat else completion_logprobs)(result.logprobs, token_text)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": result.text},
-               "logprobs": logprobs, "finish_reason": reason} if chat else
-              {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model_name, "choices": [choice],
-            "usage": usage(result), "specedge": extension(result.stats)}
+    choice = ChatChoice(message=ChatMessage(content=result.text), logprobs=logprobs,
+                        finish_reason=reason) if chat else \
+        CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=reason)
+    return (ChatCompletion if chat else Completion)(
+        id=rid, created=int(time.time()), model=model_name, choices=[choice],
+        usage=usage(result), specedge=extension(result.stats))
 
 
 class StreamEvents:
@@ -239,7 +245,7 @@ class StreamEvents:
     def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text):
         self.rid, self.chat, self.model_name, self.job = rid, chat, model_name, job
         self.token_text = token_text
-        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.Chunk = ChatCompletionChunk if chat else CompletionChunk
         self.created = int(time.time())
         self.offset = 0  # of the next token in the completion's text (the legacy text_offset)
 
@@ -249,26 +255,26 @@ class StreamEvents:
         if self.chat:
             return chat_logprobs(entries, self.token_text)
         out = completion_logprobs(entries, self.token_text, self.offset)
-        self.offset += sum(len(t) for t in out["tokens"])
+        self.offset += sum(len(t) for t in out.tokens)
         return out
 
-    def _event(self, body: dict) -> str:
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def _event(self, choices: list, **extra) -> str:
+        chunk = self.Chunk(id=self.rid, created=self.created, model=self.model_name,
+                           choices=choices, **extra)
+        return f"data: {chunk.model_dump_json()}\n\n"
 
     def chunk(self, piece: str | None, reason=None, delta=None, entries=None, **extra) -> str:
+        logprobs = self._logprobs(entries)
         if self.chat:
-            delta = delta or ({} if piece is None else {"content": piece})
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(entries),
-                      "finish_reason": reason}
+            choice = ChatChunkChoice(delta=delta or Delta(content=piece), logprobs=logprobs,
+                                     finish_reason=reason)
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": self._logprobs(entries),
-                      "finish_reason": reason}
-        return self._event({"id": self.rid, "object": self.object, "created": self.created,
-                            "model": self.model_name, "choices": [choice], **extra})
+            choice = CompletionChoice(text=piece or "", logprobs=logprobs, finish_reason=reason)
+        return self._event([choice], **extra)
 
     def first(self) -> list[str]:
         """OpenAI's first chat chunk names the role; a completion has none."""
-        return [self.chunk(None, delta={"role": "assistant", "content": ""})] if self.chat else []
+        return [self.chunk(None, delta=Delta(role="assistant", content=""))] if self.chat else []
 
     def end(self, result, logprobs_sent: int) -> list[str]:
         """The stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
@@ -279,9 +285,7 @@ class StreamEvents:
         usage_wanted = self.job.include_usage
         out = [self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats))]
         if usage_wanted:
-            body = {"id": self.rid, "object": self.object, "created": self.created,
-                    "model": self.model_name, "choices": [], "usage": usage(result), **stats}
-            out.append(f"data: {json.dumps(body)}\n\n")
+            out.append(self._event([], usage=usage(result), **stats))
         return out + ["data: [DONE]\n\n"]
 
     @staticmethod

@@ -1,5 +1,6 @@
 """The OpenAI API's shapes as pydantic models, as vLLM's and llama-cpp-python's servers declare
-theirs: the request bodies of POST /v1/completions and /v1/chat/completions.
+theirs: the request bodies of POST /v1/completions and /v1/chat/completions, and what the
+server sends back (responses, stream chunks, the model list, the error body).
 
 Requests are checked here for their JSON types only, strictly (a number is no string, `true`
 is no 1); the values' ranges are the library's (GenerationOptions, Generator.request: a
@@ -20,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from annotated_types import Len, MaxLen, MinLen
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, \
-    create_model
+    create_model, model_serializer
 
 from ..decode.sampling import SAMPLING_FIELDS, SamplingParams
 from ..request import MAX_TOP_LOGPROBS
@@ -203,3 +204,136 @@ def locate(model: type[BaseModel], loc: tuple, body) -> tuple[str, str | None, A
             isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
         value = value[part] if ok else ABSENT
     return path, words, value
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+class _Sparse(BaseModel):
+    """A shape whose fields that are None are left out (not sent as null)."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's `logprobs`: each token's, with its top alternatives."""
+
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's `logprobs`: parallel lists of tokens, their logprobs, the
+    top alternatives ({text: logprob}) and each token's offset in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class Delta(_Sparse):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class _Body(BaseModel):
+    id: str
+    object: str  # each body's own literal
+    created: int
+    model: str
+
+
+class Completion(_Body):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+    specedge: dict[str, Any]  # the request's speculative statistics
+
+
+class ChatCompletion(_Body):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+    specedge: dict[str, Any]
+
+
+class CompletionChunk(_Body, _Sparse):
+    """A streamed completion's event: its usage (when asked for) and stats on the last."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    specedge: dict[str, Any] | None = None
+
+
+class ChatCompletionChunk(_Body, _Sparse):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    specedge: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specedge"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

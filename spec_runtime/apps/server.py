@@ -10,8 +10,8 @@ Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
 presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
 specedge's own as documented extensions (top_k, min_p, repetition_penalty, gamma, use_draft);
-openai_protocol.py declares them as pydantic models, openai_api.py makes a request's Job of
-them and shapes the responses. Each response carries the request's speculative
+openai_protocol.py declares them and the responses as pydantic models, openai_api.py makes a
+request's Job and the responses of them. Each response carries the request's speculative
 statistics in a `specedge` field (on the last chunk of a stream).
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
@@ -49,6 +49,7 @@ from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnec
 from .metrics import Metrics
 from .openai_api import (APIError, Job, StreamEvents, completion_body, default_model_name,
                          input_error, parse_chat, parse_completion)
+from .openai_protocol import ModelCard, ModelList
 from .slots import Decode, Overloaded, Slots
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,7 @@ def _routes(app, server: "Server") -> None:
     @app.get("/v1/models")
     async def _models():
         server.metrics.requests.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "specedge"}]}
+        return ModelList(data=[ModelCard(id=server.model_name, created=server.created)])
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
