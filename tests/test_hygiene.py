@@ -135,7 +135,7 @@ def test_the_numeric_core_never_imports_its_apps():
         assert apps == [], (path.name, apps)
 
 
-WEB_STACK = {"fastapi", "starlette", "pydantic", "pydantic_core", "annotated_types", "uvicorn"}
+WEB_STACK = {"fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn"}
 
 
 def test_only_the_apps_import_the_web_stack():

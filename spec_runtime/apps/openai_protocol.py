@@ -19,7 +19,6 @@ import types
 import typing
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from annotated_types import Len, MaxLen, MinLen
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, \
     create_model, model_serializer
 
@@ -111,7 +110,7 @@ class CommonRequest(SamplingFields):
     model: str | None = Field(None, description="the name GET /v1/models gives")
     max_tokens: int | None = Field(None, description="an integer >= 1")
     max_completion_tokens: int | None = Field(None, description="an integer >= 1")
-    stop: Text | Annotated[list[Text], MaxLen(MAX_STOP)] | None = Field(
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"a string or a list of at most {MAX_STOP} non-empty strings")
     stream: bool | None = Field(False, description=TRUE_OR_FALSE)
     stream_options: StreamOptions | None = Field(
@@ -135,13 +134,13 @@ class CommonRequest(SamplingFields):
     tool_choice: Any = None
 
 
-Prompt = Annotated[Text, MinLen(1)] | Annotated[list[int], MinLen(1)]
+Prompt = Annotated[Text, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
 
 
 class CompletionRequest(CommonRequest):
     """POST /v1/completions: OpenAI's legacy API, which continues the text as it is."""
 
-    prompt: Prompt | Annotated[list[Prompt], Len(1, 1)] = Field(
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)] = Field(
         description="a string, a list of token ids, or a list holding one of those (one "
                     "prompt per request)")
     # how many alternatives per token (at most 5), null for none
@@ -152,8 +151,8 @@ class CompletionRequest(CommonRequest):
 
 
 class TextPart(_Request):
-    type: Literal["text"] = Field(description='"text" (this model reads text only)')
-    text: Text = Field(description="a string")
+    type: Literal["text"]
+    text: Text
 
 
 class Message(_Request):
@@ -169,7 +168,7 @@ class Message(_Request):
 class ChatCompletionRequest(CommonRequest):
     """POST /v1/chat/completions: messages through the bundle's chat template."""
 
-    messages: Annotated[list[Message], MinLen(1)] = Field(
+    messages: Annotated[list[Message], Field(min_length=1)] = Field(
         description='a non-empty list of {"role": ..., "content": ...} objects')
     # a flag, and top_logprobs alternatives per token (at most 20) with it
     logprobs: bool | None = Field(False, description=TRUE_OR_FALSE)
