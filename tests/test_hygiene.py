@@ -116,7 +116,7 @@ RUNTIME = Path(spec_runtime.__file__).parent
 
 def test_importing_the_runtime_imports_no_server_module():
     code = ("import sys, spec_runtime; spec_runtime.load; print(sorted(m for m in sys.modules if "
-            "m.startswith(('spec_runtime.apps', 'fastapi', 'uvicorn', 'ray', "
+            "m.startswith(('spec_runtime.apps', 'fastapi', 'pydantic', 'uvicorn', 'ray', "
             "'prometheus_client'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -133,6 +133,29 @@ def test_the_numeric_core_never_imports_its_apps():
         imported = _runtime_imports(path) | _relative_imports(path)
         apps = sorted(m for m in imported if m.startswith("spec_runtime.apps"))
         assert apps == [], (path.name, apps)
+
+
+WEB_STACK = {"fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn"}
+
+
+def test_only_the_apps_import_the_web_stack():
+    """pydantic (the OpenAI API's models) and the web framework are the serve extra's: no
+    module of the core imports them, not even inside a function; the server's own do."""
+    import ast
+
+    def web_imports(path):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+        return found & WEB_STACK
+
+    for path in RUNTIME.rglob("*.py"):
+        if "apps" not in path.relative_to(RUNTIME).parts:
+            assert web_imports(path) == set(), (path.name, web_imports(path))
+    assert "pydantic" in web_imports(RUNTIME / "apps" / "openai_protocol.py")  # the scan sees
 
 
 def _relative_imports(path) -> set[str]:

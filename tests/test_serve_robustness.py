@@ -136,6 +136,32 @@ def test_request_fields_a_client_gets_wrong(tiny):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
+def test_a_field_of_the_wrong_json_type_is_a_400_naming_it_by_its_path(tiny):
+    """Through the server: the request's pydantic model refuses a wrong JSON type, every
+    sampling control's too, in the API's error body: one line, `param` the field's path."""
+    from spec_runtime.decode.sampling import SAMPLING_FIELDS
+
+    url, _, proc = tiny
+    post = lambda path, **kw: httpx.post(url + path, timeout=30, **kw)  # noqa: E731
+    body = assert_error(post(CHAT, json={"messages": HELLO, "temperature": "hot"}), 400,
+                        param="temperature", code="invalid_type")
+    assert body["message"] == 'temperature "hot" is invalid: use a number'
+    assert body["type"] == "invalid_request_error"
+    for f in SAMPLING_FIELDS:
+        body = assert_error(post("/v1/completions", json={"prompt": "hi", f.name: [1]}), 400,
+                            f"{f.name} [1] is invalid: use ", param=f.name)
+        assert "\n" not in body["message"]
+    assert_error(post(CHAT, json={"messages": HELLO + [{"role": "user", "content": {"a": 1}}]}),
+                 400, 'messages[1].content {"a": 1} is invalid', param="messages[1].content")
+    assert_error(post(CHAT, json={"messages": HELLO, "stream": True,
+                                  "stream_options": {"include_usage": "yes"}}),
+                 400, "true or false", param="stream_options.include_usage")
+    assert_error(post("/v1/completions", json={"prompt": [1, "a"]}), 400, "token ids",
+                 param="prompt")
+    time.sleep(0.5)  # the log lines, if any, are written by now
+    assert "Traceback" not in "".join(proc.lines), "".join(proc.lines)
+
+
 def test_paths_a_client_invents_share_one_metrics_label(tiny):
     url, _, _ = tiny
     for i in range(3):

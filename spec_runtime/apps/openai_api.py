@@ -1,15 +1,26 @@
-"""The OpenAI API's side of `specrun serve`: request bodies parsed into `Job`s, and errors and
-response bodies in the API's shapes. Plain dicts in and out: no web framework here
-(server.py serves them)."""
+"""The OpenAI API's side of `specrun serve`: request bodies validated as the API's pydantic
+models (openai_protocol.py declares them) and made into `Job`s, with what the API itself allows
+checked here; the errors, library and pydantic ones alike, in the API's error body (a status,
+one line naming the field, and `param`: its path, as messages[0].content); and the responses
+and streamed events, made as openai_protocol.py's models. No web framework here (server.py
+serves them)."""
 
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
+from ..decode.sampling import SAMPLING_NAMES
 from ..errors import CacheCapacityError, FieldError, InputError
 from ..request import MAX_TOP_LOGPROBS
-from ..decode.sampling import SAMPLING_NAMES
+from .openai_protocol import (ABSENT, MAX_COMPLETION_LOGPROBS, ChatChoice, ChatChunkChoice,
+                              ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                              ChatLogprobs, ChatMessage, CommonRequest, Completion,
+                              CompletionChoice, CompletionChunk, CompletionLogprobs,
+                              CompletionRequest, Delta, ErrorInfo, ErrorResponse, Invalid,
+                              TokenLogprob, TopLogprob, Usage, locate)
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -27,8 +38,8 @@ class APIError(Exception):
         self.param, self.code, self.headers = param, code, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
 
 
 # a request field whose name the API spells otherwise
@@ -49,30 +60,36 @@ def input_error(e: InputError, prompt_field: str = "prompt") -> APIError:
 
 # -- requests -----------------------------------------------------------------------------------
 
-SAMPLING_FIELDS = SAMPLING_NAMES
-
-
-def _field(body: dict, name: str, kinds, what: str, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise APIError(400, f"{name} {json.dumps(value)[:80]} is invalid: use {what}",
-                       param=name, code="invalid_type")
-    return value
-
-
-NUMBER = (int, float)
-
-
-def _unicode(text: str, name: str) -> None:
-    """JSON's \\ud800 escapes decode to lone surrogates, which no text can contain."""
+def validated(model: type[CommonRequest], body: Any) -> CommonRequest:
+    """`body` as the request `model` (openai_protocol.py), or the API's 400 naming the first
+    field it gets wrong."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"{name} holds a lone surrogate ({text[e.start]!r} at character "
-                            f"{e.start}), which is not text: send valid UTF-16 pairs",
-                       param=name, code="invalid_value") from None
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise invalid_request(model, e.errors(), body) from None
+
+
+def invalid_request(model, errors: list[dict], body: dict) -> APIError:
+    """A pydantic error as one line: the field (its path, as messages[0].content), its value
+    and what to send instead. An error of our own (Invalid: a lone surrogate) says why, and is
+    the one reported when a union's members fail each in their way."""
+    ours = next((e for e in errors if isinstance(e.get("ctx", {}).get("error"), Invalid)), None)
+    error = ours or errors[0]
+    path, words, value = locate(model, error["loc"], body)
+    if ours is not None:
+        message = f"{path} {ours['ctx']['error']}"
+    elif value is ABSENT:
+        message = f"{path} is missing: give {words}"
+    else:
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        message = f"{path} {shown} is invalid: use {words}"
+    field = [e["type"] for e in errors if e["loc"][:1] == error["loc"][:1]]
+    code = "invalid_type" if ours is None and all(t.endswith("_type") for t in field) else \
+        "invalid_value"
+    return APIError(400, message, param=path or None, code=code)
 
 
 @dataclass
@@ -92,139 +109,59 @@ class Job:
     request: Any = None  # the request.Request made from all this, once, before a slot is taken
 
 
-def parse_common(body: Any, model_name: str) -> dict:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise APIError(404, f"The model {model!r} does not exist: this server serves "
+# the request's fields that GenerationOptions takes as they are (null: its default)
+OPTIONS = SAMPLING_NAMES + ("gamma", "use_draft", "response_format")
+
+
+def parse_common(req: CommonRequest, model_name: str) -> dict:
+    """What the API allows of the fields both routes take (their values' ranges are the
+    library's: Server.check), as Job's fields."""
+    if req.model is not None and req.model != model_name:
+        raise APIError(404, f"The model {req.model!r} does not exist: this server serves "
                             f"{model_name!r} (GET /v1/models)", param="model",
                        code="model_not_found")
-    n = _field(body, "n", (int,), "1 (one choice per request)", 1)
-    if n != 1:
-        raise APIError(400, f"n {n} is not supported: use n = 1 (send several requests for "
+    if req.n not in (None, 1):
+        raise APIError(400, f"n {req.n} is not supported: use n = 1 (send several requests for "
                             f"several choices)", param="n", code="invalid_value")
-    unsupported = {"echo": (None, False),
-                   "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
-                   "functions": (None, []), "tool_choice": (None, "none")}
-    for name, allowed in unsupported.items():
-        if name in body and body[name] not in allowed:
+    for name, allowed in req.UNSUPPORTED.items():
+        if getattr(req, name) not in allowed:
             raise APIError(400, f"{name} is not supported by this server: leave it out",
                            param=name, code="unsupported_parameter")
-    kwargs = {}
-    for name in SAMPLING_FIELDS:
-        if name == "logit_bias":
-            value = _field(body, name, (dict,), "an object {token id: bias}")
-            bad = next((k for k in value or () if not (k.isascii() and k.isdigit())), None)
-            if bad is not None:
-                raise APIError(400, f"logit_bias key {json.dumps(bad)[:40]} is invalid: use "
-                                    f"token ids written in decimal digits, as \"42\"",
-                               param="logit_bias", code="invalid_value")
-        elif name in ("top_k", "seed"):
-            value = _field(body, name, (int,), "an integer")
-        else:
-            value = _field(body, name, NUMBER, "a number")
-        if value is not None:
-            kwargs[name] = value
-    gamma = body.get("gamma")
-    if gamma is not None:
-        if not (gamma == "auto" or isinstance(gamma, int) and not isinstance(gamma, bool)):
-            raise APIError(400, f"gamma {json.dumps(gamma)[:40]} is invalid: use an integer or "
-                                f"\"auto\"", param="gamma", code="invalid_type")
-        kwargs["gamma"] = gamma
-    kwargs["use_draft"] = _field(body, "use_draft", (bool,), "true or false", True)
-    # JSON mode / a JSON schema: checked and compiled with the bundle (constraint.py)
-    response_format = _field(body, "response_format", (dict,), "an object like {\"type\": "
-                             "\"json_object\"}")
-    if response_format is not None:
-        kwargs["response_format"] = response_format
-    newer = _field(body, "max_completion_tokens", (int,), "an integer >= 1")
-    max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", newer)
-    if newer is not None and max_tokens != newer:
+    newer, max_tokens = req.max_completion_tokens, req.max_tokens
+    if newer is not None and max_tokens is not None and max_tokens != newer:
         raise APIError(400, f"max_tokens {max_tokens} and max_completion_tokens {newer} "
                             f"disagree: give one of them", param="max_tokens",
                        code="invalid_value")
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens {max_tokens} is invalid: use an integer >= 1",
-                       param="max_tokens", code="invalid_value")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or \
-            not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop is invalid: use a string or a list of at most 4 non-empty "
-                            "strings", param="stop", code="invalid_value")
-    for s in stop:
-        _unicode(s, "stop")
-    stream = _field(body, "stream", (bool,), "true or false", False)
-    options = _field(body, "stream_options", (dict,), "an object", {})
-    return dict(kwargs=kwargs, max_tokens=max_tokens, stop=stop, stream=stream,
-                include_usage=bool(options.get("include_usage")))
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    return dict(kwargs={name: getattr(req, name) for name in OPTIONS
+                        if getattr(req, name) is not None},
+                max_tokens=newer if max_tokens is None else max_tokens, stop=stop,
+                stream=bool(req.stream),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
 def parse_completion(body: Any, model_name: str) -> Job:
-    common = parse_common(body, model_name)
-    prompt = body.get("prompt")
+    req = validated(CompletionRequest, body)
+    prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise APIError(400, "prompt is invalid: use a string, a list of token ids, or a "
-                                "list holding one of those (one prompt per request)",
-                           param="prompt", code="invalid_value")
-    elif not isinstance(prompt, str) or not prompt:
-        raise APIError(400, "prompt is missing or empty: give the text to continue",
-                       param="prompt", code="invalid_value")
-    # the completions API continues the text as it is (OpenAI's legacy endpoint); chat=True is
-    # the package's extension for a chat model behind a completions client
-    chat = _field(body, "chat", (bool,), "true or false", False)
-    # the legacy API's logprobs: how many alternatives per token (at most 5), null for none
-    logprobs = None if body.get("logprobs") is False else _field(
-        body, "logprobs", (int,), f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] or null")
+    logprobs = None if req.logprobs is False else req.logprobs
     _in_range("logprobs", logprobs, MAX_COMPLETION_LOGPROBS)
-    return Job(prompt=prompt, chat=chat, default_max_tokens=16, logprobs=logprobs,
-               **common)  # OpenAI's default max_tokens
+    return Job(prompt=prompt, chat=bool(req.chat), default_max_tokens=16, logprobs=logprobs,
+               **parse_common(req, model_name))  # OpenAI's default max_tokens
 
 
 def parse_chat(body: Any, model_name: str) -> Job:
-    common = parse_common(body, model_name)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages is missing or empty: give a list of {\"role\", "
-                            "\"content\"} objects", param="messages", code="invalid_value")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] is invalid: use {{\"role\": ..., \"content\": "
-                                f"...}}", param=f"messages[{i}]", code="invalid_value")
-        if not m["role"].strip():
-            raise APIError(400, f"messages[{i}].role is empty: use \"system\", \"user\" or "
-                                f"\"assistant\"", param=f"messages[{i}].role",
-                           code="invalid_value")
-        _unicode(m["role"], f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, f"messages[{i}].content holds a part that is not text: "
-                                    f"this model reads text only", param=f"messages[{i}]",
-                               code="invalid_value")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content is invalid: use a string",
-                           param=f"messages[{i}].content", code="invalid_value")
-        out.append({"role": m["role"], "content": content})
-    # chat's logprobs: a flag, and top_logprobs alternatives per token (at most 20) with it
-    wanted = _field(body, "logprobs", (bool,), "true or false", False)
-    top = _field(body, "top_logprobs", (int,), f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    req = validated(ChatCompletionRequest, body)
+    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                 "".join(p.text for p in m.content)} for m in req.messages]
+    top = req.top_logprobs
     _in_range("top_logprobs", top, MAX_TOP_LOGPROBS)
-    if top and not wanted:
+    if top and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: set \"logprobs\": true",
                        param="top_logprobs", code="invalid_value")
-    return Job(prompt=out, chat=True, prompt_field="messages",
-               logprobs=(top or 0) if wanted else None, **common)
+    return Job(prompt=messages, chat=True, prompt_field="messages",
+               logprobs=(top or 0) if req.logprobs else None, **parse_common(req, model_name))
 
 
 def _in_range(name: str, value, high: int) -> None:
@@ -256,16 +193,15 @@ def extensions(stats: dict) -> dict:
     return {name: dict(ext) for name in EXTENSION_FIELDS}
 
 
-def usage(result) -> dict:
+def usage(result) -> Usage:
     """OpenAI's `usage` of a finished request."""
     prompt, completion = result.stats["prompt_tokens"], len(result.tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
 
 
 # -- log-probabilities, in the API's two shapes ---------------------------------------------------
 
-MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the sampling could not draw (-inf)
 
 
@@ -273,42 +209,43 @@ def _lp(x: float) -> float:
     return max(float(x), LOGPROB_FLOOR)
 
 
-def chat_logprobs(entries, token_text) -> dict:
-    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}, from the
-    generator's TokenLogprobs; `token_text(id)` is a token's text."""
+def chat_logprobs(entries, token_text) -> ChatLogprobs:
+    """Chat's `logprobs` from the generator's TokenLogprobs; `token_text(id)` is a token's
+    text."""
     def one(tok, lp):
         text = token_text(tok)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+        return dict(token=text, logprob=_lp(lp), bytes=list(text.encode("utf-8")))
 
-    return {"content": [{**one(e.token, e.logprob),
-                         "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
+    return ChatLogprobs(content=[TokenLogprob(**one(e.token, e.logprob), top_logprobs=[
+        TopLogprob(**one(t, lp)) for t, lp in e.top]) for e in entries])
 
 
-def completion_logprobs(entries, token_text, offset: int = 0) -> dict:
-    """The legacy completions API's `logprobs`: parallel lists of tokens, their logprobs, the
-    top alternatives ({text: logprob}) and each token's offset in the text, from `offset`."""
+def completion_logprobs(entries, token_text, offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions API's `logprobs`, each token's offset counted from `offset`."""
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
         tokens.append(token_text(e.token))
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": [{token_text(t): _lp(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[_lp(e.logprob) for e in entries],
+        top_logprobs=[{token_text(t): _lp(lp) for t, lp in e.top} for e in entries],
+        text_offset=offsets)
 
 
-def completion_body(result, rid: str, chat: bool, model_name: str, token_text=None) -> dict:
+def completion_body(result, rid: str, chat: bool, model_name: str,
+                    token_text=None) -> Completion | ChatCompletion:
     """The response to a request that did not stream."""
     reason = FINISH.get(result.finish_reason, result.finish_reason)
     logprobs = None
     if result.logprobs is not None:
         logprobs = (chat_logprobs if chat else completion_logprobs)(result.logprobs, token_text)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": result.text},
-               "logprobs": logprobs, "finish_reason": reason} if chat else
-              {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason})
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model_name, "choices": [choice],
-            "usage": usage(result), **extensions(result.stats)}
+    choice = ChatChoice(message=ChatMessage(content=result.text), logprobs=logprobs,
+                        finish_reason=reason) if chat else \
+        CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=reason)
+    return (ChatCompletion if chat else Completion)(
+        id=rid, created=int(time.time()), model=model_name, choices=[choice],
+        usage=usage(result), **extensions(result.stats))
 
 
 class StreamEvents:
@@ -319,7 +256,7 @@ class StreamEvents:
     def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text):
         self.rid, self.chat, self.model_name, self.job = rid, chat, model_name, job
         self.token_text = token_text
-        self.object = "chat.completion.chunk" if chat else "text_completion"
+        self.Chunk = ChatCompletionChunk if chat else CompletionChunk
         self.created = int(time.time())
         self.offset = 0  # of the next token in the completion's text (the legacy text_offset)
 
@@ -329,26 +266,26 @@ class StreamEvents:
         if self.chat:
             return chat_logprobs(entries, self.token_text)
         out = completion_logprobs(entries, self.token_text, self.offset)
-        self.offset += sum(len(t) for t in out["tokens"])
+        self.offset += sum(len(t) for t in out.tokens)
         return out
 
-    def _event(self, body: dict) -> str:
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    def _event(self, choices: list, **extra) -> str:
+        chunk = self.Chunk(id=self.rid, created=self.created, model=self.model_name,
+                           choices=choices, **extra)
+        return f"data: {chunk.model_dump_json()}\n\n"
 
     def chunk(self, piece: str | None, reason=None, delta=None, entries=None, **extra) -> str:
+        logprobs = self._logprobs(entries)
         if self.chat:
-            delta = delta or ({} if piece is None else {"content": piece})
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(entries),
-                      "finish_reason": reason}
+            choice = ChatChunkChoice(delta=delta or Delta(content=piece), logprobs=logprobs,
+                                     finish_reason=reason)
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": self._logprobs(entries),
-                      "finish_reason": reason}
-        return self._event({"id": self.rid, "object": self.object, "created": self.created,
-                            "model": self.model_name, "choices": [choice], **extra})
+            choice = CompletionChoice(text=piece or "", logprobs=logprobs, finish_reason=reason)
+        return self._event([choice], **extra)
 
     def first(self) -> list[str]:
         """OpenAI's first chat chunk names the role; a completion has none."""
-        return [self.chunk(None, delta={"role": "assistant", "content": ""})] if self.chat else []
+        return [self.chunk(None, delta=Delta(role="assistant", content=""))] if self.chat else []
 
     def end(self, result, logprobs_sent: int) -> list[str]:
         """The stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
@@ -359,9 +296,7 @@ class StreamEvents:
         usage_wanted = self.job.include_usage
         out = [self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats))]
         if usage_wanted:
-            body = {"id": self.rid, "object": self.object, "created": self.created,
-                    "model": self.model_name, "choices": [], "usage": usage(result), **stats}
-            out.append(f"data: {json.dumps(body)}\n\n")
+            out.append(self._event([], usage=usage(result), **stats))
         return out + ["data: [DONE]\n\n"]
 
     @staticmethod

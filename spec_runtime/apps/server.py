@@ -10,7 +10,8 @@ Request fields are the OpenAI API's (model, prompt/messages, max_tokens or
 max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options, n = 1,
 presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response_format) plus
 draftproof's own as documented extensions (top_k, min_p, repetition_penalty, gamma,
-use_draft); openai_api.py parses them and shapes the responses. Each response carries the
+use_draft); openai_protocol.py declares them and the responses as pydantic models,
+openai_api.py makes a request's Job and the responses of them. Each response carries the
 request's speculative statistics in a `draftproof` field (on the last chunk of a stream), and
 the same object in a `specedge` field, the name clients read before the project was renamed:
 `specedge` stays until the next release, then only `draftproof` is sent. (Also kept for
@@ -25,9 +26,10 @@ freeing the slot. On SIGTERM the server stops accepting connections, answers new
 open connections with 503, lets the requests it holds finish for up to `drain_seconds`, then
 cancels the rest (each gets an error, in its JSON or as a last stream event) and exits.
 
-    body ─ parse_completion / parse_chat ─► Job ─ Server.check ─► Request (Generator.request:
-    checked once, before a slot is taken) ─ a free slot ─► Decode (slots.py: a worker thread
-    streams the Request on that slot's Generator) ─► pieces ─► JSON body or server-sent events
+    body ─ parse_completion / parse_chat (its JSON types: the request's pydantic model) ─► Job
+    ─ Server.check ─► Request (Generator.request: its values checked once, before a slot is
+    taken) ─ a free slot ─► Decode (slots.py: a worker thread streams the Request on that slot's
+    Generator) ─► pieces ─► JSON body or server-sent events
 
 The app is plain ASGI (FastAPI on Starlette): uvicorn runs it (run_server.py), and Ray Serve runs
 the same app in each replica (ray_serve.py).
@@ -50,6 +52,7 @@ from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnec
 from .metrics import Metrics
 from .openai_api import (APIError, Job, StreamEvents, completion_body, default_model_name,
                          input_error, parse_chat, parse_completion)
+from .openai_protocol import ModelCard, ModelList
 from .slots import Decode, Overloaded, Slots
 
 log = logging.getLogger(__name__)
@@ -172,8 +175,7 @@ def _routes(app, server: "Server") -> None:
     @app.get("/v1/models")
     async def _models():
         server.metrics.requests.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "draftproof"}]}
+        return ModelList(data=[ModelCard(id=server.model_name, created=server.created)])
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
