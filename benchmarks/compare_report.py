@@ -40,8 +40,23 @@ def markdown(report: dict) -> str:
     return f"# {title(report)}\n\n{body(report)}"
 
 
+# the rows' names in runs stored before the project was renamed
+OLD_NAMES = {"specedge": "draftproof", "specedge-spec": "draftproof-spec"}
+
+
+def current_names(report):
+    """`report` with our rows (and our package among the versions) under their current names:
+    a run stored before the rename keys them "specedge" and "specedge-spec"."""
+    if isinstance(report, dict):
+        return {OLD_NAMES.get(k, k): current_names(v) for k, v in report.items()}
+    if isinstance(report, list):
+        return [current_names(v) for v in report]
+    return OLD_NAMES.get(report, report) if isinstance(report, str) else report
+
+
 def body(report: dict) -> str:
     """The table and its notes, without the title."""
+    report = current_names(report)
     m, cfg, bw, w = report["machine"], report["config"], report["bandwidth"], report["weights"]
     v = m["versions"]
     kinds = list(report["summary"])

@@ -3,6 +3,7 @@ command and embedded plot of a report, that no report is overwritten, and report
 small hand-made JSON files carry those files' numbers. Fast: nothing is measured."""
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -166,6 +167,9 @@ def test_a_stored_run_with_its_summary_is_rendered_as_it_was(tmp_path, stored, m
         run = render.complete(run)
     md = render.dated(run, tmp_path, command="python x.py", date="2026-12-04")
     committed = (RESULTS / f"{stored}.md").read_text()
+    if module == "compare_report":  # recorded before the rename: our rows carried the old name
+        for old, new in render.OLD_NAMES.items():
+            committed = re.sub(rf"(?<![\w.-]){re.escape(old)}(?![\w-])", new, committed)
     assert committed.split("\n", 2)[2] in md.read_text()  # the table, without its title
     assert md.with_suffix(".png").stat().st_size > 0
 
