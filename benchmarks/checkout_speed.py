@@ -158,11 +158,10 @@ def dated(run: dict, directory: Path | None, *, command: str | None = None,
     head = (f"`{run['old']}` (old) against `{run['new']}` (new) on the bundle "
             f"`{run['bundle']}`, {passes} passes alternating the checkouts; medians over the "
             "passes; per pass: the range of new / old over the passes.")
-    return reports.write_report(
-        directory, "checkout-speed", title="Two checkouts, one bundle: did a change slow the "
-        "runtime?", command=command or run.get("command") or reports.command_line(),
-        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
-        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+    return reports.write_run_report(
+        run, directory, "checkout-speed", title="Two checkouts, one bundle: did a change slow the "
+        "runtime?", head=head, table=table(run),
+        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
 
 
 def main(argv=None) -> None:

@@ -46,6 +46,18 @@ def run_date(stored: dict, given: str | None = None) -> str:
     return date
 
 
+def write_run_report(run: dict, directory, name: str, *, title: str, head: str, table: str,
+                     figure, command: str | None = None, date: str | None = None,
+                     machine: str | None = None, rebuilt_by: str | None = None) -> Path:
+    """A stored run's report: its head and table, its plot, and the command, date and machine
+    the run recorded unless given (--command, --date, --machine: what older JSON files
+    lack)."""
+    return write_report(
+        directory, name, title=title, command=command or run.get("command") or command_line(),
+        machine=machine_line(run.get("machine"), machine), sections=[head, table],
+        figure=figure, date=run_date(run, date), rebuilt_by=rebuilt_by)
+
+
 def write_report(directory, name: str, *, title: str, command: str, machine: str,
                  sections, figure=None, date: str | None = None,
                  rebuilt_by: str | None = None) -> Path:

@@ -101,11 +101,9 @@ def dated(run: dict, directory: Path | None, *, command: str | None = None,
     head = (f"Resident memory of one process serving `{run['bundle']}`: after load, then after "
             "a long request on each slot (Generator.fork: the same sessions, KV caches of its "
             "own).")
-    return reports.write_report(
-        directory, "slot-memory", title="What one more serve slot costs in memory",
-        command=command or run.get("command") or reports.command_line(),
-        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
-        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+    return reports.write_run_report(
+        run, directory, "slot-memory", title="What one more serve slot costs in memory", head=head, table=table(run),
+        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
 
 
 def main(argv=None) -> None:

@@ -109,11 +109,9 @@ def dated(run: dict, directory: Path | None, *, command: str | None = None,
     head = (f"The target's `forward` as the decode loop calls it, {where}: the median of "
             f"{run['runs']} calls per bundle and call (ms), and each call over the 1-token "
             "call at the same position (what verifying a draft costs against a step).")
-    return reports.write_report(
-        directory, "step-time", title="The cost of one target call, by rows",
-        command=command or run.get("command") or reports.command_line(),
-        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
-        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+    return reports.write_run_report(
+        run, directory, "step-time", title="The cost of one target call, by rows", head=head, table=table(run),
+        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
 
 
 def main(argv=None) -> None:

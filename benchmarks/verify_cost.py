@@ -154,11 +154,9 @@ def dated(run: dict, directory: Path | None, *, command: str | None = None,
     head = (f"The int4 target of `{run['bundle']}`: a 1-, 5- and 9-token call at position 100 "
             "(median ms) as built and with what ONNX Runtime offers against a multi-row call's "
             "cost, and each call over the 1-token call.")
-    return reports.write_report(
-        directory, "verify-cost", title="Where an int4 verify call's time goes",
-        command=command or run.get("command") or reports.command_line(),
-        machine=reports.machine_line(run.get("machine"), machine), sections=[head, table(run)],
-        figure=plot(run), date=reports.run_date(run, date), rebuilt_by=rebuilt_by)
+    return reports.write_run_report(
+        run, directory, "verify-cost", title="Where an int4 verify call's time goes", head=head, table=table(run),
+        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
 
 
 def main(argv=None) -> None:
