@@ -32,7 +32,7 @@ from .decode.drafts import draft_engines, fork_engine
 from .errors import FieldError, InputError
 from .decode.gamma import AUTO, Gamma, check_gamma_range, parse_gamma
 from .decode.loop import AUTO_START, RequestState, generate_tokens
-from .request import (OPTION_NAMES, GenerationOptions, GenerationResult, Request, TextStream,
+from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
 from .decode.sampling import SamplingParams, check_sampling
 from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
@@ -154,7 +154,7 @@ class Generator:
         one place a request is checked against it, in this order: the sampling values with the
         bundle's defaults, response_format, γ's range, the prompt's ids, the cache's capacity.
         The Request runs as it is on this generator or any of its forks."""
-        options = _options(options, values)
+        options = GenerationOptions.given(options, values)
         if options.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer: this generator has none")
         params = self.constrained(self.sampling_params(options), options.response_format)
@@ -213,7 +213,7 @@ class Generator:
         bundle's generation default, else SamplingParams' own (greedy, no truncation, no
         penalty). Both were checked where they were made (GenerationOptions, the manifest);
         what only the bundle knows, the vocabulary, is checked here."""
-        options = _options(options, values)
+        options = GenerationOptions.given(options, values)
         given = {k: v for k, v in options.sampling().items() if v is not None}
         params = SamplingParams.checked(**{**self.generation_defaults, **given})
         for tok, _ in params.logit_bias or ():
@@ -351,22 +351,6 @@ class Generator:
             start = [self.decoder_start_token_id] if self.encoder_decoder else ids
             seq = np.concatenate([np.asarray(start, np.int64), np.asarray(prefix, np.int64)])
             return np.asarray(self.target.forward(seq, 0, 1)[-1], np.float64)
-
-
-def _options(options: GenerationOptions | None, values: dict) -> GenerationOptions:
-    """`options`, or GenerationOptions(**values): the keywords of generate/stream/request."""
-    if options is None:
-        unknown = sorted(set(values) - OPTION_NAMES)
-        if unknown:
-            raise TypeError(f"unknown generation option(s) {unknown}: GenerationOptions has "
-                            f"{sorted(OPTION_NAMES)}")
-        return GenerationOptions(**values)
-    if not isinstance(options, GenerationOptions):
-        raise TypeError(f"options is a {type(options).__name__}: give a GenerationOptions (or "
-                        f"its fields as keywords)")
-    if values:
-        raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
-    return options
 
 
 def _result(tokens: list[int], text: str | None, stats: DecodeStats,

@@ -98,6 +98,21 @@ class GenerationOptions:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "stop", stop_strings(self.stop))
 
+    @classmethod
+    def given(cls, options: "GenerationOptions | None", values: dict) -> "GenerationOptions":
+        """`options`, or GenerationOptions(**values): what an entry point that takes either
+        (generate, stream, request, bench, check, a chat session) was given; TypeError for
+        both, or for options that are not GenerationOptions."""
+        if options is None:
+            return cls(**values)
+        if not isinstance(options, cls):
+            raise TypeError(f"options is a {type(options).__name__}: give a GenerationOptions "
+                            f"(or its fields as keywords)")
+        if values:
+            raise TypeError(f"give GenerationOptions or their values, not both "
+                            f"({sorted(values)})")
+        return options
+
     def sampling(self) -> dict:
         """The sampling controls as given (None: the bundle's default)."""
         return {name: getattr(self, name) for name in SAMPLING_NAMES}

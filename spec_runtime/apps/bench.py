@@ -121,10 +121,7 @@ def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions
     **values)): their max_new_tokens and sampling, greedy unless given; `chat` None applies
     the bundle's chat template when it has one. Returns the report (rows per γ and prompt
     kind, plus "all")."""
-    if options is None:
-        options = GenerationOptions(**values)
-    elif values:
-        raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+    options = GenerationOptions.given(options, values)
     if options.chat is None:
         options = replace(options, chat=bool(gen.chat_template))
     if options.temperature is None:  # greedy, whatever the bundle's default

@@ -25,7 +25,7 @@ class ChatSession:
                              "conversation: use `specrun generate`")
         self.gen = gen
         self.system = system
-        self.options = options if options is not None else GenerationOptions(**values)
+        self.options = GenerationOptions.given(options, values)
         self.reset()
 
     def reset(self) -> None:

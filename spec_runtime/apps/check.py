@@ -103,10 +103,7 @@ def run_check(gen, options: GenerationOptions | None = None, *, tokens: int = DE
     if seconds is not None:
         _positive("--seconds", seconds, float)
     _positive("--greedy-tokens", greedy_tokens)
-    if options is None:
-        options = GenerationOptions(**values)
-    elif values:
-        raise TypeError(f"give GenerationOptions or their values, not both ({sorted(values)})")
+    options = GenerationOptions.given(options, values)
     given = {k: v for k, v in options.sampling().items() if v is not None and k != "seed"}
     setting = {**SETTING, **given}
     if setting["temperature"] == 0:
