@@ -195,11 +195,13 @@ def _flags() -> dict:
     from spec_runtime.decode.sampling import cli_flag
 
     return {**{name: cli_flag(name) for name in OPTION_NAMES}, "use_draft": "--no-draft",
-            **{name: cli_flag(name) for name in ("threads", "slots", "host", "port")}}
+            **{name: cli_flag(name) for name in ("threads", "slots", "host", "port", "language",
+                                                 "task")}}
 
 
 # a request field (GenerationOptions') -> the option that sets it: the field's name with dashes,
-# but use_draft, which --no-draft turns off; and the load's and the server's values
+# but use_draft, which --no-draft turns off; and the load's, the server's and a transcription's
+# values
 FLAGS = _flags()
 
 

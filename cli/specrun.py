@@ -12,11 +12,14 @@ import sys
 
 import click
 
-from .common import BundleCommand, input_errors, renamed_warnings
+from .common import BadInput, BundleCommand, input_errors, renamed_warnings
 from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
                       no_draft_option, parse_gammas, read_prompt, sampling_options)
 from .serve import serve
+
+TRANSCRIPT_TOKENS = 224  # Whisper's own longest transcript of a window (OpenAI's sample_len)
+TRANSCRIPT_PROMPT = 4  # <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
 
 
 def stats_line(stats: dict) -> str:
@@ -96,6 +99,49 @@ def generate(prompt, prompt_file, bundle, stream, as_json, device, draft_device,
     else:
         click.echo()
         click.echo(stats_line(last.stats), err=True)
+
+
+@main.command()
+@click.argument("audio", type=click.Path(dir_okay=False, allow_dash=False))
+@bundle_option
+@click.option("--language", default=None, metavar="CODE",
+              help="the spoken language, a code such as en or fr [default: detected, as "
+                   "Whisper does, from the first decoder row]")
+@click.option("--task", type=click.Choice(["transcribe", "translate"]), default="transcribe",
+              show_default=True, help="transcribe, or translate into English")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help=f"stop after this many new tokens (or at EOS) [default: "
+                   f"{TRANSCRIPT_TOKENS}, Whisper's own, or what the bundle's cache holds]")
+@sampling_options()
+@gamma_option()
+@no_draft_option
+@json_option("print one JSON object (tokens, text, language, stats)")
+@device_options
+@input_errors
+def transcribe(audio, bundle, language, task, max_new_tokens, as_json, device, draft_device,
+               threads, **request):
+    """Transcribe AUDIO (a WAV file of at most one window, 30 s for Whisper; FLAC and others
+    where soundfile is installed) with a speech bundle: greedy by default, speculative with the
+    bundle's draft, exactly the target's transcript."""
+    import spec_runtime
+    from spec_runtime.speech import language_code
+
+    options = generation_options(max_new_tokens=max_new_tokens or TRANSCRIPT_TOKENS, **request)
+    gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
+    if max_new_tokens is None:  # Whisper's default, where the cache holds it
+        from dataclasses import replace
+
+        room = gen.capacity(options.use_draft) - TRANSCRIPT_PROMPT + 1
+        options = replace(options, max_new_tokens=max(1, min(TRANSCRIPT_TOKENS, room)))
+    req = in_cli_words(gen.transcription, audio, options, language=language, task=task)
+    result = gen.generate(req)
+    lang = language_code(gen.audio, int(req.prefix[1])) if len(req.prefix) > 2 else None
+    if as_json:
+        click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "language": lang,
+                               "stats": result.stats}))
+    else:
+        click.echo(result.text.strip())
+        click.echo(stats_line(result.stats), err=True)
 
 
 @main.command(cls=BundleCommand)
@@ -223,13 +269,16 @@ class _Progress:
               help="the whole grid: every built-in prompt (12) and γ 1,2,4,8 (about 10 minutes "
                    "on 2 cores); without it, 3 prompts of each kind at the bundle's γ (about a "
                    "minute)")
+@click.option("--audio", "audio_files", multiple=True, type=click.Path(dir_okay=False),
+              help="a speech bundle's input: an audio file to transcribe (repeat the option for "
+                   "more); its language is detected once, before measuring")
 @json_option("print the report as JSON")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of speedup vs γ (needs matplotlib) [default: no plot]")
 @device_options
 @input_errors
 def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, full,
-          as_json, plot, device, draft_device, threads):
+          audio_files, as_json, plot, device, draft_device, threads):
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
@@ -238,9 +287,23 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
 
     options = generation_options(temperature=temperature, max_new_tokens=max_new_tokens)
     gammas = parse_gammas(gamma) if gamma is not None else ([1, 2, 4, 8] if full else None)
-    prompts = load_prompts(prompts_file, kind,
-                           per_kind=None if full or prompts_file else QUICK_PROMPTS)
+    if audio_files and prompts_file:
+        raise BadInput("give --audio (a speech bundle's inputs) or --prompts (a text "
+                       "bundle's), not both")
+    if not audio_files:
+        prompts = load_prompts(prompts_file, kind,
+                               per_kind=None if full or prompts_file else QUICK_PROMPTS)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
+    if gen.audio is not None and not audio_files:
+        raise BadInput("this bundle is a speech model: benchmark it on audio, with --audio "
+                       "FILE.wav (repeat it for more files)")
+    if audio_files:
+        if gen.audio is None:
+            raise BadInput("--audio is a speech bundle's input, and this bundle is a text "
+                           "model: leave --audio out (it measures --prompts)")
+        from spec_runtime.apps.bench import speech_prompts
+
+        prompts = speech_prompts(gen, audio_files)
     gammas = gammas or [gen.default_gamma]
     for g in gammas:
         in_cli_words(gen.check_gamma, g)  # every γ before minutes of measuring

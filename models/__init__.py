@@ -11,6 +11,7 @@ from .mistral import Mistral
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 from .t5 import T5
+from .whisper import Whisper
 
 # HF config.model_type -> decoder class with `from_hf(hf_model, max_len)`
 SUPPORTED: dict[str, type[CachedDecoder]] = {
@@ -20,7 +21,7 @@ SUPPORTED: dict[str, type[CachedDecoder]] = {
 REFUSED: dict[str, str] = {**_GEMMA3_REFUSED}
 # HF config.model_type -> encoder-decoder class with `from_hf(hf_model, max_len, max_source_len)`,
 # holding `.encoder` and `.decoder` graphs
-ENCODER_DECODER: dict[str, type] = {"t5": T5}
+ENCODER_DECODER: dict[str, type] = {"t5": T5, "whisper": Whisper}
 
 
 def _unsupported(model_type) -> UnsupportedModel:
@@ -60,11 +61,16 @@ def for_hf_seq2seq(hf_model, max_len: int, max_source_len: int):
     return ENCODER_DECODER[model_type].from_hf(hf_model, max_len, max_source_len)
 
 
+def is_audio(config) -> bool:
+    """A speech model: its encoder reads log-mel features (Whisper)."""
+    return getattr(ENCODER_DECODER.get(getattr(config, "model_type", None)), "audio", False)
+
+
 def is_encoder_decoder(config) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False)) or \
         getattr(config, "model_type", None) in ENCODER_DECODER
 
 
 __all__ = ["ENCODER_DECODER", "REFUSED", "SUPPORTED", "CachedDecoder", "UnsupportedModel", "GPT2",
-           "Gemma3", "Llama", "Mistral", "Qwen2", "Qwen3", "T5", "for_hf_model", "for_hf_seq2seq",
-           "is_encoder_decoder"]
+           "Gemma3", "Llama", "Mistral", "Qwen2", "Qwen3", "T5", "Whisper", "for_hf_model", "for_hf_seq2seq",
+           "is_audio", "is_encoder_decoder"]

@@ -178,17 +178,21 @@ class Whisper(nn.Module):
     """The pair of export-friendly graphs for one WhisperForConditionalGeneration."""
 
     model_type = "whisper"
+    audio = True  # the encoder reads log-mel features, not token ids
 
     def __init__(self, d: WhisperDims, max_len: int):
         super().__init__()
         self.d = d
         self.max_len, self.vocab_size = max_len, d.vocab_size
         self.max_source_len = d.max_source_positions
+        self.n_mels = d.n_mels
         self.encoder = WhisperEncoder(d)
         self.decoder = WhisperDecoder(d, max_len)
 
     @classmethod
-    def from_hf(cls, hf_model, max_len: int) -> "Whisper":
+    def from_hf(cls, hf_model, max_len: int, max_source_len: int | None = None) -> "Whisper":
+        """`max_source_len` is T5's option; Whisper's source is always its whole window (its
+        max_source_positions), and the argument is ignored."""
         m = cls(WhisperDims.from_config(hf_model.config), max_len)
         m.load_hf_state_dict(hf_model.state_dict())
         return m.eval()

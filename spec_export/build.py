@@ -44,12 +44,15 @@ MIN_MAX_LEN = 16
 
 
 def default_max_len(configs, encoder_decoder: bool) -> int:
-    """MAX_LEN, or fewer where a model (its config) has fewer positions (a GPT-2 has 512 learned ones). T5's
-    positions are relative: no limit there."""
+    """MAX_LEN, or fewer where a model (its config) has fewer positions (a GPT-2 has 512 learned
+    ones, Whisper's decoder 448). T5's positions are relative: no limit there."""
     limits = [MAX_LEN]
-    for c in configs if not encoder_decoder else ():
-        limits.append(getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings",
-                                                                  None) or MAX_LEN)
+    for c in configs:
+        if encoder_decoder:
+            limits.append(getattr(c, "max_target_positions", None) or MAX_LEN)
+        else:
+            limits.append(getattr(c, "n_positions", None)
+                          or getattr(c, "max_position_embeddings", None) or MAX_LEN)
     max_len = int(min(limits))
     if max_len < MIN_MAX_LEN:
         raise BuildError(f"the model has only {max_len} positions; a bundle needs at least "
@@ -326,7 +329,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     from spec_runtime.bundle.reader import load_tokenizer, vocabulary_sha256
     from spec_runtime.bundle.contract import graph_metadata
 
-    from .build_seq2seq import decoder_start_token_id, is_encoder_decoder
+    from .build_seq2seq import audio_entry, decoder_start_token_id, is_encoder_decoder
     from .onnx_export import stamp_metadata
 
     stage("load target")
@@ -354,6 +357,9 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     # what the manifest records of the target, read before its weights are spent on the export
     generation = generation_defaults(t_model)
     start = decoder_start_token_id(t_model) if encdec else None
+    audio = audio_entry(t_model)
+    if audio is not None:  # the source is one whole window of the model's own length
+        max_source_len = t_model.config.max_source_positions
     stage("export target")
     if encdec:
         from .build_seq2seq import export_model
@@ -391,9 +397,9 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
             chat_template=t_tok.chat_template if isinstance(t_tok.chat_template, str) else None,
             vocab_sha256=vocabulary_sha256(load_tokenizer(tmp / "tokenizer.json"))),
         max_source_len=max_source_len if encdec else None,
-        decoder_start_token_id=start, generation=generation,
+        decoder_start_token_id=start, generation=generation, audio=audio,
         created_by={**library_versions(), "build": stage.record()},
-        schema_version=lowest_schema(d_entry))
+        schema_version=lowest_schema(d_entry, audio is not None))
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))

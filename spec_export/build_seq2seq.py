@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from spec_runtime.bundle.contract import graph_devices
-from spec_runtime.bundle.manifest import GraphEntry, ModelEntry
+from spec_runtime.bundle.manifest import AudioEntry, GraphEntry, ModelEntry
 
 from .quality import FP32_TOLERANCE, VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
 from .sources import BuildError
@@ -50,11 +52,27 @@ def check_pair(t_model, d_model) -> None:
         )
 
 
-def parity_inputs(hf_model, parity_ids: list[int], max_source_len: int) -> tuple[list[int], list[int]]:
-    """(source ids, decoder prompt) for the parity run: the parity text as the source, and the
-    start token plus a few forced tokens as the decoder prompt."""
-    source = list(parity_ids[:max_source_len])
-    return source, [decoder_start_token_id(hf_model)] + source[:DECODER_PARITY_PREFIX]
+def parity_inputs(hf_model, parity_ids: list[int], max_source_len: int):
+    """(source, decoder prompt) for the parity run: the parity text's ids as the source, or a
+    speech model's features of a signal (tones and noise over half its window), and the start
+    token plus a few of the text's ids as the decoder prompt."""
+    prompt = [decoder_start_token_id(hf_model)] + list(parity_ids[:DECODER_PARITY_PREFIX])
+    if is_audio(hf_model.config):
+        from spec_runtime.audio import HOP_LENGTH, SAMPLE_RATE, log_mel
+
+        frames = 2 * hf_model.config.max_source_positions
+        t = np.arange(frames * HOP_LENGTH // 2) / SAMPLE_RATE
+        rng = np.random.default_rng(0)
+        signal = sum(0.2 * np.sin(2 * np.pi * f * t) for f in (220.0, 440.0, 1250.0)) \
+            + 0.05 * rng.standard_normal(len(t))
+        return log_mel(signal, hf_model.config.num_mel_bins, frames), prompt
+    return list(parity_ids[:max_source_len]), prompt
+
+
+def is_audio(config) -> bool:
+    from draftproof.models import is_audio as check
+
+    return check(config)
 
 
 def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_source_len: int,
@@ -102,3 +120,28 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
               for g, d in descs.items()}
     return ModelEntry(vocab_size=dec.vocab_size, graphs=graphs, precision=precision,
                       family=model.model_type, dims=dims, parity=parity)
+
+
+def audio_entry(hf_model) -> AudioEntry | None:
+    """A speech model's manifest record (manifest.AudioEntry), from its config and
+    generation_config as transformers' Whisper `generate` reads them; None for a text model."""
+    if not is_audio(hf_model.config):
+        return None
+    gen = getattr(hf_model, "generation_config", None)
+
+    def get(key, default=None):
+        value = getattr(gen, key, None) if gen is not None else None
+        if value is None:
+            value = getattr(hf_model.config, key, None)
+        return default if value is None else value
+
+    multilingual = bool(get("is_multilingual", bool(get("lang_to_id"))))
+    languages = {k.strip("<|>"): int(v) for k, v in get("lang_to_id", {}).items()} \
+        if multilingual else {}
+    tasks = {k: int(v) for k, v in get("task_to_id", {}).items()} if multilingual else {}
+    no_ts = get("no_timestamps_token_id")
+    return AudioEntry(n_mels=int(hf_model.config.num_mel_bins), languages=languages,
+                      tasks=tasks, no_timestamps_token_id=None if no_ts is None else int(no_ts),
+                      suppress_tokens=tuple(int(t) for t in get("suppress_tokens", [])),
+                      begin_suppress_tokens=tuple(int(t) for t in get("begin_suppress_tokens",
+                                                                      [])))

@@ -96,9 +96,17 @@ class DraftPlan:
         return names + (["measure drafts"] if len(self.candidates) > 1 else [])
 
     def settle(self, t_config, precision: str) -> None:
-        """Drop the self draft where the loaded target has no fused graph to make it from."""
+        """Drop the self draft where the loaded target has no fused graph to make it from. An
+        encoder-decoder's self draft is its own pair of portable graphs at int8 (its int4 is not
+        offered): an explicit --draft self gets that, auto drafts without it."""
+        from .build_seq2seq import is_encoder_decoder
         from .onnx_fused import fused_unsupported
 
+        if is_encoder_decoder(t_config) and self.kind in ("self", "hybrid"):
+            for c in self.candidates:
+                if c.name == "self" and c.precision == "int4" and not self.draft_precision:
+                    c.precision = "int8"
+            return
         why = fused_unsupported(t_config)
         if why and self.needs_self:
             if self.kind in ("auto",) or (self.kind == "hybrid" and len(self.candidates) == 1
@@ -150,6 +158,14 @@ class DraftPlan:
                 raise BuildError(f"target and draft start decoding from different tokens "
                                  f"({starts[0]} vs {starts[1]}): pick a draft from the same "
                                  f"model family")
+            window = ("num_mel_bins", "max_source_positions")
+            if t_model.config.model_type == "whisper" and any(
+                    getattr(config, k, None) != getattr(t_model.config, k) for k in window):
+                raise BuildError("the draft reads another audio window than the target ("
+                                 + ", ".join(f"{k} {getattr(config, k, None)} vs "
+                                             f"{getattr(t_model.config, k)}" for k in window)
+                                 + "): pick a Whisper draft with the target's mel bins (80 "
+                                 "for tiny to large-v2, 128 for large-v3)")
         if model.precision is None:
             from .onnx_fused import fused_unsupported
 
@@ -167,9 +183,9 @@ class DraftPlan:
         stage = export["stage"]
         for c in self.candidates:
             gguf = c.spec.gguf_path() if use_gguf else None
-            if c.name == "self":
+            if c.name == "self" and not encdec:
                 stage("draft from the target")
-                if encdec or t_exported is None or t_exported.fp32_path is None:
+                if t_exported is None or t_exported.fp32_path is None:
                     raise BuildError("--draft self needs a decoder-only target with a fused "
                                      "graph: use --draft ngram or a draft model")
                 c.entry = derive_draft(t_exported, tmp / c.file, precision=c.precision,
@@ -177,7 +193,7 @@ class DraftPlan:
                                        block_size=export["block_size"],
                                        float_embedding=export["float_embedding"], gguf_path=gguf,
                                        only_4bit=int4_weights == "gguf-4bit")
-            else:
+            else:  # a draft model, or an encoder-decoder's own weights again (self)
                 stage("load draft")
                 d_model, _ = load_model(c.spec)
                 stage("export draft")
@@ -288,6 +304,7 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
 
     plan = DraftPlan(draft)
     plan.target_precision, plan.int4_weights = precision, int4_weights
+    plan.draft_precision = draft_precision
     if draft == "ngram":
         pass
     elif draft == "self":

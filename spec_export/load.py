@@ -34,7 +34,8 @@ def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype 
     encoder-decoder config (T5) loads as AutoModelForSeq2SeqLM, anything else as a causal LM.
     `local_files_only` reads a hub id from the local cache only (no network, no retries).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
+                              AutoModelForSpeechSeq2Seq, AutoTokenizer)
 
     if gguf_file is None and str(source).endswith(".gguf") and Path(source).is_file():
         source, gguf_file = str(Path(source).parent), Path(source).name
@@ -42,6 +43,8 @@ def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype 
     hub = {"local_files_only": True} if local_files_only else {}
     config = AutoConfig.from_pretrained(source, **gguf, **hub)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if getattr(config, "model_type", None) == "whisper":  # speech in, text out
+        auto = AutoModelForSpeechSeq2Seq
     if not gguf_file:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
         # a mismatch is refused below, with the tensor's name, instead of transformers' report

@@ -22,9 +22,9 @@ from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, drive_calls, graph_dims,
                      require_finite)
 
 
-def _hf_cross_kv(hf_model, src: torch.Tensor, start_id: int) -> list[np.ndarray]:
+def _hf_cross_kv(hf_model, src: dict, start_id: int) -> list[np.ndarray]:
     """Cross-attention K/V per decoder layer as HF caches them: [key.0, value.0, key.1, ...]."""
-    out = hf_model(input_ids=src, decoder_input_ids=torch.tensor([[start_id]]), use_cache=True)
+    out = hf_model(**src, decoder_input_ids=torch.tensor([[start_id]]), use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5
     cross = cache.cross_attention_cache
     if hasattr(cross, "layers"):  # transformers >= 4.56
@@ -39,7 +39,7 @@ def check_parity_seq2seq(
     hf_model,
     encoder_path,
     decoder_path,
-    source_ids: list[int],
+    source,
     decoder_ids: list[int],
     *,
     prefill_chunk: int = 3,
@@ -50,8 +50,9 @@ def check_parity_seq2seq(
     log: Callable[[str], None] | None = None,
     name: str = "the model",
 ) -> dict[str, float]:
-    """-> {"encoder": max |cross K/V diff|, "decoder": max |logits diff|}. `decoder_ids` is the
-    decoder prompt, starting with the decoder start token. Values that are not finite are
+    """-> {"encoder": max |cross K/V diff|, "decoder": max |logits diff|}. `source` is the
+    source's ids, or a speech model's features [n_mels, frames]; `decoder_ids` is the decoder
+    prompt, starting with the decoder start token. Values that are not finite are
     refused (`name` names the model)."""
     hf_model.eval()
     decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
@@ -60,9 +61,11 @@ def check_parity_seq2seq(
     engine = open_graph(decoder_path, decoder, encoder=(encoder_path, encoder), vocab_size=vocab,
                         max_len=max_len, max_source_len=S, prefill_chunk=max_len,
                         threads=threads, where="exported", garbage_seed=seed)
-    engine.encode_source(source_ids)
-    src = torch.tensor([source_ids])
-    n_src = len(source_ids)
+    engine.encode_source(source)
+    if engine.audio:  # the whole window is real
+        src, n_src = {"input_features": torch.tensor(np.asarray(source, np.float32))[None]}, S
+    else:
+        src, n_src = {"input_ids": torch.tensor([list(source)])}, len(source)
     ref = _hf_cross_kv(hf_model, src, decoder_ids[0])
     names = engine.cross_names
     if len(ref) != len(names):
@@ -78,7 +81,7 @@ def check_parity_seq2seq(
         log(f"{'encode':>8} source={n_src:<4} max|cross diff|={enc_diff:.3g}")
 
     def reference(tokens: list[int], num_logits: int) -> np.ndarray:
-        out = hf_model(input_ids=src, decoder_input_ids=torch.tensor([tokens]), use_cache=False)
+        out = hf_model(**src, decoder_input_ids=torch.tensor([tokens]), use_cache=False)
         return out.logits[0, -num_logits:].float().numpy()
 
     dec_diff = drive_calls(engine, reference, decoder_ids, hf_model.config.vocab_size,

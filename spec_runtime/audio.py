@@ -60,19 +60,30 @@ def mel_filters(n_mels: int = 80, sampling_rate: int = SAMPLE_RATE, n_fft: int =
     return weights * (2.0 / (edges[2:] - edges[:-2]))[:, None]
 
 
-def log_mel(samples: np.ndarray, n_mels: int = 80) -> np.ndarray:
-    """Whisper's input features of one window: `samples` (mono, 16 kHz, at most 30 s; shorter
-    is padded with silence) -> float32 [n_mels, 3000]."""
+def window_seconds(frames: int = N_FRAMES) -> float:
+    """The seconds of audio a window of `frames` feature frames holds (30 for Whisper's 3000)."""
+    return frames * HOP_LENGTH / SAMPLE_RATE
+
+
+def too_long(seconds: float, what: str, frames: int = N_FRAMES) -> InputError:
+    limit = f"{window_seconds(frames):g}"
+    return InputError(f"{what} is {seconds:.1f} s long: one window holds at most {limit} s; cut "
+                      f"it into pieces of at most {limit} s (e.g. `ffmpeg -i INPUT -f segment "
+                      f"-segment_time {limit} -ar 16000 -ac 1 piece%03d.wav`)")
+
+
+def log_mel(samples: np.ndarray, n_mels: int = 80, frames: int = N_FRAMES) -> np.ndarray:
+    """Whisper's input features of one window: `samples` (mono, 16 kHz, at most the window:
+    30 s for 3000 frames; shorter is padded with silence) -> float32 [n_mels, frames]."""
     x = np.asarray(samples, np.float64).reshape(-1)
-    if len(x) > N_SAMPLES:
-        raise InputError(f"the audio is {len(x) / SAMPLE_RATE:.1f} s long: one window holds at "
-                         f"most {WINDOW_SECONDS} s; cut it into pieces of at most "
-                         f"{WINDOW_SECONDS} s")
-    x = np.pad(x, (0, N_SAMPLES - len(x)))
+    n_samples = frames * HOP_LENGTH
+    if len(x) > n_samples:
+        raise too_long(len(x) / SAMPLE_RATE, "the audio", frames)
+    x = np.pad(x, (0, n_samples - len(x)))
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic Hann
     padded = np.pad(x, N_FFT // 2, mode="reflect")  # centred frames, as torch.stft's center
-    frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP_LENGTH]
-    power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2  # [3001, 201]
+    frames_ = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP_LENGTH]
+    power = np.abs(np.fft.rfft(frames_ * window, axis=-1)) ** 2  # [frames + 1, 201]
     mel = mel_filters(n_mels) @ power[:-1].T  # the last frame dropped, as Whisper does
     log = np.log10(np.maximum(mel, 1e-10))
     log = np.maximum(log, log.max() - 8.0)
@@ -99,28 +110,28 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
     return (np.fft.irfft(out, n_out) * (n_out / len(x))).astype(np.float32)
 
 
-def read_audio(path) -> np.ndarray:
-    """A WAV file (PCM, 8 to 32 bits, any channels: averaged) as float32 mono samples at
-    16 kHz; InputError naming the file and the fix for anything else: not a WAV file, no
-    samples, a rate outside [8, 192] kHz, longer than one 30-second window."""
+def read_audio(path, max_seconds: float = WINDOW_SECONDS) -> np.ndarray:
+    """A WAV file (PCM, 8 to 32 bits, any channels: averaged; FLAC and the other formats
+    soundfile reads, where it is installed) as float32 mono samples at 16 kHz; InputError naming
+    the file and the fix for anything else: not audio, no samples, a rate outside [8, 192] kHz,
+    longer than one window of `max_seconds`."""
     path = Path(path)
     try:
         with wave.open(str(path), "rb") as f:
             rate, channels, width = f.getframerate(), f.getnchannels(), f.getsampwidth()
-            raw = f.readframes(min(f.getnframes(), (WINDOW_SECONDS + 1) * MAX_RATE))
+            raw = f.readframes(min(f.getnframes(), int(max_seconds + 1) * MAX_RATE))
             total = f.getnframes()
     except FileNotFoundError:
         raise InputError(f"{str(path)!r} does not exist: give the path of a WAV file") from None
     except (wave.Error, EOFError) as e:
-        raise InputError(f"{str(path)!r} is not a PCM WAV file ({e}): {CONVERT}") from None
+        return _other_format(path, e, max_seconds)
     except OSError as e:
         raise InputError(f"{str(path)!r} cannot be read ({e.strerror}): give a readable WAV "
                          f"file") from None
     if total == 0 or not raw:
         raise InputError(f"{str(path)!r} holds no samples: give a recording of speech")
-    if total / max(rate, 1) > WINDOW_SECONDS:
-        raise InputError(f"{str(path)!r} is {total / rate:.1f} s long: one window holds at most "
-                         f"{WINDOW_SECONDS} s; cut it into pieces of at most {WINDOW_SECONDS} s")
+    if total / max(rate, 1) > max_seconds:
+        raise too_long(total / rate, repr(str(path)), int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
     samples = _pcm(raw, width).reshape(-1, channels).mean(axis=1)
     return resample(samples, rate)
 
@@ -136,3 +147,49 @@ def _pcm(raw: bytes, width: int) -> np.ndarray:
     kind = {2: np.int16, 4: np.int32}[width]  # wave refuses other widths
     return np.frombuffer(raw, f"<{np.dtype(kind).char}").astype(np.float64) / float(
         1 << (8 * width - 1))
+
+
+# the first bytes of formats people hand a speech model, to name what was read
+_MAGIC = ((b"fLaC", "FLAC"), (b"OggS", "Ogg"), (b"ID3", "MP3"), (b"\xff\xfb", "MP3"),
+          (b"\xff\xf3", "MP3"), (b"\xff\xf2", "MP3"), (b"\x1aE\xdf\xa3", "WebM/Matroska"),
+          (b"FORM", "AIFF"), (b"RIFF", "WAV"))
+
+
+def sniff(head: bytes) -> str:
+    """The audio format `head` (a file's first bytes) starts like, or "not audio"."""
+    if head[4:8] == b"ftyp":
+        return "MP4/M4A"
+    return next((name for magic, name in _MAGIC if head.startswith(magic)), "not audio")
+
+
+def _other_format(path: Path, error, max_seconds: float) -> np.ndarray:
+    """What the standard library's wave module does not read (FLAC, float WAV, ...): read by
+    soundfile where it is installed, else refused naming the format that was found."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise InputError(f"{str(path)!r} cannot be read ({e.strerror}): give a readable WAV "
+                         f"file") from None
+    kind = sniff(head)
+    if kind == "not audio":
+        raise InputError(f"{str(path)!r} is not audio (it starts {head[:8]!r}): give a WAV "
+                         f"file, or {CONVERT}")
+    try:
+        import soundfile
+    except ImportError:
+        why = "a WAV file that is not PCM (float or compressed samples)" if kind == "WAV" \
+            else f"{kind} audio"
+        raise InputError(f"{str(path)!r} is {why} ({error}), which is read with soundfile: "
+                         f"`pip install soundfile`, or {CONVERT}") from None
+    try:
+        info = soundfile.info(str(path))
+        if info.frames / max(info.samplerate, 1) > max_seconds:
+            raise too_long(info.frames / info.samplerate, repr(str(path)),
+                           int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
+        data, rate = soundfile.read(str(path), dtype="float64", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError) as e:
+        raise InputError(f"{str(path)!r} is not audio soundfile reads ({e}): {CONVERT}") from None
+    if data.size == 0:
+        raise InputError(f"{str(path)!r} holds no samples: give a recording of speech")
+    return resample(data.mean(axis=1), rate)

@@ -56,6 +56,7 @@ class Generator:
         manifest=None,
         bundle_dir=None,
         generation_defaults: dict | None = None,
+        audio=None,
         row_check=None,
         costs: Costs | None = None,
         clock=time.perf_counter,
@@ -70,6 +71,8 @@ class Generator:
         self.special_tokens = dict(special_tokens or {})
         self.encoder_decoder = encoder_decoder
         self.decoder_start_token_id = decoder_start_token_id
+        # a speech bundle's manifest.AudioEntry (Whisper): requests are `transcribe`'s
+        self.audio = audio
         self.manifest = manifest  # manifest.Manifest of the bundle, when loaded from one
         self.bundle_dir = bundle_dir
         # the model's own sampling defaults (the manifest's `generation`): what a request that
@@ -92,6 +95,9 @@ class Generator:
         """A generator's own state, apart from the bundle's: who holds its engines."""
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
         self._owner: int | None = None  # thread id of the request holding the lock
+        # (features, seconds): the window language detection encoded in the target, which the
+        # request made with it need not encode again, and what that took
+        self._detected = None
 
     def fork(self) -> "Generator":
         """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
@@ -155,6 +161,10 @@ class Generator:
         bundle's defaults, response_format, γ's range, the prompt's ids, the cache's capacity.
         The Request runs as it is on this generator or any of its forks."""
         options = GenerationOptions.given(options, values)
+        if self.audio is not None:
+            raise InputError("this bundle is a speech model (Whisper): it transcribes audio, "
+                             "it does not continue text; use `specrun transcribe AUDIO` or "
+                             "Generator.transcribe(audio)")
         if options.stop and self.tokenizer is None:
             raise InputError("stop strings need a tokenizer: this generator has none")
         params = self.constrained(self.sampling_params(options), options.response_format)
@@ -173,6 +183,65 @@ class Generator:
         costs = self.costs if params.seed is not None and not params.greedy else None
         return Request(options, ids, prefix, params, gamma, start, self.max_gamma,
                        self.eos_token_ids, costs)
+
+    def transcription(self, audio, options: GenerationOptions | None = None, *,
+                      language: str | None = None, task: str = "transcribe",
+                      **values) -> Request:
+        """A speech bundle's request (speech.py): `audio` (a WAV file's path, or float samples
+        at 16 kHz, at most the bundle's window) as the encoders' features, the decoder prompted
+        with the task, and the language (detected when None, for a multilingual model), the
+        model's suppressed tokens a constraint of its sampling. Checked as `request` checks a
+        text's, in the same order."""
+        from . import speech
+
+        options = GenerationOptions.given(options, values)
+        if self.audio is None:
+            raise InputError("this bundle is a text model: transcription needs a speech bundle "
+                             "(Whisper), built with `specexport build --target "
+                             "openai/whisper-base --draft ...`; give text to `specrun "
+                             "generate`")
+        if options.response_format is not None:
+            raise FieldError("response_format", "response_format constrains text generation; "
+                                                "a transcription takes none")
+        if options.stop and self.tokenizer is None:
+            raise InputError("stop strings need a tokenizer: this generator has none")
+        params = self.sampling_params(options)
+        gamma = self.check_gamma(options.gamma)
+        lang = speech.language_token(self.audio, language) if language is not None else None
+        task_id = speech.task_token(self.audio, task)
+        features = speech.features_of(audio, self.audio, self.target.max_source_len)
+        if lang is None and self.audio.languages:
+            lang = speech.detect_language(self.audio, self._first_row(features))
+        prefix = np.asarray(speech.decoder_prompt(self.audio, self.decoder_start_token_id, lang,
+                                                  task_id), np.int64)
+        params = replace(params, constraint=speech.Suppress(self.audio, self.vocab_size),
+                         penalty_start=len(prefix))
+        check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens)
+        start = self.default_gamma if self.default_gamma is not AUTO else \
+            min(AUTO_START, self.max_gamma)
+        costs = self.costs if params.seed is not None and not params.greedy else None
+        return Request(options, features, prefix, params, gamma, start, self.max_gamma,
+                       self.eos_token_ids, costs)
+
+    def transcribe(self, audio, options: GenerationOptions | None = None, *,
+                   language: str | None = None, task: str = "transcribe", cancel=None,
+                   **values) -> GenerationResult:
+        """The text spoken in `audio` (see `transcription`), decoded as `generate` decodes:
+        greedy by default, speculative with the bundle's draft, exactly the target's output."""
+        request = self.transcription(audio, options, language=language, task=task, **values)
+        return self.generate(request, cancel=cancel)
+
+    def _first_row(self, features: np.ndarray) -> np.ndarray:
+        """The target's logits after <|startoftranscript|> for these features. The target
+        keeps their encoding for the request about to be made of them (`_encode`)."""
+        with self._lock:
+            t0 = self.clock()
+            self.target.reset()
+            self.target.encode_source(features)
+            start = np.asarray([self.decoder_start_token_id], np.int64)
+            row = np.asarray(self.target.forward(start, 0, 1)[-1], np.float64)
+            self._detected = (features, self.clock() - t0)
+            return row
 
     def _request_of(self, prompt, options: GenerationOptions | None, values: dict) -> Request:
         """generate/stream's request: `prompt` itself when it is one (then with no options of
@@ -254,12 +323,21 @@ class Generator:
 
     # -- running a request ----------------------------------------------------------------
 
-    def _encode(self, ids: np.ndarray, draft) -> None:
-        """An encoder-decoder's request starts by running the encoders on its source ids."""
-        if self.encoder_decoder:
+    def _encode(self, ids: np.ndarray, draft) -> float:
+        """An encoder-decoder's request starts by running the encoders on its source (ids, or a
+        speech window's features: the target's may be encoded already, by the language
+        detection of this very request). Returns the seconds an earlier encoding took."""
+        if not self.encoder_decoder:
+            return 0.0
+        detected, self._detected = self._detected, None
+        before = 0.0
+        if detected is not None and detected[0] is ids:
+            before = detected[1]
+        else:
             self.target.encode_source(ids)
-            for engine in draft_engines(draft):
-                engine.encode_source(ids)
+        for engine in draft_engines(draft):
+            engine.encode_source(ids)
+        return before
 
     def _rounds(self, request: Request, cancel=None, token_logprobs: list | None = None
                 ) -> Iterator[tuple[np.ndarray, DecodeStats]]:
@@ -276,7 +354,10 @@ class Generator:
             try:
                 stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
                 recorder = Recorder(stats, self.clock)
-                self._encode(request.prompt, draft)
+                t0 = self.clock()
+                before = self._encode(request.prompt, draft)
+                stats.encode_time_s = self.clock() - t0 + before
+                recorder.t0 -= before  # the request's time includes its language detection
                 state = RequestState(request, recorder, token_logprobs)
                 for new in generate_tokens(self.target, draft, state):
                     yield new, stats

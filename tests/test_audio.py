@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import wave
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -99,7 +101,7 @@ def test_bad_audio_is_one_message_naming_the_file_and_the_fix(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not audio")
     cases = [
-        (text, "is not a PCM WAV file", "ffmpeg -i INPUT -ar 16000"),
+        (text, "is not audio", "ffmpeg -i INPUT -ar 16000"),
         (tmp_path / "missing.wav", "does not exist", "WAV file"),
         (write_wav(tmp_path / "empty.wav", np.zeros(0)), "holds no samples", "recording"),
         (write_wav(tmp_path / "long.wav", np.zeros(16000 * 31)), "31.0 s long",
@@ -114,3 +116,36 @@ def test_bad_audio_is_one_message_naming_the_file_and_the_fix(tmp_path):
         assert "\n" not in message and str(path.name) in message or "4000 Hz" in message
         for w in words:
             assert w in message, message
+
+
+def test_formats_the_standard_library_does_not_read_name_what_was_read(tmp_path, monkeypatch):
+    """FLAC and float WAV go to soundfile; without it, the message names the format found and
+    both fixes (install soundfile, or convert)."""
+    wavfile = pytest.importorskip("scipy.io.wavfile", reason="scipy writes the float WAV")
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # as on a machine without it
+    flac = tmp_path / "speech.flac"
+    flac.write_bytes(b"fLaC\x00\x00\x00\x22" + bytes(64))
+    float_wav = tmp_path / "float.wav"
+    wavfile.write(float_wav, 16000, np.zeros(1600, np.float32))
+    mp3 = tmp_path / "speech.mp3"
+    mp3.write_bytes(b"ID3\x04" + bytes(64))
+    for path, kind in ((flac, "FLAC audio"), (float_wav, "not PCM"), (mp3, "MP3 audio")):
+        with pytest.raises(InputError) as e:
+            audio.read_audio(path)
+        message = str(e.value)
+        for w in (path.name, kind, "pip install soundfile", "ffmpeg -i INPUT"):
+            assert w in message, message
+
+
+def test_a_window_of_any_length_pads_and_refuses_as_the_30_second_one():
+    """log_mel's frames set the window: a small model's window of 32 frames holds 0.32 s; the
+    features of a shorter signal equal the first frames of the 30-second window's only where
+    the padding has not reached them, so the check is against the window's own definition:
+    samples padded to frames * 160."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(3000) * 0.1
+    small = audio.log_mel(x, 80, frames=32)
+    assert small.shape == (80, 32)
+    with pytest.raises(InputError, match="0.3 s long: one window holds at most 0.32 s"):
+        audio.log_mel(np.zeros(5121), 80, frames=32)
+    assert audio.window_seconds(3000) == 30.0

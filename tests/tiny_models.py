@@ -345,3 +345,68 @@ def truncated_t5(model, layers: int):
              if ".block." not in k or int(k.split(".block.")[1].split(".")[0]) < layers}
     small.load_state_dict(state, strict=True)
     return small
+
+
+# Whisper's special tokens, in its order, after the 256 bytes (ids 256 ..): what a
+# multilingual Whisper's generate reads from generation_config
+WHISPER_SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>",
+                    "<|translate|>", "<|transcribe|>", "<|notimestamps|>"]
+WHISPER_VOCAB = 256 + len(WHISPER_SPECIALS)
+
+
+def whisper_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: the 256 bytes at ids 0..255, then Whisper's specials."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for s in WHISPER_SPECIALS:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(WHISPER_SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+
+
+def whisper(seed: int, d_model=32, layers=2, heads=4, positions=16, suppress=(),
+            begin_suppress=(), max_target_positions=64, **kw):
+    """A tiny multilingual Whisper (80 mel bins, a window of 2 * `positions` frames) whose
+    generation_config carries what Whisper's `generate` reads: languages, tasks,
+    <|notimestamps|>, the suppressed tokens."""
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(seed)
+    ids = {s: 256 + i for i, s in enumerate(WHISPER_SPECIALS)}
+    cfg = WhisperConfig(
+        vocab_size=WHISPER_VOCAB, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=2 * d_model,
+        decoder_ffn_dim=2 * d_model, num_mel_bins=80, max_source_positions=positions,
+        max_target_positions=max_target_positions, decoder_start_token_id=ids["<|startoftranscript|>"],
+        pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"], suppress_tokens=list(suppress),
+        begin_suppress_tokens=list(begin_suppress), init_std=0.2, **kw)
+    model = WhisperForConditionalGeneration(cfg).eval()
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"],
+        max_length=max_target_positions, is_multilingual=True,
+        lang_to_id={s: ids[s] for s in ("<|en|>", "<|fr|>", "<|de|>")},
+        task_to_id={"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"], suppress_tokens=list(suppress),
+        begin_suppress_tokens=list(begin_suppress))
+    return model
+
+
+def truncated_whisper(model, layers: int):
+    """The first `layers` decoder blocks of a Whisper (its whole encoder), with its generation
+    config: a draft that agrees with it often."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig.from_dict({**model.config.to_dict(), "decoder_layers": layers})
+    small = WhisperForConditionalGeneration(cfg).eval()
+    state = {k: v for k, v in model.state_dict().items()
+             if ".decoder.layers." not in k or int(k.split(".decoder.layers.")[1].split(".")[0]) < layers}
+    small.load_state_dict(state, strict=False)
+    small.generation_config = model.generation_config
+    return small

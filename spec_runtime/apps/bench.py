@@ -114,6 +114,30 @@ def _summarise(gamma, kind, pairs) -> dict:
     }
 
 
+def speech_prompts(gen, paths, language: str | None = None) -> list[dict]:
+    """A speech bundle's bench inputs: each audio file (kind "speech"), with its language,
+    detected once here where not given, so that every timed transcription runs its encoders
+    (`_decode`)."""
+    prompts = []
+    for path in paths:
+        request = gen.transcription(path, max_new_tokens=1, language=language)
+        lang = language
+        if lang is None and gen.audio.languages:
+            from ..speech import language_code
+
+            lang = language_code(gen.audio, int(request.prefix[1]))
+        prompts.append({"kind": "speech", "audio": str(path), "language": lang})
+    return prompts
+
+
+def _decode(gen, prompt: dict, options: GenerationOptions):
+    """One timed generation: a text prompt's, or a speech input's transcription."""
+    if "audio" in prompt:
+        return gen.transcribe(prompt["audio"], replace(options, chat=None),
+                              language=prompt.get("language"))
+    return gen.generate(prompt["text"], options)
+
+
 def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions | None = None,
               *, repeats: int = 1, progress: Callable[[int], None] | None = None,
               **values) -> dict:
@@ -122,15 +146,15 @@ def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions
     the bundle's chat template when it has one. Returns the report (rows per γ and prompt
     kind, plus "all")."""
     options = GenerationOptions.given(options, values)
-    if options.chat is None:
+    if options.chat is None and gen.audio is None:
         options = replace(options, chat=bool(gen.chat_template))
     if options.temperature is None:  # greedy, whatever the bundle's default
         options = replace(options, temperature=0.0)
     temperature = options.temperature
     # warm-up: the first calls pay for allocations and ORT's lazy initialisation
     warm = replace(options, max_new_tokens=8, seed=0)
-    gen.generate(prompts[0]["text"], replace(warm, use_draft=False))
-    gen.generate(prompts[0]["text"], warm)
+    _decode(gen, prompts[0], replace(warm, use_draft=False))
+    _decode(gen, prompts[0], warm)
     rows = []
     for gamma in gammas:
         pairs: dict[str, list] = {}
@@ -139,8 +163,8 @@ def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions
                 out, tokens = {}, {}
                 order = (False, True) if (i + rep) % 2 == 0 else (True, False)
                 for use_draft in order:
-                    r = gen.generate(prompt["text"], replace(options, gamma=gamma,
-                                                             use_draft=use_draft, seed=rep))
+                    r = _decode(gen, prompt, replace(options, gamma=gamma,
+                                                     use_draft=use_draft, seed=rep))
                     assert r.stats["new_tokens"] == len(r.tokens)
                     out[use_draft], tokens[use_draft] = r.stats, r.tokens
                 if temperature == 0:  # greedy: speculative output must be target-only output

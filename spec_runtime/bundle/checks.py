@@ -29,6 +29,8 @@ GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder"
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
 VOCAB_SINCE = 4  # the first schema whose draft may have a trimmed head (draft.vocab)
+AUDIO_SINCE = 5  # the first schema with speech bundles (`audio`: an encoder of log-mel features)
+MAX_MELS = 512  # mel bins an audio encoder may read (Whisper has 80 or 128)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_BYTES = 255  # a file name, on every common file system
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
@@ -196,13 +198,14 @@ def validate(m: dict) -> None:
         # the source is padded to max_source_len in the encoder graph; the decoder starts from
         # decoder_start_token_id
         max_source_len = _integer(m, "max_source_len", "", 1)
-    _check_model(target, "target", m, files, max_source_len)
+    n_mels = _check_audio(m, arch, target)
+    _check_model(target, "target", m, files, max_source_len, n_mels)
     if arch == "encoder-decoder":
         _integer(m, "decoder_start_token_id", "", 0, target["vocab_size"] - 1)
     draft = _require(m, "draft", dict, "")
     _require(draft, "kind", str, "draft")  # which kinds exist is the draft registry's business
     if "graphs" in draft:  # a draft with graphs of its own: a model entry like the target's
-        _check_model(draft, "draft", m, files, max_source_len)
+        _check_model(draft, "draft", m, files, max_source_len, n_mels)
     _check_draft_vocab(m, draft, files, target["vocab_size"])
     _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
     _check_distinct_graphs(m)
@@ -314,7 +317,41 @@ def _check_file_entry(name: str, info) -> None:
         raise _bad(f"files[{name!r}].sha256", sha, "it must be 64 lowercase hex digits")
 
 
-def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) -> None:
+def _check_audio(m: dict, arch: str, target: dict) -> int | None:
+    """`audio`, a speech bundle's record (manifest.AudioEntry): its mel bins, and the prompt
+    and suppressed token ids, each inside the target's vocabulary. Returns n_mels, or None for a
+    bundle of text."""
+    audio = m.get("audio")
+    if audio is None:
+        return None
+    if arch != "encoder-decoder":
+        raise _bad("audio", "(present)", f"a speech bundle is encoder-decoder, not {arch}")
+    version = m.get("schema_version")
+    if not isinstance(version, int) or version < AUDIO_SINCE:
+        raise _bad("schema_version", version, f"a bundle with `audio` is schema {AUDIO_SINCE} "
+                   f"or later")
+    if not isinstance(audio, dict):
+        raise _bad("audio", audio, "it must be an object")
+    n_mels = _integer(audio, "n_mels", "audio", 1, MAX_MELS)
+    vocab = _integer(target, "vocab_size", "target", 1)
+    for key in ("languages", "tasks"):
+        table = _require(audio, key, dict, "audio")
+        for name, token in table.items():
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise _bad(f"audio.{key}[{name!r}]", token,
+                           f"it must be a token id in [0, {vocab})")
+    _integer(audio, "no_timestamps_token_id", "audio", 0, vocab - 1, optional=True)
+    for key in ("suppress_tokens", "begin_suppress_tokens"):
+        ids = _require(audio, key, list, "audio")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < vocab]
+        if bad:
+            raise _bad(f"audio.{key}", bad[0], f"each must be a token id in [0, {vocab})")
+    return n_mels
+
+
+def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
+                 n_mels: int | None = None) -> None:
     vocab = _integer(model, "vocab_size", where, 1)
     _precision(model, where + ".")
     graphs = _require(model, "graphs", dict, where)
@@ -350,9 +387,10 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len) 
     kv_cache = graphs["decoder"].get("kv_cache", SCHEMA_1_DEFAULTS["kv_cache"])
     dtype = cache_dtype(model.get("precision", "fp32"))
     wants = {"decoder": decoder_io(replace(dims, vocab_size=vocab), m["max_len"], kv_cache,
-                                   max_source_len, hidden_size_of(dec[1]), dtype)}
+                                   max_source_len, hidden_size_of(dec[1]), dtype,
+                                   audio=n_mels is not None)}
     if max_source_len is not None:
-        wants["encoder"] = encoder_io(dims, max_source_len, dtype)
+        wants["encoder"] = encoder_io(dims, max_source_len, dtype, n_mels)
     for name, want in wants.items():
         why = mismatch(described[name], want)
         if why:

@@ -6,7 +6,8 @@ description of it, and what ONNX Runtime itself reports).
                       past_key.{i} / past_value.{i} CACHE [1, kv_heads, S, head_dim]  (static)
                       encoder-decoder only: cross_key.{i} / cross_value.{i} CACHE
                         [1, kv_heads, max_source_len, head_dim] · source_mask int64
-                        [1, max_source_len]
+                        [1, max_source_len] (a token source only: an audio window is
+                        always whole, nothing in it is masked)
              outputs  logits float32 [1, num_logits, vocab_size]
                       hidden CACHE [1, num_logits, hidden_size]   (optional: the last
                         hidden states of those rows, for draft heads that read them)
@@ -18,6 +19,8 @@ description of it, and what ONNX Runtime itself reports).
                                     spec_export/onnx_fused.py)
     encoder  inputs   input_ids int64 [1, max_source_len] · attention_mask int64
                       [1, max_source_len]   (the source right-padded, padding masked)
+                      or, for speech (Whisper), input_features float32 [1, n_mels, frames]
+                      (one log-mel window, frames = 2 * max_source_len: spec_runtime/audio.py)
              outputs  cross_key.{i} / cross_value.{i}, as the decoder's cross inputs
 
 CACHE is float16 for an fp16 graph and float32 otherwise (cache_dtype); logits are float32
@@ -35,6 +38,7 @@ import numpy as np
 
 DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
 LOGITS, HIDDEN = "logits", "hidden"
+FEATURES = "input_features"  # a speech encoder's input
 KV_CACHE_LAYOUTS = ("new-slots", "in-place")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # of a graph's weights
 # "portable": standard ONNX ops (any runtime, TensorRT included); "fused": ONNX Runtime's contrib
@@ -148,10 +152,11 @@ def graph_devices(kernels: str, precision: str) -> tuple[str, ...]:
 
 
 def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | None = None,
-               hidden_size: int | None = None,
-               dtype: str = "float32") -> tuple[list[dict], list[dict]]:
-    """The decoder graph's description; `max_source_len` makes it an encoder-decoder's,
-    `hidden_size` adds the optional hidden-state output; `dtype` is the cache's."""
+               hidden_size: int | None = None, dtype: str = "float32",
+               audio: bool = False) -> tuple[list[dict], list[dict]]:
+    """The decoder graph's description; `max_source_len` makes it an encoder-decoder's (with
+    a source_mask input unless its source is `audio`), `hidden_size` adds the optional
+    hidden-state output; `dtype` is the cache's."""
     if kv_cache not in KV_CACHE_LAYOUTS:
         raise ValueError(f"kv_cache {kv_cache!r} is not one of {KV_CACHE_LAYOUTS}")
     in_place = kv_cache == "in-place"
@@ -163,7 +168,8 @@ def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | No
     if max_source_len is not None:
         cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
         ins += [_io(n, dtype, cross) for n in kv_names("cross", dims.n_layers)]
-        ins += [_io("source_mask", "int64", [1, max_source_len])]
+        if not audio:
+            ins += [_io("source_mask", "int64", [1, max_source_len])]
     outs = [_io(LOGITS, "float32", [1, DIM_NUM_LOGITS, dims.vocab_size])]
     if hidden_size is not None:
         outs.append(_io(HIDDEN, dtype, [1, DIM_NUM_LOGITS, hidden_size]))
@@ -179,12 +185,15 @@ def hidden_size_of(outputs: list[dict]) -> int | None:
         else None
 
 
-def encoder_io(dims: Dims, max_source_len: int,
-               dtype: str = "float32") -> tuple[list[dict], list[dict]]:
+def encoder_io(dims: Dims, max_source_len: int, dtype: str = "float32",
+               n_mels: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The encoder graph's description: of a token source, or with `n_mels` of an audio
+    window (its features' frames are twice the encoder's positions: a stride-2 convolution)."""
     ids = [1, max_source_len]
     cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
-    return ([_io("input_ids", "int64", ids), _io("attention_mask", "int64", ids)],
-            [_io(n, dtype, cross) for n in kv_names("cross", dims.n_layers)])
+    inputs = [_io("input_ids", "int64", ids), _io("attention_mask", "int64", ids)] \
+        if n_mels is None else [_io(FEATURES, "float32", [1, n_mels, 2 * max_source_len])]
+    return inputs, [_io(n, dtype, cross) for n in kv_names("cross", dims.n_layers)]
 
 
 def dims_of(inputs: list[dict], outputs: list[dict]) -> Dims | None:

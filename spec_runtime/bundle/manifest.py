@@ -20,6 +20,8 @@ the upgrade command, an older one with the rebuild command):
     a bundle file: draft_vocab.py); a version-3 reader would take its logits for ids 0..N-1.
     A build writes 4 only for such a draft (`lowest_schema`), so that older readers keep
     reading the others.
+5 — speech bundles (Whisper): `audio` (AudioEntry), an encoder that reads log-mel features
+    (`input_features`) and a decoder without `source_mask`. Written only for them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from .contract import graph_devices
 from ..errors import BundleError
-from .checks import (COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE,
+from .checks import (AUDIO_SINCE, COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE,
                               check_file_hashes,
                               check_inside, depth, name_limit, name_too_long, regular_file,
                               sha256_file, unreadable, validate)
@@ -42,8 +44,8 @@ __all__ = ["COSTS", "BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Man
            "ModelEntry", "REBUILD", "TokenizerEntry", "lowest_schema", "name_limit",
            "name_too_long", "read_manifest", "sha256_file", "unreadable", "write_manifest"]
 
-SCHEMA_VERSION = 4
-READABLE_SCHEMAS = (1, 2, 3, 4)
+SCHEMA_VERSION = 5
+READABLE_SCHEMAS = (1, 2, 3, 4, 5)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few kB; the chat template is the largest part
@@ -106,6 +108,35 @@ class TokenizerEntry:
 
 
 @dataclass(frozen=True)
+class AudioEntry:
+    """What a speech model (Whisper) reads and how its decoder is prompted: `n_mels` mel bins
+    of one window (frames = 2 * max_source_len); the prompt <|startoftranscript|> (the
+    manifest's decoder_start_token_id), then a language token (`languages`: "en" -> id; empty
+    for an English-only model, which has none), a task token (`tasks`: "transcribe",
+    "translate"), then <|notimestamps|>; the ids the model's generation_config never lets it
+    emit (`suppress_tokens`) and those it may not emit first (`begin_suppress_tokens`)."""
+
+    n_mels: int
+    languages: dict[str, int] = field(default_factory=dict)
+    tasks: dict[str, int] = field(default_factory=dict)
+    no_timestamps_token_id: int | None = None
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"n_mels": self.n_mels, "languages": dict(self.languages),
+                "tasks": dict(self.tasks), "no_timestamps_token_id": self.no_timestamps_token_id,
+                "suppress_tokens": list(self.suppress_tokens),
+                "begin_suppress_tokens": list(self.begin_suppress_tokens)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "AudioEntry":
+        return cls(d["n_mels"], dict(d["languages"]), dict(d["tasks"]),
+                   d.get("no_timestamps_token_id"), tuple(d["suppress_tokens"]),
+                   tuple(d["begin_suppress_tokens"]))
+
+
+@dataclass(frozen=True)
 class FileEntry:
     bytes: int
     sha256: str
@@ -139,6 +170,7 @@ class Manifest:
     # {"draft_step", "verify_row"}); a seeded sample's rounds take them instead of their own
     # timings. Absent in bundles built before they were measured: an older reader ignores them.
     costs: dict = field(default_factory=dict)
+    audio: AudioEntry | None = None  # a speech bundle's (schema 5)
 
     @property
     def encoder_decoder(self) -> bool:
@@ -178,6 +210,8 @@ class Manifest:
         if self.encoder_decoder:
             d.update(max_source_len=self.max_source_len,
                      decoder_start_token_id=self.decoder_start_token_id)
+        if self.audio is not None:
+            d["audio"] = self.audio.to_json()
         return d
 
     # -- the one reader -------------------------------------------------------------------------
@@ -205,7 +239,8 @@ class Manifest:
             files={n: FileEntry(f["bytes"], f["sha256"]) for n, f in d["files"].items()},
             created_by=d.get("created_by") or {}, schema_version=d["schema_version"],
             engines=d.get("engines") or {}, generation=d.get("generation") or {},
-            costs=d.get("costs") or {})
+            costs=d.get("costs") or {},
+            audio=AudioEntry.from_json(d["audio"]) if d.get("audio") is not None else None)
 
 
 def _model(d: dict) -> ModelEntry:
@@ -235,8 +270,11 @@ def _model_json(m: ModelEntry) -> dict:
                        for name, g in m.graphs.items()}}
 
 
-def lowest_schema(draft: DraftEntry) -> int:
-    """The oldest schema that describes a bundle with this draft: what a build writes."""
+def lowest_schema(draft: DraftEntry, audio: bool = False) -> int:
+    """The oldest schema that describes a bundle with this draft (and of speech, with
+    `audio`): what a build writes."""
+    if audio:
+        return AUDIO_SINCE
     return VOCAB_SINCE if "vocab" in draft.options else VOCAB_SINCE - 1
 
 

@@ -200,5 +200,6 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         manifest=manifest,
         bundle_dir=bundle_dir,
         generation_defaults=manifest.generation,
+        audio=manifest.audio,
         costs=Costs(**manifest.costs) if manifest.costs else None,
     )

@@ -136,7 +136,9 @@ class RequestState:
         self.seq[:n] = request.prefix
         self.n_seq = n
         self.target_valid = 0
-        self.stats.prompt_tokens = len(request.prompt)  # an encoder-decoder's: its source
+        # an encoder-decoder's: its source; speech's (features, not tokens): the decoder prompt
+        prompt = request.prompt if np.ndim(request.prompt) == 1 else request.prefix
+        self.stats.prompt_tokens = len(prompt)
         self.token_logprobs = token_logprobs if token_logprobs is not None else []
 
     @property

@@ -136,6 +136,8 @@ class DecodeStats:
     alpha_n: int = 0
     # {rows scored: (total seconds, calls)} of the target calls after the prefill
     call_rows: dict = field(default_factory=dict)
+    # an encoder-decoder's encoders, run once per request on its source (a speech window)
+    encode_time_s: float = 0.0
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0  # target calls after the prefill
     wall_time_s: float = 0.0
@@ -211,7 +213,8 @@ class DecodeStats:
         bookkeeping): what the Python loop costs."""
         if self.wall_time_s <= 0:
             return 0.0
-        inside = self.prefill_time_s + self.target_time_s + self.draft_time_s
+        inside = self.encode_time_s + self.prefill_time_s + self.target_time_s \
+            + self.draft_time_s
         return max(0.0, 1.0 - inside / self.wall_time_s)
 
     def to_dict(self) -> dict:

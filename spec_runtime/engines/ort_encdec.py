@@ -1,8 +1,8 @@
 """ONNX Runtime engine for an encoder-decoder bundle: the encoder graph once per request, then
 the decoder graph exactly as OrtEngine drives a decoder-only one.
 
-The encoder reads the source right-padded to the static max_source_len and returns the
-cross-attention K/V of every decoder layer, on the engine's device; they and the source mask are
+The encoder reads the source right-padded to the static max_source_len (or, for speech, one
+log-mel window: spec_runtime/audio.py) and returns the cross-attention K/V of every decoder layer, on the engine's device; they and the source mask are
 bound once per request as inputs of every decoder call of that request (no copy per step). The
 host inputs are bound after their values are written, each request: ONNX Runtime copies an
 input to the device that reads it when it is bound. `reset()` (called by the decode loop after
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..bundle.contract import FEATURES
 from ..errors import CacheCapacityError, InputError
 from .devices import DEVICES, Device
 from ..bundle.manifest import GraphEntry
@@ -34,7 +35,11 @@ class OrtEncDecEngine(OrtEngine):
         self.encoder_graph = encoder_graph
         self.max_source_len = max_source_len
         self.cross_names = [o["name"] for o in encoder_graph.outputs]
-        self._source = np.zeros((1, max_source_len), dtype=np.int64)
+        features = next((i for i in encoder_graph.inputs if i["name"] == FEATURES), None)
+        # a speech encoder's input: [1, n_mels, frames]; None for a token source
+        self.features_shape = tuple(features["shape"]) if features else None
+        self._source = np.zeros(self.features_shape or (1, max_source_len),
+                                dtype=np.float32 if features else np.int64)
         self._source_mask = np.zeros((1, max_source_len), dtype=np.int64)
         self._encoder_binding = encoder.io_binding()
         for name in self.cross_names:
@@ -79,9 +84,32 @@ class OrtEncDecEngine(OrtEngine):
         if n == 0:
             raise InputError("the source is empty: give at least one token")
 
-    def encode_source(self, source_ids) -> None:
-        """Run the encoder on one request's source ids; its cross K/V serve every forward until
-        the next encode_source."""
+    @property
+    def audio(self) -> bool:
+        return self.features_shape is not None
+
+    def example_source(self, rng: np.random.Generator) -> np.ndarray:
+        """A source this engine encodes, for measurements: 8 token ids, or a window of features
+        in the range log_mel gives."""
+        if self.audio:
+            return rng.uniform(-1.0, 1.5, self.features_shape[1:]).astype(np.float32)
+        return rng.integers(0, self.vocab_size, 8)
+
+    def encode_source(self, source) -> None:
+        """Run the encoder on one request's source: its token ids, or a speech encoder's
+        features [n_mels, frames] (audio.log_mel); its cross K/V serve every forward until the
+        next encode_source."""
+        if self.audio:
+            self._encode_features(source)
+        else:
+            self._encode_ids(source)
+        self.encoder.run_with_iobinding(self._encoder_binding)
+        self.cross = dict(zip(self.cross_names, self._encoder_binding.get_outputs()))
+        for name, value in self.cross.items():
+            self._binding.bind_ortvalue_input(name, value)
+        self.encoded = True
+
+    def _encode_ids(self, source_ids) -> None:
         ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
         n = len(ids)
         self.check_source(n)
@@ -92,11 +120,20 @@ class OrtEncDecEngine(OrtEngine):
         self._encoder_binding.bind_cpu_input("input_ids", self._source)
         self._encoder_binding.bind_cpu_input("attention_mask", self._source_mask)
         self._binding.bind_cpu_input("source_mask", self._source_mask)
-        self.encoder.run_with_iobinding(self._encoder_binding)
-        self.cross = dict(zip(self.cross_names, self._encoder_binding.get_outputs()))
-        for name, value in self.cross.items():
-            self._binding.bind_ortvalue_input(name, value)
-        self.encoded = True
+
+    def _encode_features(self, features) -> None:
+        x = np.asarray(features, dtype=np.float32)
+        want = self.features_shape[1:]
+        if x.shape not in (want, (1, *want)):
+            raise InputError(f"the features have shape {list(x.shape)}; this bundle's encoder "
+                             f"reads {list(want)} (n_mels, frames): make them with "
+                             f"spec_runtime.audio.log_mel(samples, n_mels={want[0]}, "
+                             f"frames={want[1]})")
+        if not np.isfinite(x).all():
+            raise InputError("the features hold NaN or infinite values: make them with "
+                             "spec_runtime.audio.log_mel")
+        self._source[0] = x.reshape(want)
+        self._encoder_binding.bind_cpu_input(FEATURES, self._source)
 
     def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
         if not self.encoded:

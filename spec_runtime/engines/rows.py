@@ -97,7 +97,7 @@ def probe(engine, rows: int = PROBE_ROWS, prefix: int = PROBE_PREFIX,
     rng = np.random.default_rng(seed)
     seq = rng.integers(0, engine.vocab_size, prefix + rows).astype(np.int64)
     if hasattr(engine, "encode_source"):
-        engine.encode_source(rng.integers(0, engine.vocab_size, 8))
+        engine.encode_source(engine.example_source(rng))
     engine.reset()
     engine.set_one_row("as-is")
     engine.forward(seq[:prefix], 0, 1)

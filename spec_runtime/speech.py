@@ -1,0 +1,122 @@
+"""Speech bundles (Whisper): what a transcription request adds to a text one.
+
+    audio (a path, or float samples at 16 kHz)
+      │ audio.read_audio / log_mel at the bundle's window
+      ▼
+    features [n_mels, frames] ─► the encoders (encode_source), once per request
+    decoder prompt: <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
+      (the language detected from the target's first row when not given, as transformers
+      does: the most likely language token after <|startoftranscript|>)
+    Suppression: the model's suppress_tokens never, its begin_suppress_tokens not first
+
+The suppression is a constraint (sampling.penalize's step 0, like a response_format's grammar):
+the target's rows and the draft's alike get -inf at those ids, so target-only decoding samples
+from the suppressed distribution p', and speculative decoding verifies against the same p'
+(constraint.py says why that keeps it exact). It is what transformers' SuppressTokens and
+SuppressTokensAtBegin logits processors do in Whisper's `generate`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .audio import SAMPLE_RATE, log_mel, read_audio, too_long, window_seconds
+from .bundle.manifest import AudioEntry
+from .errors import FieldError, InputError
+
+TASKS = ("transcribe", "translate")
+
+
+class Suppress:
+    """constraint.Constraint's protocol for Whisper's suppressed tokens: `allowed(generated)`
+    is the mask after the tokens generated so far (the begin mask before the first)."""
+
+    def __init__(self, audio: AudioEntry, vocab_size: int):
+        self.always = np.ones(vocab_size, bool)
+        self.always[[t for t in audio.suppress_tokens if t < vocab_size]] = False
+        self.first = self.always.copy()
+        self.first[[t for t in audio.begin_suppress_tokens if t < vocab_size]] = False
+
+    def allowed(self, generated) -> np.ndarray:
+        return self.first if len(generated) == 0 else self.always
+
+
+def samples_of(audio, window: float) -> np.ndarray:
+    """float samples at 16 kHz from a path (read_audio) or an array of samples (checked)."""
+    if isinstance(audio, (str, Path)):
+        return read_audio(audio, max_seconds=window)
+    if isinstance(audio, (bytes, bytearray, memoryview)):
+        raise InputError("the audio is bytes: give a file's path, or its samples as a float "
+                         "array at 16 kHz (spec_runtime.audio.read_audio reads a WAV file)")
+    x = np.asarray(audio)
+    if x.dtype.kind not in "fiu" or x.ndim != 1:
+        raise InputError(f"the audio is an array of {x.dtype} with shape {list(x.shape)}: give "
+                         f"mono samples, a 1-D float array at {SAMPLE_RATE} Hz")
+    if x.size == 0:
+        raise InputError("the audio holds no samples: give a recording of speech")
+    if not np.isfinite(x).all():
+        raise InputError("the audio holds NaN or infinite samples: give finite samples in "
+                         "[-1, 1]")
+    if len(x) / SAMPLE_RATE > window:
+        raise too_long(len(x) / SAMPLE_RATE, "the audio", int(window * SAMPLE_RATE / 160))
+    return x.astype(np.float32)
+
+
+def features_of(audio, entry: AudioEntry, max_source_len: int) -> np.ndarray:
+    """The encoder's input for `audio`: its log-mel window, float32 [n_mels, frames]."""
+    frames = 2 * max_source_len
+    return log_mel(samples_of(audio, window_seconds(frames)), entry.n_mels, frames)
+
+
+def language_token(entry: AudioEntry, language: str) -> int:
+    """The token of `language`: a code ("en") or its token ("<|en|>"); FieldError naming the
+    codes this model knows."""
+    if not isinstance(language, str):
+        raise FieldError("language", f"language={language!r} is invalid: give a code such as "
+                                     f"'en'")
+    code = language.strip().lower()
+    code = code[2:-2] if code.startswith("<|") and code.endswith("|>") else code
+    if not entry.languages:
+        raise FieldError("language", f"language={language!r} is not taken: this model is "
+                                     f"English-only (it has no language tokens); leave it out")
+    if code not in entry.languages:
+        known = ", ".join(sorted(entry.languages)[:12])
+        raise FieldError("language", f"language={language!r} is not one this model knows: "
+                                     f"give one of its {len(entry.languages)} codes ({known}, "
+                                     f"...), or leave it out to detect it")
+    return entry.languages[code]
+
+
+def task_token(entry: AudioEntry, task: str) -> int | None:
+    if task not in TASKS:
+        raise FieldError("task", f"task={task!r} is invalid: use 'transcribe' or 'translate' "
+                                 f"(into English)")
+    if not entry.tasks:
+        if task != "transcribe":
+            raise FieldError("task", "this model is English-only: it transcribes, it does not "
+                                     "translate; leave task out")
+        return None
+    return entry.tasks[task]
+
+
+def decoder_prompt(entry: AudioEntry, start: int, language: int | None,
+                   task: int | None) -> list[int]:
+    """<|startoftranscript|> [<|lang|> <|task|>] [<|notimestamps|>]: transformers' prompt for
+    a transcription without timestamps."""
+    ids = [start] + [t for t in (language, task) if t is not None]
+    if entry.no_timestamps_token_id is not None:
+        ids.append(entry.no_timestamps_token_id)
+    return ids
+
+
+def detect_language(entry: AudioEntry, first_row: np.ndarray) -> int:
+    """The language token with the largest logit in the target's row after
+    <|startoftranscript|> (transformers' `detect_language`)."""
+    ids = np.fromiter(entry.languages.values(), np.int64)
+    return int(ids[np.argmax(np.asarray(first_row)[ids])])
+
+
+def language_code(entry: AudioEntry, token: int) -> str | None:
+    return next((code for code, t in entry.languages.items() if t == token), None)
