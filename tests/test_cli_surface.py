@@ -15,7 +15,8 @@ from draftproof.cli.specexport import main as specexport
 from draftproof.cli.specrun import main as specrun
 
 TOOLS = {"specexport": specexport, "specrun": specrun}
-READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "chat"), ("specrun", "bench"),
+READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "transcribe"), ("specrun", "chat"),
+                  ("specrun", "bench"),
                   ("specrun", "check"), ("specrun", "serve"), ("specexport", "verify"),
                   ("specexport", "engine")}
 
@@ -52,7 +53,8 @@ def test_every_command_that_reads_a_bundle_takes_it_as_dash_b(llama_pair):
     found = {(name, sub) for name, sub, c in commands()
              if any("--bundle" in p.opts and "-b" in p.opts for p in c.params)}
     assert found == READS_A_BUNDLE
-    for name, sub in READS_A_BUNDLE - {("specrun", "generate")}:  # generate's argument is PROMPT
+    # generate's argument is PROMPT, transcribe's AUDIO
+    for name, sub in READS_A_BUNDLE - {("specrun", "generate"), ("specrun", "transcribe")}:
         r = CliRunner().invoke(TOOLS[name], [sub, str(llama_pair[2])], prog_name=name)
         assert r.exit_code == 2 and f"{name} {sub} --bundle {llama_pair[2]}" in r.output, r.output
 

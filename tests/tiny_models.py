@@ -387,6 +387,8 @@ def whisper(seed: int, d_model=32, layers=2, heads=4, positions=16, suppress=(),
         bos_token_id=ids["<|endoftext|>"], suppress_tokens=list(suppress),
         begin_suppress_tokens=list(begin_suppress), init_std=0.2, **kw)
     model = WhisperForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # the prompt's tokens weigh: another language, another transcript
+        model.model.decoder.embed_tokens.weight[256:] *= 8
     model.generation_config = GenerationConfig(
         decoder_start_token_id=ids["<|startoftranscript|>"], eos_token_id=ids["<|endoftext|>"],
         pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"],

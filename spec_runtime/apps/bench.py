@@ -108,6 +108,8 @@ def _summarise(gamma, kind, pairs) -> dict:
         "target_step_ms": step * 1e3,
         "verify_call_ms": verify * 1e3,
         "draft_step_ms": draft_step * 1e3,
+        # an encoder-decoder's encoders per request (both modes; speculative runs the draft's)
+        "encode_ms": float(np.mean([s.get("encode_time_s", 0.0) for s in spec + base])) * 1e3,
         # greedy runs whose speculative tokens equal the target-only tokens (None: sampled)
         "identical": sum(s["identical"] for s in spec) if all("identical" in s for s in spec)
         else None,

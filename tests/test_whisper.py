@@ -1,0 +1,331 @@
+"""Whisper bundles end to end on tiny random multilingual Whispers (tiny_models.whisper: 80 mel
+bins, a window of 32 frames = 0.32 s): the build, transcription equal to Hugging Face's
+Whisper `generate` token for token (its prompt, language detection and suppressed tokens
+included) with and without the draft, a sampled joint against exact enumeration, the self
+draft, `specrun transcribe` and `specrun bench --audio`, and bad input.
+
+The oracle is transformers' WhisperForConditionalGeneration on the same saved weights, fed
+the same features (spec_runtime.audio.log_mel, itself held to WhisperFeatureExtractor by
+test_audio.py).
+"""
+
+import json
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+
+import spec_runtime  # noqa: E402
+from helpers import assert_input_error, edit_manifest, run  # noqa: E402
+from spec_export.build import build_bundle  # noqa: E402
+from spec_runtime.audio import SAMPLE_RATE, log_mel  # noqa: E402
+from spec_runtime.bundle.manifest import BundleError  # noqa: E402
+from toy_models import joint_p_value  # noqa: E402
+
+THREADS = 1
+FRAMES = 32  # tiny_models.whisper's window: 2 * 16 positions
+N = 24  # new tokens per transcription
+# what the tiny models never emit (as Whisper's generation_config suppresses its task tokens):
+# <|startoftranscript|>, the languages, the tasks, <|notimestamps|>
+SPECIALS = list(range(257, 264))
+
+
+def signal(seed: int, seconds: float = 0.25) -> np.ndarray:
+    """Tones and noise: a different input for every seed."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
+    tones = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(100, 4000) * t)
+                for _ in range(3))
+    return (tones + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
+
+
+def write_wav(path, samples, rate=SAMPLE_RATE):
+    pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(pcm.tobytes())
+    return path
+
+
+def _save(root, model, name):
+    from tiny_models import save, whisper_tokenizer
+
+    return save(model, root / name, whisper_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target dir, bundle): a 2-layer target and its first decoder layer as the draft."""
+    from tiny_models import truncated_whisper, whisper
+
+    root = tmp_path_factory.mktemp("whisper")
+    target = whisper(0, suppress=SPECIALS)
+    t = _save(root, target, "target")
+    d = _save(root, truncated_whisper(target, 1), "draft")
+    return t, build_bundle(str(t), str(d), root / "bundle", progress=False)
+
+
+_HF: dict = {}
+
+
+def hf_model(model_dir):
+    if model_dir not in _HF:
+        _HF[model_dir] = transformers.WhisperForConditionalGeneration.from_pretrained(
+            model_dir).eval()
+    return _HF[model_dir]
+
+
+def features(x) -> torch.Tensor:
+    return torch.tensor(log_mel(x, 80, FRAMES))[None]
+
+
+def hf_transcribe(model_dir, x, language, task="transcribe", n=N) -> list[int]:
+    with torch.no_grad():
+        out = hf_model(model_dir).generate(input_features=features(x), language=language,
+                                           task=task, max_new_tokens=n, do_sample=False)
+    return out[0].tolist()
+
+
+def test_the_manifest_records_the_speech_contract(pair):
+    _, bundle = pair
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["schema_version"] == 5 and m["architecture"] == "encoder-decoder"
+    assert m["max_source_len"] == 16 and m["max_len"] == 64  # the model's window and positions
+    assert m["audio"]["languages"] == {"en": 258, "fr": 259, "de": 260}
+    assert m["audio"]["tasks"] == {"translate": 261, "transcribe": 262}
+    assert m["audio"]["no_timestamps_token_id"] == 263
+    encoder = m["target"]["graphs"]["encoder"]
+    assert encoder["inputs"] == [{"name": "input_features", "dtype": "float32",
+                                  "shape": [1, 80, FRAMES]}]
+    names = [i["name"] for i in m["target"]["graphs"]["decoder"]["inputs"]]
+    assert "source_mask" not in names and "cross_key.0" in names
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_transcripts_are_hugging_faces(pair, seed):
+    """Speculative (γ 1 and 4) == target-only == transformers' generate, for a given language,
+    the detected one, and the translate task."""
+    model_dir, bundle = pair
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    x = signal(seed)
+    seen = set()
+    for language, task in ((None, "transcribe"), ("fr", "transcribe"), ("de", "translate")):
+        want = hf_transcribe(model_dir, x, language, task)
+        plain = gen.transcribe(x, max_new_tokens=N, language=language, task=task,
+                               use_draft=False)
+        assert plain.tokens == want, (language, task)
+        for gamma in (1, 4):
+            spec = gen.transcribe(x, max_new_tokens=N, language=language, task=task,
+                                  gamma=gamma)
+            assert spec.tokens == want and spec.text == plain.text, (language, task, gamma)
+        assert spec.stats["prompt_tokens"] == 4 and spec.stats["encode_time_s"] > 0
+        seen.add(tuple(want))
+    assert len(seen) > 1  # the prompt matters to this model: the comparison can fail
+
+
+def test_language_detection_is_hugging_faces(pair):
+    model_dir, bundle = pair
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    codes = {258: "en", 259: "fr", 260: "de"}
+    found = set()
+    for seed in range(8):
+        x = signal(seed)
+        with torch.no_grad():
+            want = int(hf_model(model_dir).detect_language(features(x))[0])
+        request = gen.transcription(x, max_new_tokens=4)
+        assert request.prefix.tolist() == [257, want, 262, 263]
+        found.add(codes[want])
+    print(f"detected: {sorted(found)}")
+
+
+@pytest.fixture(scope="module")
+def suppressed(pair, tmp_path_factory):
+    """The same target with suppress_tokens (the token it emits most) and begin_suppress_tokens
+    (the first token it emits, and the end of text), as a generation_config sets them; its
+    first decoder layer as the draft."""
+    from tiny_models import truncated_whisper
+
+    model_dir, _ = pair
+    x = signal(0)
+    plain = hf_transcribe(model_dir, x, "en")
+    common = int(np.bincount(plain).argmax())
+    first = plain[0] if plain[0] != common else plain[1]
+    model = hf_model(model_dir)
+    root = tmp_path_factory.mktemp("whisper_suppressed")
+    config = model.generation_config
+    kept = config.suppress_tokens, config.begin_suppress_tokens
+    config.suppress_tokens, config.begin_suppress_tokens = SPECIALS + [common], [first, 256]
+    try:
+        t = _save(root, model, "target")
+        d = _save(root, truncated_whisper(model, 1), "draft")
+    finally:
+        config.suppress_tokens, config.begin_suppress_tokens = kept
+    bundle = build_bundle(str(t), str(d), root / "bundle", max_len=16, progress=False)
+    return t, bundle, common, first
+
+
+def test_suppressed_tokens_are_hugging_faces(suppressed):
+    model_dir, bundle, common, first = suppressed
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    for seed in range(3):
+        x = signal(seed)
+        want = hf_transcribe(model_dir, x, "en", n=12)
+        assert common not in want
+        for use_draft in (False, True):
+            got = gen.transcribe(x, max_new_tokens=12, language="en", use_draft=use_draft,
+                                 gamma=3)
+            assert got.tokens == want
+            assert got.tokens[0] not in (first, 256)
+
+
+def exact_joint(model_dir, x, common, first, top_k):
+    """p(y1, y2) of the suppressed model at temperature 1 and top_k, by enumeration over
+    transformers' logits: suppressed ids -inf, the begin ids too at the first position, the top
+    k kept, softmax. Computed here by hand."""
+    model = hf_model(model_dir)
+    prompt = [257, 258, 262, 263]
+    vocab = model.config.vocab_size
+
+    def probs(logits, at_begin):
+        z = logits.double().numpy().copy()
+        z[SPECIALS + [common]] = -np.inf
+        if at_begin:
+            z[[first, 256]] = -np.inf
+        kth = np.sort(z)[-top_k]
+        z[z < kth] = -np.inf
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    with torch.no_grad():
+        f = features(x)
+        p1 = probs(model(input_features=f, decoder_input_ids=torch.tensor([prompt])).logits[0, -1],
+                   True)
+        joint = np.zeros((vocab, vocab))
+        for a in np.flatnonzero(p1):
+            row = model(input_features=f,
+                        decoder_input_ids=torch.tensor([prompt + [int(a)]])).logits[0, -1]
+            joint[a] = p1[a] * probs(row, False)
+    return joint
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_sampled_pairs_follow_the_suppressed_target(suppressed, gamma):
+    """Joint chi-square of the first two sampled tokens against exact enumeration."""
+    model_dir, bundle, common, first = suppressed
+    x = signal(1)
+    top_k = 4
+    exact = exact_joint(model_dir, x, common, first, top_k)
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    gen.eos_token_ids = frozenset()
+    counts = np.zeros_like(exact)
+    accepted = 0
+    draws = 2000
+    for seed in range(draws):
+        r = gen.transcribe(x, max_new_tokens=max(2, gamma + 1), language="en", gamma=gamma,
+                           temperature=1.0, top_k=top_k, seed=seed)
+        counts[r.tokens[0], r.tokens[1]] += 1
+        accepted += r.stats["accepted"]
+    p = joint_p_value(counts, exact)
+    print(f"γ={gamma}: p-value={p:.4f} accepted={accepted}")
+    assert p > 1e-4 and accepted > 0
+
+
+def test_a_self_draft_is_the_targets_own_int8_graphs(pair, tmp_path):
+    model_dir, _ = pair
+    bundle = build_bundle(str(model_dir), "self", tmp_path / "self", progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["draft"]["kind"] == "model" and m["draft"]["precision"] == "int8"
+    assert set(m["draft"]["graphs"]) == {"encoder", "decoder"}
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    for seed in range(2):
+        x = signal(seed)
+        want = hf_transcribe(model_dir, x, "en")
+        assert gen.transcribe(x, max_new_tokens=N, language="en", gamma=3).tokens == want
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def test_specrun_transcribe_and_bench(pair, tmp_path):
+    from draftproof.cli.specrun import main as specrun
+
+    model_dir, bundle = pair
+    x = signal(2)
+    wav = write_wav(tmp_path / "speech.wav", x)
+    r = run(specrun, "transcribe", wav, "-b", bundle, "--language", "fr", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    # the file's 16-bit samples are what both read
+    read = spec_runtime.audio.read_audio(wav)
+    assert out["tokens"][:N] == hf_transcribe(model_dir, read, "fr", n=N)
+    assert out["language"] == "fr"
+    r = run(specrun, "bench", "-b", bundle, "--audio", wav, "--max-new-tokens", 16, "--json",
+            "--gamma", "1,3")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert {row["kind"] for row in report["rows"]} == {"speech"}
+    assert all(row["identical"] == row["runs"] for row in report["rows"]), report["rows"]
+    assert all(row["encode_ms"] > 0 for row in report["rows"])
+
+
+def test_bad_input_is_one_line_and_exit_2(pair, llama_pair, tmp_path):
+    from draftproof.cli.specrun import main as specrun
+
+    _, bundle = pair
+    notes = tmp_path / "notes.txt"
+    notes.write_text("words, not sound")
+    empty = write_wav(tmp_path / "empty.wav", np.zeros(0))
+    long = write_wav(tmp_path / "long.wav", signal(0, seconds=1.0))
+    slow = write_wav(tmp_path / "slow.wav", np.zeros(400), rate=4000)
+    ok = write_wav(tmp_path / "ok.wav", signal(0))
+    for args, words in (
+        ((notes,), ("notes.txt", "is not audio", "ffmpeg")),
+        ((empty,), ("empty.wav", "holds no samples")),
+        ((long,), ("1.0 s long", "at most 0.32 s", "ffmpeg")),
+        ((slow,), ("4000 Hz", "ffmpeg -i INPUT -ar 16000")),
+        ((tmp_path / "missing.wav",), ("missing.wav", "does not exist")),
+        ((ok, "--language", "xx"), ("--language", "'xx'", "en", "fr")),
+    ):
+        assert_input_error(run(specrun, "transcribe", *args, "-b", bundle), *words)
+    assert_input_error(run(specrun, "generate", "hello", "-b", bundle),
+                       "speech model", "specrun transcribe")
+    assert_input_error(run(specrun, "transcribe", ok, "-b", llama_pair[2]),
+                       "text model", "speech bundle", "specrun generate")
+    assert_input_error(run(specrun, "bench", "-b", bundle), "--audio")
+    assert_input_error(run(specrun, "bench", "-b", llama_pair[2], "--audio", ok),
+                       "text model", "--audio")
+
+
+def test_python_api_refuses_what_is_not_samples(pair):
+    _, bundle = pair
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    for audio, words in ((b"RIFF", "bytes"), (np.zeros((2, 100)), "mono"),
+                         (np.array([0.1, np.nan]), "NaN"), (np.zeros(0), "no samples"),
+                         (np.zeros(SAMPLE_RATE), "at most 0.32 s")):
+        with pytest.raises(spec_runtime.InputError, match=words):
+            gen.transcribe(audio, max_new_tokens=4, language="en")
+    with pytest.raises(spec_runtime.InputError, match="transcribe"):
+        gen.generate("hello", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda m: m["audio"]["languages"].update(en=10**6), r"audio.languages\['en'\]"),
+    (lambda m: m.update(schema_version=4), "schema 5"),
+    (lambda m: m["audio"].update(n_mels=128), "does not fit"),
+    (lambda m: m.pop("audio"), "does not fit"),
+    (lambda m: m["audio"].update(suppress_tokens=["x"]), "audio.suppress_tokens"),
+])
+def test_a_damaged_audio_record_is_refused(pair, tmp_path, damage, match):
+    import shutil
+
+    _, bundle = pair
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    edit_manifest(copy, damage)
+    with pytest.raises(BundleError, match=match):
+        spec_runtime.load(copy, threads=THREADS)
