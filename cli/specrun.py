@@ -341,11 +341,14 @@ CHECK_SETTING = _check_setting()
 @gamma_option()
 @click.option("--seed", type=int, default=0, show_default=True,
               help="seed of the whole check (each generation gets its own, drawn from it)")
+@click.option("--audio", "audio_files", multiple=True, type=click.Path(dir_okay=False),
+              help="a speech bundle's input (repeat for more) [default: built-in tones and "
+                   "noise: the verdict does not depend on what is said]")
 @json_option("print the report as JSON")
 @device_options
 @input_errors
-def check(bundle, tokens, samples, seconds, gamma, seed, as_json, device, draft_device, threads,
-          **setting):
+def check(bundle, tokens, samples, seconds, gamma, seed, audio_files, as_json, device,
+          draft_device, threads, **setting):
     """Test that speculative decoding on the bundle samples from the target's distribution: a
     two-sample chi-square of speculative vs target-only continuations, and greedy parity.
     Exit 0 when consistent, 1 when the test rejects, 2 on bad input."""
@@ -357,7 +360,8 @@ def check(bundle, tokens, samples, seconds, gamma, seed, as_json, device, draft_
     samples = DEFAULT_SAMPLES if samples is None else samples
     with _Progress(max(samples, 1), "check") as progress:
         report = in_cli_words(run_check, gen, options, tokens=tokens, samples=samples,
-                              seconds=seconds, seed=seed, progress=progress.update)
+                              seconds=seconds, seed=seed, audio=audio_files,
+                              progress=progress.update)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     sys.exit(report["exit_code"])
 

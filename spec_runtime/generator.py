@@ -422,14 +422,17 @@ class Generator:
             raise
         out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs)
 
-    def target_logits(self, prompt_ids, prefix: Sequence[int]) -> np.ndarray:
+    def target_logits(self, prompt_ids, prefix: Sequence[int], start=None) -> np.ndarray:
         """The target's logits float64 [V] for the next token after prompt + prefix (the prefix
-        being generated tokens), from one fresh call: what `specrun check` compares with."""
+        being generated tokens), from one fresh call: what `specrun check` compares with. An
+        encoder-decoder's decoder starts from `start` (a Request's prefix), else from its
+        start token; a speech bundle's prompt is its features."""
         with self._lock:
             self.target.reset()
-            ids = np.asarray(prompt_ids, np.int64)
+            ids = prompt_ids if self.audio is not None else np.asarray(prompt_ids, np.int64)
             self._encode(ids, None)
-            start = [self.decoder_start_token_id] if self.encoder_decoder else ids
+            if start is None:
+                start = [self.decoder_start_token_id] if self.encoder_decoder else ids
             seq = np.concatenate([np.asarray(start, np.int64), np.asarray(prefix, np.int64)])
             return np.asarray(self.target.forward(seq, 0, 1)[-1], np.float64)
 

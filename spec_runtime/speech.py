@@ -120,3 +120,26 @@ def detect_language(entry: AudioEntry, first_row: np.ndarray) -> int:
 
 def language_code(entry: AudioEntry, token: int) -> str | None:
     return next((code for code, t in entry.languages.items() if t == token), None)
+
+
+def check_signals(window: float, count: int = 3) -> list[tuple[str, np.ndarray]]:
+    """(label, samples): inputs that need no recording, for checks whose verdict does not
+    depend on what is said (`specrun check`): tones and noise of up to 2 s, a seed each."""
+    out = []
+    for seed in range(count):
+        rng = np.random.default_rng(seed)
+        t = np.arange(int(min(2.0, window) * SAMPLE_RATE)) / SAMPLE_RATE
+        tones = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(100, 4000) * t)
+                    for _ in range(3))
+        out.append((f"signal {seed}", (tones + 0.05 * rng.standard_normal(len(t)))
+                    .astype(np.float32)))
+    return out
+
+
+def fixed_language(gen, audio, language: str | None = None) -> str | None:
+    """`language`, or the one detected in `audio` (once, so that the requests made of it
+    afterwards are alike); None for an English-only model."""
+    if language is not None or not gen.audio.languages:
+        return language
+    request = gen.transcription(audio, max_new_tokens=1)
+    return language_code(gen.audio, int(request.prefix[1]))

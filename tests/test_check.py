@@ -106,7 +106,7 @@ class FlipsGreedyToken(Generator):
 
     def generate(self, prompt, options=None, **kw):
         r = super().generate(prompt, options, **kw)
-        options = options or GenerationOptions(**kw)
+        options = options or getattr(prompt, "options", None) or GenerationOptions(**kw)
         if options.use_draft and options.temperature in (None, 0.0) and len(r.tokens) > 2:
             r.tokens[2] = (r.tokens[2] + 1) % 6
         return r
@@ -117,7 +117,7 @@ def test_greedy_divergence_is_a_warning_at_a_near_tie_and_a_failure_otherwise(mo
                                                                                exit_code):
     gen = toy_generator(cls=FlipsGreedyToken)
 
-    def logits(g, prompt_ids, prefix):
+    def logits(g, prompt_ids, prefix, start=None):
         # the target's token and the flipped one, `gap` apart at magnitude 12
         base = g.generate(prompt_ids, max_new_tokens=3, use_draft=False).tokens
         row = np.zeros(6)
@@ -140,7 +140,7 @@ def test_a_near_tie_is_a_failure_where_the_rows_are_bit_identical(monkeypatch):
     gen = toy_generator(cls=FlipsGreedyToken)
     gen.row_check = RowCheck("as-is", "probe", True, 0.0, None, 0.0)
 
-    def logits(g, prompt_ids, prefix):
+    def logits(g, prompt_ids, prefix, start=None):
         base = g.generate(prompt_ids, max_new_tokens=3, use_draft=False).tokens
         row = np.zeros(6)
         row[base[2]], row[(base[2] + 1) % 6] = 12.0, 12.0 - 5e-4

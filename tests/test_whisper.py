@@ -273,6 +273,17 @@ def test_specrun_transcribe_and_bench(pair, tmp_path):
     assert all(row["encode_ms"] > 0 for row in report["rows"])
 
 
+def test_specrun_check_on_a_speech_bundle(pair):
+    """The exactness check runs on built-in signals: greedy parity and the two-sample test."""
+    from draftproof.cli.specrun import main as specrun
+
+    r = run(specrun, "check", "-b", pair[1], "--samples", 150, "--top-k", 3, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["consistent"] and len(report["greedy"]["prompts"]) == 3
+    assert report["sampling"]["draft_accepted"] > 0 and report["sampling"]["p_value"] is not None
+
+
 def test_bad_input_is_one_line_and_exit_2(pair, llama_pair, tmp_path):
     from draftproof.cli.specrun import main as specrun
 
@@ -299,6 +310,8 @@ def test_bad_input_is_one_line_and_exit_2(pair, llama_pair, tmp_path):
     assert_input_error(run(specrun, "bench", "-b", bundle), "--audio")
     assert_input_error(run(specrun, "bench", "-b", llama_pair[2], "--audio", ok),
                        "text model", "--audio")
+    assert_input_error(run(specrun, "check", "-b", llama_pair[2], "--audio", ok),
+                       "text model")
 
 
 def test_python_api_refuses_what_is_not_samples(pair):

@@ -120,16 +120,10 @@ def speech_prompts(gen, paths, language: str | None = None) -> list[dict]:
     """A speech bundle's bench inputs: each audio file (kind "speech"), with its language,
     detected once here where not given, so that every timed transcription runs its encoders
     (`_decode`)."""
-    prompts = []
-    for path in paths:
-        request = gen.transcription(path, max_new_tokens=1, language=language)
-        lang = language
-        if lang is None and gen.audio.languages:
-            from ..speech import language_code
+    from ..speech import fixed_language
 
-            lang = language_code(gen.audio, int(request.prefix[1]))
-        prompts.append({"kind": "speech", "audio": str(path), "language": lang})
-    return prompts
+    return [{"kind": "speech", "audio": str(path),
+             "language": fixed_language(gen, path, language)} for path in paths]
 
 
 def _decode(gen, prompt: dict, options: GenerationOptions):

@@ -59,9 +59,9 @@ def _positive(name: str, value, kind=int):
     return value
 
 
-def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict | None:
-    """Where speculative greedy output first differs from target-only greedy output, with the
-    target's logit gap between the two tokens there."""
+def first_divergence(gen, request, spec: list[int], base: list[int]) -> dict | None:
+    """Where speculative greedy output first differs from target-only greedy output (of
+    `request`, a Request), with the target's logit gap between the two tokens there."""
     n = min(len(spec), len(base))
     i = next((j for j in range(n) if spec[j] != base[j]), None)
     if i is None:
@@ -72,7 +72,8 @@ def first_divergence(gen, prompt_ids, spec: list[int], base: list[int]) -> dict 
         return {"index": i, "target_token": base[i] if i < len(base) else None,
                 "speculative_token": spec[i] if i < len(spec) else None,
                 "logit_gap": None, "relative_gap": None, "near_tie": False}
-    logits = gen.target_logits(prompt_ids, base[:i])
+    start = request.prefix if gen.encoder_decoder else None
+    logits = gen.target_logits(request.prompt, base[:i], start=start)
     la, lb = float(logits[base[i]]), float(logits[spec[i]])
     rel = abs(la - lb) / max(1.0, abs(la), abs(lb))
     return {"index": i, "target_token": base[i], "speculative_token": spec[i],
@@ -88,16 +89,38 @@ GREEDY = {**OFF, "temperature": 0.0}
 SETTING = {**OFF, "temperature": 1.0}
 
 
+def _inputs(gen, prompts, audio) -> list[tuple[str, object]]:
+    """(label, make) per input: make(options) is its Request on `gen`, a text prompt's or,
+    for a speech bundle, an audio input's (its language fixed once)."""
+    if gen.audio is None:
+        if audio:
+            raise InputError("audio is a speech bundle's input, and this bundle is a text "
+                             "model: check it on prompts")
+        ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
+        return [(text, lambda o, p=p: gen.request(p, o)) for text, p in zip(prompts, ids)]
+    from ..audio import window_seconds
+    from ..speech import check_signals, fixed_language
+
+    sources = [(str(a), a) for a in audio] if audio else \
+        check_signals(window_seconds(2 * gen.target.max_source_len))
+    out = []
+    for label, source in sources:
+        lang = fixed_language(gen, source)
+        out.append((label, lambda o, s=source, lang=lang: gen.transcription(s, o, language=lang)))
+    return out
+
+
 def run_check(gen, options: GenerationOptions | None = None, *, tokens: int = DEFAULT_TOKENS,
               samples: int = DEFAULT_SAMPLES, seconds: float | None = DEFAULT_SECONDS,
               greedy_tokens: int = GREEDY_TOKENS, seed: int = 0, prompts=PROMPTS,
-              progress=None, clock=time.monotonic, **values) -> dict:
+              audio=(), progress=None, clock=time.monotonic, **values) -> dict:
     """Run both tests and return the report (a dict; `exit_code` 0 consistent, 1 not).
     `options` (or GenerationOptions(**values)): the sampling setting checked and γ. The
     sampling test runs at exactly that setting, a control left unset being off (SETTING:
     temperature 1; the bundle's generation defaults do not apply). `seconds`, when given,
     bounds the whole run on `clock`: sampling stops when it is spent. The report carries what
-    the load found of the target's rows (rows.py)."""
+    the load found of the target's rows (rows.py). A speech bundle is checked on `audio`
+    (paths or samples), else on speech.check_signals: what is said does not matter here."""
     _positive("--tokens", tokens)
     _positive("--samples", samples)
     if seconds is not None:
@@ -115,19 +138,20 @@ def run_check(gen, options: GenerationOptions | None = None, *, tokens: int = DE
     greedy_options = replace(options, max_new_tokens=greedy_tokens, **GREEDY)
     start = clock()
     deadline = start + seconds if seconds is not None else float("inf")
-    ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
-    for p in ids:
-        gen.request(p, options)
+    inputs = _inputs(gen, prompts, audio)
+    for _, make in inputs:
+        make(options)
+    prompts = [label for label, _ in inputs]
     warnings: list[str] = []
 
     # 1. greedy parity
     row_check = getattr(gen, "row_check", None)
     ties_flip = not (row_check and row_check.identical)  # rows may round differently
     greedy = []
-    for text, p in zip(prompts, ids):
-        spec = gen.generate(p, greedy_options).tokens
-        base = gen.generate(p, replace(greedy_options, use_draft=False)).tokens
-        div = first_divergence(gen, p, spec, base)
+    for text, make in inputs:
+        spec = gen.generate(make(greedy_options)).tokens
+        base = gen.generate(make(replace(greedy_options, use_draft=False))).tokens
+        div = first_divergence(gen, make(greedy_options), spec, base)
         if div is not None:
             div["near_tie"] = div["near_tie"] and ties_flip
         greedy.append({"prompt": text, "identical": div is None, "divergence": div})
@@ -148,10 +172,11 @@ def run_check(gen, options: GenerationOptions | None = None, *, tokens: int = DE
         if clock() > deadline:
             break
         j = i % len(prompts)
-        s = gen.generate(ids[j], replace(options, max_new_tokens=tokens,
-                                         seed=int(seeds.integers(2**62))))
-        b = gen.generate(ids[j], replace(options, max_new_tokens=tokens, use_draft=False,
-                                         seed=int(seeds.integers(2**62))))
+        make = inputs[j][1]
+        s = gen.generate(make(replace(options, max_new_tokens=tokens,
+                                      seed=int(seeds.integers(2**62)))))
+        b = gen.generate(make(replace(options, max_new_tokens=tokens, use_draft=False,
+                                      seed=int(seeds.integers(2**62)))))
         drawn_spec[j].append(tuple(s.tokens))
         drawn_base[j].append(tuple(b.tokens))
         proposed += s.stats["proposed"]
