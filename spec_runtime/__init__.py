@@ -4,6 +4,7 @@ Imports numpy (and, when a bundle is loaded, onnxruntime and tokenizers) only: i
 torch or transformers, and does nothing at import time beyond defining names.
 """
 
+from .audio import log_mel, read_audio
 from .decode.drafts import DRAFTS, Draft, ModelDraft, NgramDraft
 from .decode.gamma import AUTO, Gamma
 from .decode.sampling import SamplingParams, accept_drafts, sample, warp
@@ -28,6 +29,8 @@ __all__ = [
     "InputError",
     "ModelDraft",
     "NgramDraft",
+    "log_mel",
+    "read_audio",
     "NonFiniteLogitsError",
     "Request",
     "SamplingParams",

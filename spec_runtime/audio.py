@@ -110,28 +110,33 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
     return (np.fft.irfft(out, n_out) * (n_out / len(x))).astype(np.float32)
 
 
-def read_audio(path, max_seconds: float = WINDOW_SECONDS) -> np.ndarray:
+def read_audio(path, max_seconds: float = WINDOW_SECONDS, *, name: str | None = None
+               ) -> np.ndarray:
     """A WAV file (PCM, 8 to 32 bits, any channels: averaged; FLAC and the other formats
     soundfile reads, where it is installed) as float32 mono samples at 16 kHz; InputError naming
     the file and the fix for anything else: not audio, no samples, a rate outside [8, 192] kHz,
-    longer than one window of `max_seconds`."""
-    path = Path(path)
+    longer than one window of `max_seconds`. `path` may be a binary file object (an upload),
+    then named `name` in messages."""
+    stream = hasattr(path, "read")
+    label = repr(name if name is not None else str(getattr(path, "name", "the audio")
+                                                   if stream else path))
+    source = path if stream else str(Path(path))
     try:
-        with wave.open(str(path), "rb") as f:
+        with wave.open(source, "rb") as f:
             rate, channels, width = f.getframerate(), f.getnchannels(), f.getsampwidth()
             raw = f.readframes(min(f.getnframes(), int(max_seconds + 1) * MAX_RATE))
             total = f.getnframes()
     except FileNotFoundError:
-        raise InputError(f"{str(path)!r} does not exist: give the path of a WAV file") from None
+        raise InputError(f"{label} does not exist: give the path of a WAV file") from None
     except (wave.Error, EOFError) as e:
-        return _other_format(path, e, max_seconds)
+        return _other_format(source, label, e, max_seconds)
     except OSError as e:
-        raise InputError(f"{str(path)!r} cannot be read ({e.strerror}): give a readable WAV "
+        raise InputError(f"{label} cannot be read ({e.strerror}): give a readable WAV "
                          f"file") from None
     if total == 0 or not raw:
-        raise InputError(f"{str(path)!r} holds no samples: give a recording of speech")
+        raise InputError(f"{label} holds no samples: give a recording of speech")
     if total / max(rate, 1) > max_seconds:
-        raise too_long(total / rate, repr(str(path)), int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
+        raise too_long(total / rate, label, int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
     samples = _pcm(raw, width).reshape(-1, channels).mean(axis=1)
     return resample(samples, rate)
 
@@ -162,34 +167,41 @@ def sniff(head: bytes) -> str:
     return next((name for magic, name in _MAGIC if head.startswith(magic)), "not audio")
 
 
-def _other_format(path: Path, error, max_seconds: float) -> np.ndarray:
+def _other_format(source, label: str, error, max_seconds: float) -> np.ndarray:
     """What the standard library's wave module does not read (FLAC, float WAV, ...): read by
     soundfile where it is installed, else refused naming the format that was found."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(16)
+        if hasattr(source, "read"):
+            source.seek(0)
+            head = source.read(16)
+            source.seek(0)
+        else:
+            with open(source, "rb") as f:
+                head = f.read(16)
     except OSError as e:
-        raise InputError(f"{str(path)!r} cannot be read ({e.strerror}): give a readable WAV "
+        raise InputError(f"{label} cannot be read ({e.strerror}): give a readable WAV "
                          f"file") from None
     kind = sniff(head)
     if kind == "not audio":
-        raise InputError(f"{str(path)!r} is not audio (it starts {head[:8]!r}): give a WAV "
+        raise InputError(f"{label} is not audio (it starts {head[:8]!r}): give a WAV "
                          f"file, or {CONVERT}")
     try:
         import soundfile
     except ImportError:
         why = "a WAV file that is not PCM (float or compressed samples)" if kind == "WAV" \
             else f"{kind} audio"
-        raise InputError(f"{str(path)!r} is {why} ({error}), which is read with soundfile: "
+        raise InputError(f"{label} is {why} ({error}), which is read with soundfile: "
                          f"`pip install soundfile`, or {CONVERT}") from None
     try:
-        info = soundfile.info(str(path))
+        info = soundfile.info(source)
+        if hasattr(source, "seek"):
+            source.seek(0)
         if info.frames / max(info.samplerate, 1) > max_seconds:
-            raise too_long(info.frames / info.samplerate, repr(str(path)),
+            raise too_long(info.frames / info.samplerate, label,
                            int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
-        data, rate = soundfile.read(str(path), dtype="float64", always_2d=True)
+        data, rate = soundfile.read(source, dtype="float64", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError) as e:
-        raise InputError(f"{str(path)!r} is not audio soundfile reads ({e}): {CONVERT}") from None
+        raise InputError(f"{label} is not audio soundfile reads ({e}): {CONVERT}") from None
     if data.size == 0:
-        raise InputError(f"{str(path)!r} holds no samples: give a recording of speech")
+        raise InputError(f"{label} holds no samples: give a recording of speech")
     return resample(data.mean(axis=1), rate)

@@ -261,7 +261,7 @@ def test_specrun_transcribe_and_bench(pair, tmp_path):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     # the file's 16-bit samples are what both read
-    read = spec_runtime.audio.read_audio(wav)
+    read = spec_runtime.read_audio(wav)
     assert out["tokens"][:N] == hf_transcribe(model_dir, read, "fr", n=N)
     assert out["language"] == "fr"
     r = run(specrun, "bench", "-b", bundle, "--audio", wav, "--max-new-tokens", 16, "--json",
@@ -342,3 +342,42 @@ def test_a_damaged_audio_record_is_refused(pair, tmp_path, damage, match):
     edit_manifest(copy, damage)
     with pytest.raises(BundleError, match=match):
         spec_runtime.load(copy, threads=THREADS)
+
+
+def test_the_server_transcribes_what_openais_client_uploads(pair, tmp_path):
+    """POST /v1/audio/transcriptions with the official client: the transcript of the Python
+    API; bad uploads and a text route on a speech bundle get OpenAI errors, never a 500."""
+    pytest.importorskip("openai", reason="the test extra installs the openai client")
+    pytest.importorskip("multipart", reason="the serve extra installs python-multipart")
+    import httpx
+    from test_serve import assert_error, client, server
+
+    _, bundle = pair
+    wav = write_wav(tmp_path / "speech.wav", signal(1))
+    want = spec_runtime.load(bundle, threads=THREADS).transcribe(
+        spec_runtime.read_audio(wav), language="fr", max_new_tokens=16)
+    with server(bundle) as (url, _):
+        with open(wav, "rb") as f:
+            got = client(url).audio.transcriptions.create(
+                model="target", file=f, language="fr", extra_body={"max_tokens": 16})
+        assert got.text == want.text.strip()
+        with open(wav, "rb") as f:
+            text = client(url).audio.transcriptions.create(
+                model="target", file=f, language="fr", response_format="text",
+                extra_body={"max_tokens": 16})
+        assert text.strip() == want.text.strip()
+        post = f"{url}/v1/audio/transcriptions"
+        notes = {"file": ("notes.txt", b"words, not sound")}
+        assert_error(httpx.post(post, files=notes), 400, "notes.txt", "is not audio",
+                     param="file")
+        long = write_wav(tmp_path / "long.wav", signal(0, seconds=1.0)).read_bytes()
+        assert_error(httpx.post(post, files={"file": ("long.wav", long)}), 400,
+                     "at most 0.32 s", param="file")
+        ok = {"file": ("a.wav", wav.read_bytes())}
+        assert_error(httpx.post(post, files=ok, data={"language": "xx"}), 400, "'xx'",
+                     param="language")
+        assert_error(httpx.post(post, files=ok, data={"prompt": "earlier text"}), 400,
+                     "prompt", code="unsupported_parameter")
+        assert_error(httpx.post(post, json={"file": "a.wav"}), 400, "multipart/form-data")
+        assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}), 400,
+                     "speech model", "/v1/audio/transcriptions")

@@ -2,6 +2,7 @@
 
     POST /v1/completions        text (or token ids) in, a continuation out
     POST /v1/chat/completions   messages through the bundle's chat template
+    POST /v1/audio/transcriptions   a speech bundle's: audio in (multipart), its text out
     GET  /v1/models             the one model this server serves
     GET  /health                200 while the server takes requests
     GET  /metrics               Prometheus text format
@@ -54,6 +55,7 @@ from .openai_api import (APIError, Job, StreamEvents, completion_body, default_m
                          input_error, parse_chat, parse_completion)
 from .openai_protocol import ModelCard, ModelList
 from .slots import Decode, Overloaded, Slots
+from .transcriptions import MAX_AUDIO_BYTES, ROUTE as TRANSCRIPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,9 @@ DEFAULT_QUEUE = 16
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_TRANSCRIPT_TOKENS = 224  # a transcription without max_tokens: Whisper's own longest
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/audio/transcriptions", "/v1/models",
+          "/health", "/metrics")
 
 
 def check_count(name: str, value, low: int) -> int:
@@ -187,6 +191,10 @@ def _routes(app, server: "Server") -> None:
         job = parse_chat(await read_json(request), server.model_name)
         return await server.run(request, job, "/v1/chat/completions")
 
+    @app.post(TRANSCRIPTIONS)
+    async def _transcriptions(request: Request):
+        return await server.transcribe(request)
+
 
 class Server:
     """One loaded bundle served: its slots and metrics, the requests in flight, the drain, and
@@ -233,9 +241,10 @@ class Server:
                     code="invalid_api_key"), path)
         if method == "POST":
             length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            limit = MAX_AUDIO_BYTES if path == TRANSCRIPTIONS else MAX_BODY_BYTES
+            if length is not None and (not length.isdigit() or int(length) > limit):
                 return self.error_response(APIError(
-                    413, f"the request body is {length} bytes; the limit is {MAX_BODY_BYTES}",
+                    413, f"the request body is {length} bytes; the limit is {limit}",
                     code="request_too_large"), path)
             if self.draining:
                 return self.error_response(shutting_down(
@@ -257,6 +266,10 @@ class Server:
         bundle; the Request runs on whichever slot it gets): its values, γ, and the prompt and
         max_tokens against the cache, checked once."""
         gen = self.gen
+        if gen.audio is not None:
+            raise APIError(400, "this server's bundle is a speech model (Whisper): send audio "
+                                "to POST /v1/audio/transcriptions", param=job.prompt_field,
+                           code="invalid_value")
         try:
             prompt, chat = job.prompt, job.chat
             if not gen.encoder_decoder:  # tokenized once, here: max_tokens' default needs it
@@ -288,6 +301,12 @@ class Server:
             return StreamingResponse(self.stream(task, events, endpoint, started),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        result = await self.finished(request, task, g, endpoint, started)
+        return completion_body(result, rid, chat, self.model_name, self.token_text)
+
+    async def finished(self, request, task: Decode, g, endpoint: str, started: float):
+        """The result of a request that does not stream, once its worker is done (cancelled
+        when its client leaves); APIError for its error."""
         try:
             watcher = asyncio.ensure_future(self.watch_disconnect(request, task))
             try:
@@ -304,7 +323,23 @@ class Server:
             raise result
         self.metrics.finished(result.stats, started, task.first_token_at)
         self.metrics.requests.labels(endpoint, "200").inc()
-        return completion_body(result, rid, chat, self.model_name, self.token_text)
+        return result
+
+    async def transcribe(self, request):
+        """POST /v1/audio/transcriptions (transcriptions.py): the upload read and its Request
+        made before a slot is taken, then decoded like any request."""
+        from .transcriptions import (make_request, parse_transcription, read_form,
+                                     transcription_body)
+
+        started = time.monotonic()
+        job, upload = await parse_transcription(await read_form(request), self.model_name)
+        await asyncio.to_thread(make_request, self.gen, job, upload, MAX_TRANSCRIPT_TOKENS)
+        g = await self.acquire(request)
+        task = Decode(g, job, asyncio.get_running_loop())
+        self.active.add(task)
+        task.start()
+        result = await self.finished(request, task, g, TRANSCRIPTIONS, started)
+        return transcription_body(result, upload["format"])
 
     async def acquire(self, request):
         """A slot for the request, waiting in the queue if need be; a client that leaves while

@@ -1,0 +1,144 @@
+"""POST /v1/audio/transcriptions: OpenAI's transcription route over a speech bundle (Whisper).
+
+The body is multipart/form-data, as OpenAI's clients send it: `file` (the audio: WAV, or what
+soundfile reads), `model`, `language`, `temperature`, `response_format` ("json", the default,
+or "text"), and draftproof's own `gamma`, `use_draft`, `seed`, `max_tokens`. A field the route
+does not offer (`prompt`, `timestamp_granularities`, `stream`) is refused by name, like the
+other routes' unsupported parameters. The audio is read and checked (speech.py) before a slot
+is taken; the request then decodes on a slot like any other (server.Server.transcribe).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from ..errors import FieldError, InputError
+from ..request import GenerationOptions
+from .openai_api import APIError, Job, extensions, input_error
+from .plumbing import client_gone
+
+ROUTE = "/v1/audio/transcriptions"
+MAX_AUDIO_BYTES = 25 << 20  # OpenAI's limit for an upload; 30 s of 48 kHz stereo is 6 MB
+FORMATS = ("json", "text")
+UNSUPPORTED = ("prompt", "timestamp_granularities[]", "timestamp_granularities", "stream",
+               "chunking_strategy", "include[]")
+# form fields -> (GenerationOptions' field, its type)
+OPTIONS = {"temperature": ("temperature", float), "seed": ("seed", int),
+           "gamma": ("gamma", str), "use_draft": ("use_draft", bool),
+           "max_tokens": ("max_new_tokens", int)}
+
+
+async def read_form(request) -> Any:
+    """The multipart body, read up to MAX_AUDIO_BYTES (a chunked upload too), parsed."""
+    from starlette.formparsers import MultiPartException, MultiPartParser
+    from starlette.requests import ClientDisconnect
+
+    kind = request.headers.get("content-type", "")
+    if not kind.startswith("multipart/form-data"):
+        raise APIError(400, f"the body is {kind or 'untyped'}: send multipart/form-data with "
+                            f"the audio as `file` (what OpenAI's clients send)",
+                       code="invalid_request")
+    body, size = bytearray(), 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_AUDIO_BYTES:
+                raise APIError(413, f"the upload exceeds {MAX_AUDIO_BYTES} bytes: send at most "
+                                    f"one 30-second window of audio", code="request_too_large")
+            body += chunk
+    except ClientDisconnect:
+        raise client_gone() from None
+
+    async def stream():
+        yield bytes(body)
+        yield b""
+
+    try:
+        return await MultiPartParser(request.headers, stream(), max_files=1, max_fields=32
+                                     ).parse()
+    except MultiPartException as e:
+        raise APIError(400, f"the multipart body cannot be read: {e.message}",
+                       code="invalid_request") from None
+
+
+def _value(name: str, text, kind):
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise APIError(400, f"{name} {text!r} is invalid: use true or false", param=name,
+                           code="invalid_value")
+        return text.lower() in ("true", "1")
+    try:
+        return kind(text)
+    except ValueError:
+        raise APIError(400, f"{name} {text!r} is invalid: use a {kind.__name__}", param=name,
+                       code="invalid_value") from None
+
+
+async def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
+    """(Job, {"audio": file object, "name", "language", "format"}) of a form; APIError for a
+    field it cannot take."""
+    for name in form.keys():
+        if name in UNSUPPORTED:
+            raise APIError(400, f"{name} is not supported by this server: leave it out",
+                           param=name, code="unsupported_parameter")
+    upload = form.get("file")
+    if upload is None or isinstance(upload, str):
+        raise APIError(400, "the audio is missing: send it as the form's `file` field",
+                       param="file", code="invalid_value")
+    model = form.get("model")
+    if model not in (None, "", model_name):
+        raise APIError(404, f"The model {model!r} does not exist: this server serves "
+                            f"{model_name!r} (GET /v1/models)", param="model",
+                       code="model_not_found")
+    fmt = form.get("response_format") or "json"
+    if fmt not in FORMATS:
+        raise APIError(400, f"response_format {fmt!r} is not supported: use json or text",
+                       param="response_format", code="invalid_value")
+    kwargs = {}
+    for name, (field, kind) in OPTIONS.items():
+        text = form.get(name)
+        if text not in (None, ""):
+            kwargs[field] = _value(name, text, kind)
+    max_tokens = kwargs.pop("max_new_tokens", None)
+    audio = io.BytesIO(await upload.read())
+    job = Job(prompt=None, chat=False, max_tokens=max_tokens, stream=False,
+              include_usage=False, kwargs=kwargs, prompt_field="file")
+    return job, {"audio": audio, "name": upload.filename or "file",
+                 "language": form.get("language") or None, "format": fmt}
+
+
+def make_request(gen, job: Job, upload: dict, default_tokens: int) -> None:
+    """job.request: the transcription's Request, checked once (the audio read, its language
+    detected where not given), before a slot is taken."""
+    from ..audio import window_seconds
+    from ..speech import samples_of
+
+    try:
+        if gen.audio is None:
+            raise InputError("this server's bundle is a text model: /v1/audio/transcriptions "
+                             "needs a speech bundle (Whisper); send text to /v1/completions")
+        from ..audio import read_audio
+
+        window = window_seconds(2 * gen.target.max_source_len)
+        samples = samples_of(read_audio(upload["audio"], window, name=upload["name"]), window)
+        if job.max_tokens is None:
+            room = gen.capacity(job.kwargs.get("use_draft", True)) - 4 + 1
+            job.max_tokens = max(1, min(default_tokens, room))
+        job.request = gen.transcription(samples, GenerationOptions(
+            max_new_tokens=job.max_tokens, **job.kwargs), language=upload["language"])
+    except FieldError as e:  # a value of the form's (language, temperature, gamma ...)
+        raise input_error(e, job.prompt_field) from None
+    except InputError as e:  # the audio, or a bundle without speech
+        raise APIError(400, str(e), param="file", code="invalid_value") from None
+
+
+def transcription_body(result, fmt: str):
+    """OpenAI's response: {"text"} (with the request's statistics, as every route's), or the
+    text alone for response_format=text."""
+    from fastapi.responses import JSONResponse, PlainTextResponse
+
+    text = (result.text or "").strip()
+    if fmt == "text":
+        return PlainTextResponse(text + "\n")
+    return JSONResponse({"text": text, **extensions(result.stats)})
