@@ -76,17 +76,24 @@ def is_audio(config) -> bool:
 
 
 def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_source_len: int,
-                 precision: str, parity_ids: list[int], stage) -> ModelEntry:
+                 precision: str, parity_ids: list[int], stage,
+                 share_encoder: bool = False) -> ModelEntry:
     """Export `role`.encoder.onnx and `role`.decoder.onnx, check them against PyTorch; returns
-    the model's manifest entry (its source is added by the caller)."""
+    the model's manifest entry (its source is added by the caller). With `share_encoder` (a
+    self draft at a lower precision) only the decoder is kept: it reads the target's encoder
+    output, which its own float encoder, exported for the parity runs only, equals."""
     from draftproof.models import for_hf_seq2seq
 
     from .export_seq2seq import export_seq2seq
     from .parity_seq2seq import check_parity_seq2seq
 
+    if share_encoder and precision == "fp32":
+        raise ValueError("a draft that shares the target's encoder is its lower precision")
     model = for_hf_seq2seq(hf_model, max_len, max_source_len)
     final = {g: bundle_dir / f"{role}.{g}.onnx" for g in ("encoder", "decoder")}
     fp32 = final if precision == "fp32" else {g: p.with_suffix(".fp32.onnx") for g, p in final.items()}
+    if share_encoder:
+        del final["encoder"]
     descs = export_seq2seq(model, fp32["encoder"], fp32["decoder"], max_len)
     stage(f"parity {role}")
     source, decoder_ids = parity_inputs(hf_model, parity_ids, max_source_len)
@@ -106,8 +113,11 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
         for g in final:
             quantize_int8(fp32[g], final[g])
             fp32[g].unlink()
-        diffs = check_parity_seq2seq(hf_model, final["encoder"], final["decoder"], source,
-                                     decoder_ids, name=role)
+        diffs = check_parity_seq2seq(hf_model, final.get("encoder", fp32["encoder"]),
+                                     final["decoder"], source, decoder_ids, name=role)
+        if share_encoder:
+            fp32["encoder"].unlink()
+            del diffs["encoder"]
         worst = max(diffs.values())
         parity.update(max_abs_diff_int8=worst, graphs_int8=diffs,
                       verify_max_abs_diff_int8=worst * VERIFY_DIFF_FACTOR + VERIFY_DIFF_MARGIN)
@@ -117,7 +127,7 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     graphs = {g: GraphEntry(file=final[g].name, inputs=d["inputs"], outputs=d["outputs"],
                             kernels="portable", kv_cache="new-slots", opset=d["opset"],
                             devices=graph_devices("portable", precision))
-              for g, d in descs.items()}
+              for g, d in descs.items() if g in final}
     return ModelEntry(vocab_size=dec.vocab_size, graphs=graphs, precision=precision,
                       family=model.model_type, dims=dims, parity=parity)
 

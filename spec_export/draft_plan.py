@@ -64,6 +64,7 @@ class Candidate:
     file: str = "draft.onnx"
     kept: object | None = None  # draft_vocab.VocabChoice: the ids a trimmed head keeps
     embedding_rows: int | None = None  # the ids its embedding reads (its config's vocab_size)
+    shares_encoder: bool = False  # an encoder-decoder's self draft: a decoder graph only
 
     def vocab_record(self) -> dict:
         """The manifest's draft.vocab of a trimmed head (spec_runtime/decode/draft_vocab.py)."""
@@ -200,9 +201,12 @@ class DraftPlan:
                 if encdec:
                     from .build_seq2seq import export_model
 
+                    # a self draft reads the target's encoder output: one encoder a request
+                    c.shares_encoder = c.name == "self"
                     c.entry = export_model(d_model, tmp, "draft", max_len=export["max_len"],
                                            max_source_len=max_source_len, precision=c.precision,
-                                           parity_ids=export["parity_ids"], stage=stage)
+                                           parity_ids=export["parity_ids"], stage=stage,
+                                           share_encoder=c.shares_encoder)
                 else:
                     from .decoder_build import export_decoder_model
 
@@ -250,6 +254,8 @@ class DraftPlan:
                 tmp: Path | None = None) -> DraftEntry:
         if self.kind == "auto" and self.why:
             entry = replace(entry, options={**entry.options, "auto_reason": self.why})
+        if chosen is not None and chosen.shares_encoder:
+            entry = replace(entry, options={**entry.options, "shared_encoder": True})
         if chosen is not None and chosen.kept is not None:  # a trimmed head: its kept ids
             from .draft_vocab import VOCAB_FILE, write_ids
 

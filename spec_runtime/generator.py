@@ -234,6 +234,7 @@ class Generator:
     def _first_row(self, features: np.ndarray) -> np.ndarray:
         """The target's logits after <|startoftranscript|> for these features. The target
         keeps their encoding for the request about to be made of them (`_encode`)."""
+        self._not_streaming_here()
         with self._lock:
             t0 = self.clock()
             self.target.reset()
@@ -323,6 +324,13 @@ class Generator:
 
     # -- running a request ----------------------------------------------------------------
 
+    def _not_streaming_here(self) -> None:
+        if self._owner == threading.get_ident():
+            # waiting for the lock would wait for this very thread: a deadlock
+            raise RuntimeError("this generator is still streaming an earlier request in this "
+                               "thread: finish or close() that stream first, or load() a second "
+                               "generator")
+
     def _encode(self, ids: np.ndarray, draft) -> float:
         """An encoder-decoder's request starts by running the encoders on its source (ids, or a
         speech window's features: the target's may be encoded already, by the language
@@ -335,8 +343,9 @@ class Generator:
             before = detected[1]
         else:
             self.target.encode_source(ids)
-        for engine in draft_engines(draft):
-            engine.encode_source(ids)
+        from .engines.ort_encdec import encode_drafts
+
+        encode_drafts(self.target, draft_engines(draft), ids)
         return before
 
     def _rounds(self, request: Request, cancel=None, token_logprobs: list | None = None
@@ -344,11 +353,7 @@ class Generator:
         """Hold the engines and yield each round's tokens; stop after the round in which
         `cancel` (a threading.Event) is set, with finish_reason "cancelled"."""
         draft = self.draft if request.use_draft else None
-        if self._owner == threading.get_ident():
-            # waiting for the lock would wait for this very thread: a deadlock
-            raise RuntimeError("this generator is still streaming an earlier request in this "
-                               "thread: finish or close() that stream first, or load() a second "
-                               "generator")
+        self._not_streaming_here()
         with self._lock:
             self._owner = threading.get_ident()
             try:

@@ -235,13 +235,16 @@ def test_sampled_pairs_follow_the_suppressed_target(suppressed, gamma):
     assert p > 1e-4 and accepted > 0
 
 
-def test_a_self_draft_is_the_targets_own_int8_graphs(pair, tmp_path):
+def test_a_self_draft_is_the_targets_own_int8_decoder_over_its_encoder(pair, tmp_path):
     model_dir, _ = pair
     bundle = build_bundle(str(model_dir), "self", tmp_path / "self", progress=False)
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["draft"]["kind"] == "model" and m["draft"]["precision"] == "int8"
-    assert set(m["draft"]["graphs"]) == {"encoder", "decoder"}
+    # its decoder only: it reads the target's encoder output, one encoder per request
+    assert set(m["draft"]["graphs"]) == {"decoder"} and m["draft"]["shared_encoder"] is True
+    assert not any(f.startswith("draft.encoder") for f in m["files"])
     gen = spec_runtime.load(bundle, threads=THREADS)
+    assert type(gen.draft.engine).__name__ == "SharedEncoderEngine"
     for seed in range(2):
         x = signal(seed)
         want = hf_transcribe(model_dir, x, "en")
@@ -332,6 +335,10 @@ def test_python_api_refuses_what_is_not_samples(pair):
     (lambda m: m["audio"].update(n_mels=128), "does not fit"),
     (lambda m: m.pop("audio"), "does not fit"),
     (lambda m: m["audio"].update(suppress_tokens=["x"]), "audio.suppress_tokens"),
+    (lambda m: m["draft"].update(shared_encoder="yes"), "draft.shared_encoder"),
+    # the pair's draft has one decoder layer: it cannot read the target's two layers' K/V
+    (lambda m: (m["draft"]["graphs"].pop("encoder"), m["draft"].update(shared_encoder=True)),
+     "cross inputs are not the target decoder's"),
 ])
 def test_a_damaged_audio_record_is_refused(pair, tmp_path, damage, match):
     import shutil

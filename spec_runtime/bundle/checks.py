@@ -206,6 +206,7 @@ def validate(m: dict) -> None:
     _require(draft, "kind", str, "draft")  # which kinds exist is the draft registry's business
     if "graphs" in draft:  # a draft with graphs of its own: a model entry like the target's
         _check_model(draft, "draft", m, files, max_source_len, n_mels)
+    _check_shared_encoder(m, draft)
     _check_draft_vocab(m, draft, files, target["vocab_size"])
     _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
     _check_distinct_graphs(m)
@@ -350,12 +351,40 @@ def _check_audio(m: dict, arch: str, target: dict) -> int | None:
     return n_mels
 
 
+def _shares_encoder(model: dict, where: str) -> bool:
+    return where == "draft" and model.get("shared_encoder") is True
+
+
+def _check_shared_encoder(m: dict, draft: dict) -> None:
+    """draft.shared_encoder (schema 5): the draft has a decoder only, which reads the target's
+    cross-attention K/V, so its cross inputs must be the target decoder's, name for name."""
+    if "shared_encoder" not in draft:
+        return
+    shared = draft["shared_encoder"]
+    if shared is not True or m["architecture"] != "encoder-decoder" or "graphs" not in draft:
+        raise _bad("draft.shared_encoder", shared, "it is true, on an encoder-decoder's draft "
+                   "with a decoder of its own, or absent")
+    if not isinstance(m.get("schema_version"), int) or m["schema_version"] < AUDIO_SINCE:
+        raise _bad("draft.shared_encoder", shared, f"schema_version "
+                   f"{m.get('schema_version')!r} predates it (read since schema {AUDIO_SINCE})")
+
+    def cross(model):
+        return [i for i in model["graphs"]["decoder"]["inputs"]
+                if str(i.get("name", "")).startswith("cross_")]
+
+    if cross(draft) != cross(m["target"]):
+        raise BundleError(f"manifest draft.shared_encoder: the draft decoder's cross inputs are "
+                          f"not the target decoder's, so it cannot read the target's encoder "
+                          f"output; {REBUILD}")
+
+
 def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
                  n_mels: int | None = None) -> None:
     vocab = _integer(model, "vocab_size", where, 1)
     _precision(model, where + ".")
     graphs = _require(model, "graphs", dict, where)
-    required = GRAPHS[m["architecture"]]
+    shared = _shares_encoder(model, where)
+    required = ("decoder",) if shared else GRAPHS[m["architecture"]]
     missing = [g for g in required if g not in graphs]
     if missing:
         raise BundleError(f"manifest {where}.graphs lacks {missing} (an architecture needs "
@@ -389,7 +418,7 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
     wants = {"decoder": decoder_io(replace(dims, vocab_size=vocab), m["max_len"], kv_cache,
                                    max_source_len, hidden_size_of(dec[1]), dtype,
                                    audio=n_mels is not None)}
-    if max_source_len is not None:
+    if max_source_len is not None and not shared:
         wants["encoder"] = encoder_io(dims, max_source_len, dtype, n_mels)
     for name, want in wants.items():
         why = mismatch(described[name], want)

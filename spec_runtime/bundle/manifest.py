@@ -21,7 +21,9 @@ the upgrade command, an older one with the rebuild command):
     A build writes 4 only for such a draft (`lowest_schema`), so that older readers keep
     reading the others.
 5 — speech bundles (Whisper): `audio` (AudioEntry), an encoder that reads log-mel features
-    (`input_features`) and a decoder without `source_mask`. Written only for them.
+    (`input_features`) and a decoder without `source_mask`; and an encoder-decoder's draft
+    that reads the target's encoder output (`draft.shared_encoder`: a decoder graph only).
+    Written only for them.
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ def _model_json(m: ModelEntry) -> dict:
 def lowest_schema(draft: DraftEntry, audio: bool = False) -> int:
     """The oldest schema that describes a bundle with this draft (and of speech, with
     `audio`): what a build writes."""
-    if audio:
+    if audio or draft.options.get("shared_encoder"):
         return AUDIO_SINCE
     return VOCAB_SINCE if "vocab" in draft.options else VOCAB_SINCE - 1
 

@@ -43,7 +43,7 @@ def open_ort_engine(bundle_dir: Path, manifest: Manifest, role: str, model: Mode
                     dev: Device, threads: int | None):
     """OrtEngine over the model's decoder graph, or for an encoder-decoder bundle
     OrtEncDecEngine over its encoder and decoder graphs, on `dev`'s provider."""
-    from .ort import OrtEngine, provider_options, require_provider
+    from .ort import OrtEngine, open_session, provider_options, require_provider
 
     require_provider(dev)
     for name, graph in model.graphs.items():
@@ -80,6 +80,16 @@ def open_ort_engine(bundle_dir: Path, manifest: Manifest, role: str, model: Mode
                   prefill_chunk=manifest.prefill_chunk, device=dev, threads=threads,
                   spinning=spinning, metadata=graph_metadata(role, "decoder", model.precision),
                   provider_options=options(decoder))
+    if manifest.encoder_decoder and "encoder" not in model.graphs:  # draft.shared_encoder
+        from .ort_encdec import SharedEncoderEngine
+
+        session = open_session(bundle_dir / decoder.file, decoder,
+                               where=f"{role}.graphs.decoder", metadata=common.pop("metadata"),
+                               provider_options=common.pop("provider_options"),
+                               device=dev, threads=threads, spinning=spinning)
+        return SharedEncoderEngine(session, decoder, vocab_size=model.vocab_size,
+                                   max_len=manifest.max_len,
+                                   prefill_chunk=manifest.prefill_chunk, device=dev)
     if manifest.encoder_decoder:
         from .ort_encdec import OrtEncDecEngine
 

@@ -140,3 +140,50 @@ class OrtEncDecEngine(OrtEngine):
             raise RuntimeError("OrtEncDecEngine.forward before encode_source(): encode the "
                                "source first")
         return super().forward(tokens, pos, num_logits)
+
+
+class SharedEncoderEngine(OrtEngine):
+    """An encoder-decoder draft that has a decoder only (the manifest's draft.shared_encoder):
+    it reads its target's cross-attention K/V (and source mask), bound once per request by
+    `use_encoding(target)` after the target encoded the source: a self draft's encoder would
+    compute what the target's computes, so the request runs one encoder, not two."""
+
+    shares_encoder = True
+
+    def __init__(self, session, graph: GraphEntry, *, vocab_size: int, max_len: int,
+                 prefill_chunk: int, device: Device = DEVICES["cpu"], store=None):
+        super().__init__(session, graph, vocab_size=vocab_size, max_len=max_len,
+                         prefill_chunk=prefill_chunk, device=device, store=store)
+        self.cross_names = [i["name"] for i in graph.inputs if i["name"].startswith("cross_")]
+        self.masked = any(i["name"] == "source_mask" for i in graph.inputs)
+        self.encoded = False
+
+    def fork(self) -> "SharedEncoderEngine":
+        return self._same_form(type(self)(
+            self.session, self.graph, vocab_size=self.vocab_size, max_len=self.max_len,
+            prefill_chunk=self.prefill_chunk, device=self.device, store=self._store))
+
+    def use_encoding(self, target: OrtEncDecEngine) -> None:
+        """Read `target`'s encoding of this request's source in every forward until the next
+        call."""
+        for name in self.cross_names:
+            self._binding.bind_ortvalue_input(name, target.cross[name])
+        if self.masked:
+            self._binding.bind_cpu_input("source_mask", target._source_mask)
+        self.encoded = True
+
+    def forward(self, tokens: np.ndarray, pos: int, num_logits: int = 1) -> np.ndarray:
+        if not self.encoded:
+            raise RuntimeError("SharedEncoderEngine.forward before use_encoding(): the target "
+                               "encodes the source first")
+        return super().forward(tokens, pos, num_logits)
+
+
+def encode_drafts(target: OrtEncDecEngine, engines, source) -> None:
+    """After `target` encoded a request's source: each draft engine encodes it too, or reads
+    the target's encoding (SharedEncoderEngine)."""
+    for engine in engines:
+        if getattr(engine, "shares_encoder", False):
+            engine.use_encoding(target)
+        else:
+            engine.encode_source(source)
