@@ -57,7 +57,10 @@ def check_parity_seq2seq(
     hf_model.eval()
     decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
     max_len, vocab = graph_dims(decoder)
-    S = encoder.inputs[0]["shape"][1]
+    first = encoder.inputs[0]["shape"]
+    # the encoder's output length: a token source is [1, max_source_len]; a speech window is
+    # [1, n_mels, frames], which the encoder's stride-2 convolution halves
+    S = first[2] // 2 if len(first) == 3 else first[1]
     engine = open_graph(decoder_path, decoder, encoder=(encoder_path, encoder), vocab_size=vocab,
                         max_len=max_len, max_source_len=S, prefill_chunk=max_len,
                         threads=threads, where="exported", garbage_seed=seed)

@@ -90,3 +90,21 @@ def test_greedy_decoding_over_the_cache_is_hugging_faces():
 def test_a_cache_past_the_learned_positions_is_refused():
     with pytest.raises(UnsupportedModel, match="exceeds the model's 40 learned positions"):
         Whisper.from_hf(tiny(), max_len=41)
+
+
+def test_the_builds_parity_check_compares_every_encoder_position(tmp_path):
+    """The build's parity run holds the exported encoder's cross K/V to Hugging Face's at all
+    of the window's positions (frames / 2: 16 here), not at as many as the features have rows
+    (8 mel bins); whisper-base's 80 bins against its 1500 positions failed the build."""
+    from draftproof.models import for_hf_seq2seq
+    from spec_export.export_seq2seq import export_seq2seq
+    from spec_export.parity_seq2seq import check_parity_seq2seq
+
+    hf = tiny()
+    encoder, decoder = tmp_path / "encoder.onnx", tmp_path / "decoder.onnx"
+    export_seq2seq(for_hf_seq2seq(hf, 24, 16), encoder, decoder, 24)
+    lines = []
+    diffs = check_parity_seq2seq(hf, encoder, decoder, features(hf)[0].numpy(), [1, 5, 6, 7],
+                                 log=lines.append)
+    assert "source=16" in lines[0], lines[0]
+    assert max(diffs.values()) < 1e-4, diffs
