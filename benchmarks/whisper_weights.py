@@ -382,6 +382,19 @@ def convert(ct2_dir, out, expect: dict | None = WHISPER_BASE) -> Path:
     return out
 
 
+def checkpoint(log=print) -> Path:
+    """The converted transformers checkpoint in the model cache (HF_DIR), fetched and
+    converted first if it is not there; subprocess.CalledProcessError when the download
+    fails."""
+    out = real_models.cache_dir() / HF_DIR
+    if converted(out):
+        log(f"whisper-base: {out} is already converted")
+        return out
+    convert(fetch_ct2(log), out)
+    log(f"whisper-base: converted to {out}")
+    return out
+
+
 def converted(out: Path) -> bool:
     return all((out / f).is_file() for f in ("config.json", "generation_config.json",
                                               "model.safetensors", "tokenizer.json",
@@ -390,10 +403,12 @@ def converted(out: Path) -> bool:
 
 # ---- speech and transcripts -----------------------------------------------------------------
 
-def speak(sentence: str, wav: Path) -> np.ndarray:
-    """espeak-ng's reading of `sentence` as 16 kHz mono float32 in [-1, 1] (espeak-ng writes
-    22050 Hz 16-bit; resampled here by linear interpolation)."""
-    subprocess.run(["espeak-ng", "-w", str(wav), sentence], check=True, capture_output=True)
+def speak(sentence: str, wav: Path, voice: str | None = None) -> np.ndarray:
+    """espeak-ng's reading of `sentence` (in `voice`, such as "fr"; its default, English,
+    when None) as 16 kHz mono float32 in [-1, 1] (espeak-ng writes 22050 Hz 16-bit; resampled
+    here by linear interpolation)."""
+    subprocess.run(["espeak-ng", *(["-v", voice] if voice else []), "-w", str(wav), sentence],
+                   check=True, capture_output=True)
     return read_wav(wav)
 
 
@@ -500,11 +515,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
     ct2_dir = fetch_ct2(log)
-    out = args.out or real_models.cache_dir() / HF_DIR
-    if converted(out) and args.out is None:
-        log(f"whisper-base: {out} is already converted")
+    if args.out is None:
+        out = checkpoint(log)
     else:
-        convert(ct2_dir, out)
+        out = convert(ct2_dir, args.out)
         log(f"whisper-base: converted to {out}")
     if args.check and not check(ct2_dir, out):
         raise SystemExit("the transcripts differ")
