@@ -351,3 +351,17 @@ def test_no_report_writes_none_and_report_dir_goes_where_it_says(tmp_path, monke
     checkout_speed.main(argv + ["--report", str(tmp_path / "elsewhere")])
     assert [p.suffix for p in sorted((tmp_path / "elsewhere").iterdir())] == [".md", ".png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "s.json"]
+
+
+def test_the_whisper_base_report_rebuilt_from_its_stored_run_has_its_numbers(tmp_path):
+    import whisper_bench
+
+    stored = reports.RESULTS / "whisper-base.json"
+    whisper_bench.main(["--from-json", str(stored), "--report", str(tmp_path)])
+    md = tmp_path / "whisper-base-2026-12-04.md"
+    text = md.read_text()
+    assert "self all equal, ngram all equal" in text
+    assert "| self | 4 | 16.7 | 26.6 | 0.62× (0.60–0.64) | 0.99 |" in text
+    assert "| self (γ 4) | target-only | 22.0 | 767 | 510 |" in text
+    assert "of which 487 ms is the draft's own encoder" in text
+    assert md.with_suffix(".png").stat().st_size > 0
