@@ -300,11 +300,11 @@ def _is_module(name: str) -> bool:
 # their public entry points (engines.open_graph, engines.tensorrt_on, drafts, Generator), so
 # that a graph is checked exactly the way a loaded bundle runs it; a trimmed draft head's kept
 # ids are read and drafted with as a bundle does (draft_vocab); γ is read as a request reads it
-# (gamma).
+# (gamma); a speech model's parity input is the log-mel a request computes (audio).
 EXPORTER_USES = {"spec_runtime", "spec_runtime.bundle.contract", "spec_runtime.bundle.manifest", "spec_runtime.decode.gamma",
                  "spec_runtime.errors", "spec_runtime.engines.gqa_window", "spec_runtime.bundle.reader",
                  "spec_runtime.engines.devices", "spec_runtime.engines.opener", "spec_runtime.decode.drafts",
-                 "spec_runtime.decode.draft_vocab"}
+                 "spec_runtime.decode.draft_vocab", "spec_runtime.audio"}
 
 
 def test_the_exporter_uses_only_the_runtime_modules_named_for_it():
