@@ -266,7 +266,8 @@ def tables(run: dict) -> list[str]:
              "request's encoder time includes a model draft's own encoder, which the draft's "
              "decoder reads: about the difference of the two rows' encoder columns):", "",
              "| bundle | mode | new tokens | wall | encoder | prefill | target calls | draft | "
-             "target step | draft step | α | loop overhead | tok/s | decode tok/s |",
+             "target call (a step, or a verify) | draft step | α | loop overhead | tok/s | "
+             "decode tok/s |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, b in run["bundles"].items():
         for mode in ("target-only", "speculative"):
@@ -299,7 +300,9 @@ def notes(run: dict) -> str:
         if b["breakdown"]["draft_encoder_ms"] > 0.25 * base["encode_ms"]:
             line += (f", of which {b['breakdown']['draft_encoder_ms']:.0f} ms is the draft's "
                      f"own encoder over the same window")
-        line += (f"; leaving the encoders out, decoding runs at "
+        line += (f"; the encoder alone bounds any decoding speed-up to "
+                 f"{base['wall_ms'] / base['encode_ms']:.2f}× a request"
+                 f"; leaving the encoders out, decoding runs at "
                  f"{spec['decode_tokens_per_s']:.0f} against {base['decode_tokens_per_s']:.0f} "
                  f"tok/s ({spec['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}×)")
         if spec["draft_step_ms"]:

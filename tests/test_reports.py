@@ -354,9 +354,10 @@ def test_no_report_writes_none_and_report_dir_goes_where_it_says(tmp_path, monke
 
 
 def test_the_whisper_base_report_rebuilt_from_its_stored_run_has_its_numbers(tmp_path):
+    """The first run (a self draft with its own encoder), kept as its record."""
     import whisper_bench
 
-    stored = reports.RESULTS / "whisper-base.json"
+    stored = reports.RESULTS / "whisper-base" / "own-encoder.json"
     whisper_bench.main(["--from-json", str(stored), "--report", str(tmp_path)])
     md = tmp_path / "whisper-base-2026-12-04.md"
     text = md.read_text()
