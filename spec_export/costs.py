@@ -70,13 +70,10 @@ def measure_costs(bundle_dir: Path) -> dict:
     gen = load_bundle(bundle_dir, check_files=False)
     engines = [gen.target, *gen.draft.engines] if gen.draft is not None else [gen.target]
     if gen.encoder_decoder:  # the decoders read the encoder's output: give them a source
-        from spec_runtime.engines.ort_encdec import encode_drafts
-
         source = gen.target.example_source(np.random.default_rng(0))
         if not gen.target.audio:  # ids inside every model's vocabulary
             source = source % min(e.vocab_size for e in engines)
-        gen.target.encode_source(source)
-        encode_drafts(gen.target, engines[1:], source)
+        gen.encode(source)
     rows = min(gen.max_gamma + 1, gen.target.max_len - 1)
     calls = [(gen.target, 1), (gen.target, rows)] + ([(engines[1], 1)] if len(engines) > 1 else [])
     _, verify, *draft = median_ratios(calls)

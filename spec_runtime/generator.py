@@ -324,6 +324,12 @@ class Generator:
 
     # -- running a request ----------------------------------------------------------------
 
+    def encode(self, source, use_draft: bool = True) -> None:
+        """Run the encoders on `source` (an encoder-decoder's ids, or a speech window's
+        features), as a request starts: what measurements of the decoders need first."""
+        with self._lock:
+            self._encode(source, self.draft if use_draft else None)
+
     def _not_streaming_here(self) -> None:
         if self._owner == threading.get_ident():
             # waiting for the lock would wait for this very thread: a deadlock
