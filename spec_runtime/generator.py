@@ -176,12 +176,16 @@ class Generator:
             params = replace(params, penalty_start=len(prefix))
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens,
                        len(ids) if self.encoder_decoder else None)
+        return self._bound(options, ids, prefix, params, gamma)
+
+    def _bound(self, options, prompt, prefix, params, gamma) -> Request:
+        """The Request of checked values, with how its γ starts and its rounds are priced."""
         # AUTO starts from the bundle's γ, or from AUTO_START where AUTO is its default
         start = self.default_gamma if self.default_gamma is not AUTO else \
             min(AUTO_START, self.max_gamma)
         # a seeded sample is reproducible: its rounds' lengths must not follow its timings
         costs = self.costs if params.seed is not None and not params.greedy else None
-        return Request(options, ids, prefix, params, gamma, start, self.max_gamma,
+        return Request(options, prompt, prefix, params, gamma, start, self.max_gamma,
                        self.eos_token_ids, costs)
 
     def transcription(self, audio, options: GenerationOptions | None = None, *,
@@ -217,11 +221,7 @@ class Generator:
         params = replace(params, constraint=speech.Suppress(self.audio, self.vocab_size),
                          penalty_start=len(prefix))
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens)
-        start = self.default_gamma if self.default_gamma is not AUTO else \
-            min(AUTO_START, self.max_gamma)
-        costs = self.costs if params.seed is not None and not params.greedy else None
-        return Request(options, features, prefix, params, gamma, start, self.max_gamma,
-                       self.eos_token_ids, costs)
+        return self._bound(options, features, prefix, params, gamma)
 
     def transcribe(self, audio, options: GenerationOptions | None = None, *,
                    language: str | None = None, task: str = "transcribe", cancel=None,

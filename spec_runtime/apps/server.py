@@ -55,7 +55,7 @@ from .openai_api import (APIError, Job, StreamEvents, completion_body, default_m
                          input_error, parse_chat, parse_completion)
 from .openai_protocol import ModelCard, ModelList
 from .slots import Decode, Overloaded, Slots
-from .transcriptions import MAX_AUDIO_BYTES, ROUTE as TRANSCRIPTIONS
+from .transcriptions import MAX_AUDIO_BYTES, ROUTE as TRANSCRIPTIONS, require_form_uploads
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
         generator = load(bundle_dir, device=device, draft_device=draft_device, threads=threads)
     elif getattr(generator, "manifest", None) is not None:
         check_slots(slots, generator.manifest, engine_devices(generator), loaded=True)
+    if generator.audio is not None:
+        require_form_uploads()
     server = Server(generator, slots=slots, queue=queue, api_key=api_key,
                     model_name=model_name, drain_seconds=drain_seconds)
     app = FastAPI(title="draftproof", docs_url=None, redoc_url=None, openapi_url=None)

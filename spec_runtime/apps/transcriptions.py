@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from ..errors import FieldError, InputError
+from ..errors import FieldError, InputError, install_extra
 from ..request import GenerationOptions
 from .openai_api import APIError, Job, extensions, input_error
 from .plumbing import client_gone
@@ -27,6 +27,20 @@ UNSUPPORTED = ("prompt", "timestamp_granularities[]", "timestamp_granularities",
 OPTIONS = {"temperature": ("temperature", float), "seed": ("seed", int),
            "gamma": ("gamma", str), "use_draft": ("use_draft", bool),
            "max_tokens": ("max_new_tokens", int)}
+
+
+def require_form_uploads() -> None:
+    """InputError with the install command where python-multipart, which Starlette parses
+    form uploads with, is missing: said when a speech bundle's server starts, not at its first
+    upload."""
+    try:
+        import python_multipart  # noqa: F401
+    except ImportError:
+        try:
+            import multipart  # noqa: F401  (its name before 0.0.13)
+        except ImportError:
+            raise InputError(f"a speech bundle's POST /v1/audio/transcriptions reads form "
+                             f"uploads with python-multipart: {install_extra('serve')}") from None
 
 
 async def read_form(request) -> Any:
