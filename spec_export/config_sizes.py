@@ -37,10 +37,11 @@ class Fields:
     positions: str | None
     optional: tuple[str, ...]  # may be null: derived from the others
     vocab: str = "vocab_size"
+    others: tuple[str, ...] = ()  # more sizes that must be positive integers
 
     def sizes(self) -> list[str]:
         return [n for n in (*self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim,
-                            self.ffn, self.positions, self.vocab) if n]
+                            self.ffn, self.positions, self.vocab, *self.others) if n]
 
 
 LLAMA = Fields(("num_hidden_layers",), "hidden_size", "num_attention_heads",
@@ -50,6 +51,12 @@ GPT2 = Fields(("n_layer",), "n_embd", "n_head", None, None, "n_inner", "n_positi
               optional=("n_inner",))
 T5 = Fields(("num_layers", "num_decoder_layers"), "d_model", "num_heads", None, "d_kv", "d_ff",
             None, optional=("num_decoder_layers",))
+
+
+WHISPER = Fields(("encoder_layers", "decoder_layers"), "d_model", "encoder_attention_heads", None,
+                 None, "encoder_ffn_dim", "max_target_positions", optional=(),
+                 others=("decoder_attention_heads", "decoder_ffn_dim", "num_mel_bins",
+                         "max_source_positions"))
 
 
 def _llama_parameters(c: dict) -> int:
@@ -83,12 +90,23 @@ def _t5_parameters(c: dict) -> int:
             + decoder_layers * (2 * attention + ffn))
 
 
+def _whisper_parameters(c: dict) -> int:
+    """The two convolutions, both position tables, the tied embedding; encoder layers
+    self-attention + FFN, decoder layers self- and cross-attention + FFN."""
+    d = c["d_model"]
+    front = 3 * d * (c["num_mel_bins"] + d)
+    positions = (c["max_source_positions"] + c["max_target_positions"]) * d
+    return (front + positions + c["vocab_size"] * d
+            + c["encoder_layers"] * (4 * d * d + 2 * d * c["encoder_ffn_dim"])
+            + c["decoder_layers"] * (8 * d * d + 2 * d * c["decoder_ffn_dim"]))
+
+
 # HF model_type -> its size fields and parameter count; a type not here (refused later by the
 # export) is read as Llama-like where it has those fields
 FAMILIES = {"llama": (LLAMA, _llama_parameters), "qwen2": (LLAMA, _llama_parameters),
             "qwen3": (LLAMA, _llama_parameters), "mistral": (LLAMA, _llama_parameters),
             "gemma3_text": (LLAMA, _llama_parameters), "gpt2": (GPT2, _gpt2_parameters),
-            "t5": (T5, _t5_parameters)}
+            "t5": (T5, _t5_parameters), "whisper": (WHISPER, _whisper_parameters)}
 
 
 def with_defaults(config: dict) -> dict:

@@ -365,10 +365,11 @@ class Generator:
             try:
                 stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
                 recorder = Recorder(stats, self.clock)
-                t0 = self.clock()
-                before = self._encode(request.prompt, draft)
-                stats.encode_time_s = self.clock() - t0 + before
-                recorder.t0 -= before  # the request's time includes its language detection
+                if self.encoder_decoder:
+                    t0 = self.clock()
+                    before = self._encode(request.prompt, draft)
+                    stats.encode_time_s = self.clock() - t0 + before
+                    recorder.t0 -= before  # the request's time includes language detection
                 state = RequestState(request, recorder, token_logprobs)
                 for new in generate_tokens(self.target, draft, state):
                     yield new, stats

@@ -26,15 +26,17 @@ FIX = "config.json (it must describe the saved weights)"
 MAKERS = {"llama": lambda: tiny_models.llama(0), "qwen2": lambda: tiny_models.qwen2(0),
           "qwen3": lambda: tiny_models.qwen3(0), "mistral": lambda: tiny_models.mistral(0),
           "gemma3_text": lambda: tiny_models.gemma3(0), "gpt2": lambda: tiny_models.gpt2(0),
-          "t5": lambda: tiny_models.t5(0)}
+          "t5": lambda: tiny_models.t5(0), "whisper": lambda: tiny_models.whisper(0)}
+TOKENIZERS = {"t5": tiny_models.t5_tokenizer, "whisper": tiny_models.whisper_tokenizer}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """{family: a tiny model of it saved with save_pretrained}."""
     root = tmp_path_factory.mktemp("families")
-    return {name: tiny_models.save(make(), root / name, tiny_models.t5_tokenizer()
-                                   if name == "t5" else None) for name, make in MAKERS.items()}
+    return {name: tiny_models.save(make(), root / name, TOKENIZERS[name]()
+                                   if name in TOKENIZERS else None)
+            for name, make in MAKERS.items()}
 
 
 def edited(saved, family, tmp_path, **changes):
@@ -76,6 +78,8 @@ def test_the_estimate_is_the_models_own_parameter_count(family):
     ("gpt2", "n_embd", 66, "n_embd 66, not a multiple of n_head 4"),
     ("t5", "num_heads", 0, "num_heads 0, which must be"),
     ("t5", "d_ff", None, "d_ff None, which must be a positive integer"),
+    ("whisper", "num_mel_bins", 0, "num_mel_bins 0, which must be a positive integer"),
+    ("whisper", "d_model", 30, "d_model 30, not a multiple of encoder_attention_heads 4"),
 ])
 def test_a_size_that_cannot_be_is_refused_by_name(saved, tmp_path, family, field, value, words):
     src = edited(saved, family, tmp_path, **{field: value})

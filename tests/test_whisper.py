@@ -388,3 +388,10 @@ def test_the_server_transcribes_what_openais_client_uploads(pair, tmp_path):
         assert_error(httpx.post(post, json={"file": "a.wav"}), 400, "multipart/form-data")
         assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}), 400,
                      "speech model", "/v1/audio/transcriptions")
+
+
+def test_a_shared_encoder_draft_runs_where_the_target_runs(pair, tmp_path):
+    model_dir, _ = pair
+    bundle = build_bundle(str(model_dir), "self", tmp_path / "self", progress=False)
+    with pytest.raises(spec_runtime.InputError, match="--draft-device cuda out"):
+        spec_runtime.load(bundle, device="cpu", draft_device="cuda")

@@ -125,15 +125,13 @@ async def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
 def make_request(gen, job: Job, upload: dict, default_tokens: int) -> None:
     """job.request: the transcription's Request, checked once (the audio read, its language
     detected where not given), before a slot is taken."""
-    from ..audio import window_seconds
+    from ..audio import read_audio, window_seconds
     from ..speech import samples_of
 
     try:
         if gen.audio is None:
             raise InputError("this server's bundle is a text model: /v1/audio/transcriptions "
                              "needs a speech bundle (Whisper); send text to /v1/completions")
-        from ..audio import read_audio
-
         window = window_seconds(2 * gen.target.max_source_len)
         samples = samples_of(read_audio(upload["audio"], window, name=upload["name"]), window)
         if job.max_tokens is None:

@@ -28,7 +28,7 @@ from ..engines import devices, rows
 from ..chat import compile_chat_template
 from ..decode.drafts import open_draft
 from ..engines.opener import open_engine
-from ..errors import BundleError
+from ..errors import BundleError, InputError
 from ..generator import Generator
 from ..limits import check_threads
 from .manifest import (MANIFEST, REBUILD, TokenizerEntry, name_too_long, read_manifest,
@@ -166,6 +166,11 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         compile_chat_template(tok.chat_template)  # syntax and a test render, before sessions
     if one_row != "auto":
         rows.given(one_row)  # a bad value is refused before the sessions open
+    if manifest.draft.options.get("shared_encoder") and draft_device != target_device:
+        raise InputError(f"this bundle's draft reads the target's encoder output "
+                         f"(draft.shared_encoder), so it runs where the target runs: leave "
+                         f"--draft-device {draft_device.name} out, or make it "
+                         f"{target_device.name}")
     target = open_engine(bundle_dir, manifest, "target", manifest.target, device=target_device,
                          threads=threads)
     if tokenizer.get_vocab_size() > target.vocab_size:
