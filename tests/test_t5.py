@@ -171,6 +171,24 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
         assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
 
 
+def test_a_self_draft_reads_the_targets_encoder_output(v10_pair, tmp_path):
+    """--draft self: the target's decoder at int8, over the target's encoding of the source
+    (its source mask included): greedy output is still HF's, and the draft is accepted."""
+    target_dir, _ = v10_pair
+    bundle = build_bundle(str(target_dir), "self", tmp_path / "self", max_len=MAX_LEN,
+                          max_source_len=MAX_SOURCE_LEN, progress=False)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["draft"]["shared_encoder"] is True and set(m["draft"]["graphs"]) == {"decoder"}
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    gen.eos_token_ids = frozenset()
+    accepted = 0
+    for source in SOURCES:
+        r = gen.generate(source, max_new_tokens=40, gamma=3)
+        assert r.tokens == hf_greedy(target_dir, source, 40), source
+        accepted += r.stats["accepted"]
+    assert accepted > 0
+
+
 def test_a_gpu_stand_in_gives_the_cpus_tokens(v10_pair, cuda_stand_in):
     """Target and draft on the stand-in GPU (tests/device_stand_in.py: host inputs copied when
     bound, as on a GPU; cache and cross K/V in device memory): each request's source ids and
