@@ -90,6 +90,8 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     if share_encoder and precision == "fp32":
         raise ValueError("a draft that shares the target's encoder is its lower precision")
     model = for_hf_seq2seq(hf_model, max_len, max_source_len)
+    if precision != "fp32":  # so that the quantizer reaches a tied lm_head's MatMul
+        model.decoder.untie_lm_head()
     final = {g: bundle_dir / f"{role}.{g}.onnx" for g in ("encoder", "decoder")}
     fp32 = final if precision == "fp32" else {g: p.with_suffix(".fp32.onnx") for g, p in final.items()}
     if share_encoder:

@@ -235,6 +235,21 @@ def test_sampled_pairs_follow_the_suppressed_target(suppressed, gamma):
     assert p > 1e-4 and accepted > 0
 
 
+def int8_head_rows(path) -> int | None:
+    """N of the graph's 8-bit MatMul whose output is the logits (the lm_head), or None when the
+    head stayed float (a tied embedding the quantizer could not reach)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    node = producer["logits"]
+    while node.op_type not in ("MatMulNBits", "MatMul", "Gemm"):  # Reshape, Cast ...
+        node = producer[node.input[0]]
+    if node.op_type != "MatMulNBits":
+        return None
+    return next(a.i for a in node.attribute if a.name == "N")
+
+
 def test_a_self_draft_is_the_targets_own_int8_decoder_over_its_encoder(pair, tmp_path):
     model_dir, _ = pair
     bundle = build_bundle(str(model_dir), "self", tmp_path / "self", progress=False)
@@ -245,6 +260,7 @@ def test_a_self_draft_is_the_targets_own_int8_decoder_over_its_encoder(pair, tmp
     assert not any(f.startswith("draft.encoder") for f in m["files"])
     gen = spec_runtime.load(bundle, threads=THREADS)
     assert type(gen.draft.engine).__name__ == "SharedEncoderEngine"
+    assert int8_head_rows(bundle / "draft.decoder.onnx") == m["target"]["vocab_size"]
     for seed in range(2):
         x = signal(seed)
         want = hf_transcribe(model_dir, x, "en")
