@@ -37,10 +37,9 @@ from pathlib import Path
 
 from .contract import graph_devices
 from ..errors import BundleError
-from .checks import (AUDIO_SINCE, COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE,
-                              check_file_hashes,
-                              check_inside, depth, name_limit, name_too_long, regular_file,
-                              sha256_file, unreadable, validate)
+from .checks import AUDIO_SINCE, COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE, depth, validate
+from .files import (check_file_hashes, check_inside, name_limit, name_too_long, regular_file,
+                    sha256_file, unreadable)
 
 __all__ = ["COSTS", "BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest",
            "ModelEntry", "REBUILD", "TokenizerEntry", "lowest_schema", "name_limit",

@@ -33,7 +33,7 @@ from ..generator import Generator
 from ..limits import check_threads
 from .manifest import (MANIFEST, REBUILD, TokenizerEntry, name_too_long, read_manifest,
                        unreadable)
-from .checks import check_file_hashes, check_unchanged, regular_file, snapshot
+from .files import check_file_hashes, check_unchanged, regular_file, snapshot
 from ..decode.stats import Costs
 
 DEFAULT_BUNDLE_ENV = "DRAFTPROOF_BUNDLE"  # $SPECEDGE_BUNDLE stands in, for one release

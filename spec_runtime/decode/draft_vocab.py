@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BundleError
-from ..bundle.checks import REBUILD, regular_file, unreadable
+from ..bundle.checks import REBUILD
+from ..bundle.files import regular_file, unreadable
 from .sampling import SamplingParams
 
 BYTES_PER_ID = 12  # an id and its separator in the file, at most (ids below 10^10)

@@ -22,7 +22,7 @@ from ..bundle.contract import graph_metadata, token_profile
 from .devices import DEVICE_BUILDS, DEVICES, Device, for_role, native_engine
 from ..errors import BundleError, InputError
 from ..bundle.manifest import REBUILD, GraphEntry, Manifest, ModelEntry, unreadable
-from ..bundle.checks import regular_file
+from ..bundle.files import regular_file
 
 
 def tensorrt_cache_dir(bundle_dir: Path) -> Path:

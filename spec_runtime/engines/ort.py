@@ -46,7 +46,7 @@ from .protocol import ChunkedEngine
 from ..errors import BundleError, InputError
 from .kv_cache import cache_store
 from ..bundle.manifest import REBUILD, GraphEntry, unreadable
-from ..bundle.checks import regular_file
+from ..bundle.files import regular_file
 from .ort_import import TELEMETRY_ENV, onnxruntime  # noqa: F401 (public here too)
 
 log = logging.getLogger(__name__)
