@@ -18,8 +18,6 @@ from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       no_draft_option, parse_gammas, read_prompt, sampling_options)
 from .serve import serve
 
-TRANSCRIPT_TOKENS = 224  # Whisper's own longest transcript of a window (OpenAI's sample_len)
-TRANSCRIPT_PROMPT = 4  # <|startoftranscript|> <|lang|> <|task|> <|notimestamps|>
 
 
 def stats_line(stats: dict) -> str:
@@ -111,7 +109,7 @@ def generate(prompt, prompt_file, bundle, stream, as_json, device, draft_device,
               show_default=True, help="transcribe, or translate into English")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help=f"stop after this many new tokens (or at EOS) [default: "
-                   f"{TRANSCRIPT_TOKENS}, Whisper's own, or what the bundle's cache holds]")
+                   f"224, Whisper's own, or what the bundle's cache holds]")
 @sampling_options()
 @gamma_option()
 @no_draft_option
@@ -124,15 +122,15 @@ def transcribe(audio, bundle, language, task, max_new_tokens, as_json, device, d
     where soundfile is installed) with a speech bundle: greedy by default, speculative with the
     bundle's draft, exactly the target's transcript."""
     import spec_runtime
-    from spec_runtime.speech import language_code
+    from spec_runtime.speech import language_code, transcript_tokens
 
-    options = generation_options(max_new_tokens=max_new_tokens or TRANSCRIPT_TOKENS, **request)
+    # checked now, before the load; without --max-new-tokens the bundle's room sets it below
+    options = generation_options(max_new_tokens=max_new_tokens or 1, **request)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     if max_new_tokens is None:  # Whisper's default, where the cache holds it
         from dataclasses import replace
 
-        room = gen.capacity(options.use_draft) - TRANSCRIPT_PROMPT + 1
-        options = replace(options, max_new_tokens=max(1, min(TRANSCRIPT_TOKENS, room)))
+        options = replace(options, max_new_tokens=transcript_tokens(gen, options.use_draft))
     req = in_cli_words(gen.transcription, audio, options, language=language, task=task)
     result = gen.generate(req)
     lang = language_code(gen.audio, int(req.prefix[1])) if len(req.prefix) > 2 else None

@@ -65,8 +65,9 @@ def window_seconds(frames: int = N_FRAMES) -> float:
     return frames * HOP_LENGTH / SAMPLE_RATE
 
 
-def too_long(seconds: float, what: str, frames: int = N_FRAMES) -> InputError:
-    limit = f"{window_seconds(frames):g}"
+def too_long(seconds: float, what: str, window: float = WINDOW_SECONDS) -> InputError:
+    """`what` lasts `seconds`, more than one `window` (in seconds) holds."""
+    limit = f"{window:g}"
     return InputError(f"{what} is {seconds:.1f} s long: one window holds at most {limit} s; cut "
                       f"it into pieces of at most {limit} s (e.g. `ffmpeg -i INPUT -f segment "
                       f"-segment_time {limit} -ar 16000 -ac 1 piece%03d.wav`)")
@@ -78,7 +79,7 @@ def log_mel(samples: np.ndarray, n_mels: int = 80, frames: int = N_FRAMES) -> np
     x = np.asarray(samples, np.float64).reshape(-1)
     n_samples = frames * HOP_LENGTH
     if len(x) > n_samples:
-        raise too_long(len(x) / SAMPLE_RATE, "the audio", frames)
+        raise too_long(len(x) / SAMPLE_RATE, "the audio", window_seconds(frames))
     x = np.pad(x, (0, n_samples - len(x)))
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic Hann
     padded = np.pad(x, N_FFT // 2, mode="reflect")  # centred frames, as torch.stft's center
@@ -136,7 +137,7 @@ def read_audio(path, max_seconds: float = WINDOW_SECONDS, *, name: str | None = 
     if total == 0 or not raw:
         raise InputError(f"{label} holds no samples: give a recording of speech")
     if total / max(rate, 1) > max_seconds:
-        raise too_long(total / rate, label, int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
+        raise too_long(total / rate, label, max_seconds)
     samples = _pcm(raw, width).reshape(-1, channels).mean(axis=1)
     return resample(samples, rate)
 
@@ -197,8 +198,7 @@ def _other_format(source, label: str, error, max_seconds: float) -> np.ndarray:
         if hasattr(source, "seek"):
             source.seek(0)
         if info.frames / max(info.samplerate, 1) > max_seconds:
-            raise too_long(info.frames / info.samplerate, label,
-                           int(max_seconds * SAMPLE_RATE / HOP_LENGTH))
+            raise too_long(info.frames / info.samplerate, label, max_seconds)
         data, rate = soundfile.read(source, dtype="float64", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError) as e:
         raise InputError(f"{label} is not audio soundfile reads ({e}): {CONVERT}") from None

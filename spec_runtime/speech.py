@@ -27,6 +27,16 @@ from .bundle.manifest import AudioEntry
 from .errors import FieldError, InputError
 
 TASKS = ("transcribe", "translate")
+TRANSCRIPT_TOKENS = 224  # Whisper's own longest transcript of a window (OpenAI's sample_len)
+
+
+def transcript_tokens(gen, use_draft: bool = True) -> int:
+    """A transcription's max_new_tokens where none is given: TRANSCRIPT_TOKENS, or what the
+    cache holds after the longest decoder prompt."""
+    if gen.audio is None:  # not a speech bundle: the request refuses it, with the reason
+        return TRANSCRIPT_TOKENS
+    longest = 2 + bool(gen.audio.languages) + bool(gen.audio.tasks)
+    return max(1, min(TRANSCRIPT_TOKENS, gen.capacity(use_draft) - longest + 1))
 
 
 class Suppress:
@@ -60,7 +70,7 @@ def samples_of(audio, window: float) -> np.ndarray:
         raise InputError("the audio holds NaN or infinite samples: give finite samples in "
                          "[-1, 1]")
     if len(x) / SAMPLE_RATE > window:
-        raise too_long(len(x) / SAMPLE_RATE, "the audio", int(window * SAMPLE_RATE / 160))
+        raise too_long(len(x) / SAMPLE_RATE, "the audio", window)
     return x.astype(np.float32)
 
 

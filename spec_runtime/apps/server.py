@@ -63,7 +63,6 @@ DEFAULT_QUEUE = 16
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
-MAX_TRANSCRIPT_TOKENS = 224  # a transcription without max_tokens: Whisper's own longest
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/audio/transcriptions", "/v1/models",
           "/health", "/metrics")
 
@@ -335,7 +334,7 @@ class Server:
 
         started = time.monotonic()
         job, upload = await parse_transcription(await read_form(request), self.model_name)
-        await asyncio.to_thread(make_request, self.gen, job, upload, MAX_TRANSCRIPT_TOKENS)
+        await asyncio.to_thread(make_request, self.gen, job, upload)
         g = await self.acquire(request)
         task = Decode(g, job, asyncio.get_running_loop())
         self.active.add(task)

@@ -122,11 +122,11 @@ async def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
                  "language": form.get("language") or None, "format": fmt}
 
 
-def make_request(gen, job: Job, upload: dict, default_tokens: int) -> None:
+def make_request(gen, job: Job, upload: dict) -> None:
     """job.request: the transcription's Request, checked once (the audio read, its language
     detected where not given), before a slot is taken."""
     from ..audio import read_audio, window_seconds
-    from ..speech import samples_of
+    from ..speech import samples_of, transcript_tokens
 
     try:
         if gen.audio is None:
@@ -135,8 +135,7 @@ def make_request(gen, job: Job, upload: dict, default_tokens: int) -> None:
         window = window_seconds(2 * gen.target.max_source_len)
         samples = samples_of(read_audio(upload["audio"], window, name=upload["name"]), window)
         if job.max_tokens is None:
-            room = gen.capacity(job.kwargs.get("use_draft", True)) - 4 + 1
-            job.max_tokens = max(1, min(default_tokens, room))
+            job.max_tokens = transcript_tokens(gen, job.kwargs.get("use_draft", True))
         job.request = gen.transcription(samples, GenerationOptions(
             max_new_tokens=job.max_tokens, **job.kwargs), language=upload["language"])
     except FieldError as e:  # a value of the form's (language, temperature, gamma ...)
