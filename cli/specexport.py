@@ -84,7 +84,7 @@ def main(ctx):
 @click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
               show_default=True,
               help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
-                   "(llama, qwen2, qwen3, mistral, gemma3; needed for an int4 self draft); portable: standard ONNX for any runtime, "
+                   "(llama, qwen2, qwen3, mistral, gemma3; auto's int4 self draft needs it); portable: standard ONNX for any runtime, "
                    "TensorRT included; auto: fused where available")
 @click.option("--float-embedding", is_flag=True,
               help="int4 only: keep a float32 embedding instead of reading it from the 4-bit "

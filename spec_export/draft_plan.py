@@ -116,7 +116,7 @@ class DraftPlan:
                 self.why = f"no fused int4 self draft for this target: {why}"
                 if not self.candidates:
                     self.kind = "ngram"
-            # an explicit --draft self on such a target is refused by the export itself
+            # an explicit --draft self is made from the portable graph (untie_head reads both)
 
     def check_draft_model(self, t_model, t_tok, eos=()):
         """Load the draft model's tokenizer and config (not its weights: those come after the
@@ -368,7 +368,8 @@ def _no_self_draft(t_spec: ModelSpec, precision: str, draft_precision: str | Non
     if int4_weights == "quantize":
         return "--int4-weights quantize: an int4 self draft would be rounded twice"
     if kernels == "portable":
-        return "--kernels portable: the int4 self draft needs the fused graph"
+        return "--kernels portable: auto measures the int4 self draft on the fused graph only " \
+               "(--draft self or hybrid makes a portable one)"
     return None
 
 

@@ -224,27 +224,24 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
 
 
 def untie_head(model: onnx.ModelProto, base: Path | None = None) -> None:
-    """Give the lm_head of a tied fused graph (the Gemm that reads "embed" transposed, between
-    two Reshapes) its own MatMul over a transposed copy, as export_fused_llama writes an untied
-    head: a quantizer then reaches the head, and the embedding can read its blocks. Used to make
+    """Give the tied lm_head of a float32 graph its own MatMul weight, a transposed copy of the
+    embedding, as the writers write an untied head: a quantizer then reaches the head (it
+    quantizes MatMuls over constants only), and the embedding can read its blocks. Used to make
     a lower-precision draft from a tied target's float32 graph without exporting it again.
-    `base`: the graph's directory, where an embedding kept as external data is read from."""
+    The fused graph's head is a Gemm that reads "embed" transposed, between two Reshapes; the
+    portable graph's (torch.onnx) a MatMul over a Transpose of the table its embedding Gather
+    reads. `base`: the graph's directory, where an embedding kept as external data is read
+    from."""
     graph = model.graph
-    gemm = next(n for n in graph.node if n.op_type == "Gemm" and n.input[1] == "embed")
+    gemm = next((n for n in graph.node if n.op_type == "Gemm" and n.input[1] == "embed"), None)
+    if gemm is None:
+        _untie_portable_head(graph, base)
+        return
     producers = {o: n for n in graph.node for o in n.output}
     flatten = producers[gemm.input[0]]  # Reshape(rows -> [-1, C])
     unflatten = next(n for n in graph.node if gemm.output[0] in n.input)  # -> logits
     embed = next(t for t in graph.initializer if t.name == "embed")
-    if embed.data_location == onnx.TensorProto.EXTERNAL:
-        from onnx.external_data_helper import load_external_data_for_tensor
-
-        loaded = onnx.TensorProto()
-        loaded.CopyFrom(embed)
-        load_external_data_for_tensor(loaded, str(base))
-        loaded.data_location = onnx.TensorProto.DEFAULT
-        del loaded.external_data[:]
-        embed = loaded
-    head = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(embed).T), "lm_head")
+    head = _transposed(embed, "lm_head", base)
     matmul = helper.make_node("MatMul", [flatten.input[0], "lm_head"], list(unflatten.output),
                               name=gemm.name.replace("Gemm", "MatMul"))
     at = list(graph.node).index(flatten)
@@ -255,6 +252,63 @@ def untie_head(model: onnx.ModelProto, base: Path | None = None) -> None:
     kept = [t for t in graph.initializer if t.name in used]  # the two Reshapes' shapes go
     del graph.initializer[:]
     graph.initializer.extend(kept + [head])
+
+
+def _untie_portable_head(graph: onnx.GraphProto, base: Path | None) -> None:
+    """untie_head for the portable graph: torch.onnx keeps a Transpose of the shared table
+    (folding it would copy the table), so the head's MatMul reads no constant."""
+    constants = {t.name: t for t in graph.initializer}
+    gathered = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in constants}
+    readers: dict[str, list] = {}
+    for n in graph.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    found = [(t, readers[t.output[0]][0]) for t in graph.node
+             if t.op_type == "Transpose" and t.input[0] in gathered
+             and all(a.name != "perm" or list(a.ints) == [1, 0] for a in t.attribute)
+             and len(readers.get(t.output[0], ())) == 1
+             and readers[t.output[0]][0].op_type == "MatMul"
+             and readers[t.output[0]][0].input[1] == t.output[0]]
+    if len(found) != 1:  # a writer's layout this function does not know: a bug, not bad input
+        raise ValueError(f"untie_head: expected one MatMul over a Transpose of the embedding "
+                         f"table, found {len(found)}")
+    transpose, matmul = found[0]
+    table = constants[transpose.input[0]]
+    taken = {v for n in graph.node for v in (*n.input, *n.output)} | set(constants)
+    # the fused writer's name, by which quantize finds the embedding (a graph input is not
+    # renamed: it names what a caller binds)
+    if "embed" not in taken and table.name not in {i.name for i in graph.input}:
+        for n in readers[table.name]:
+            n.input[:] = ["embed" if name == table.name else name for name in n.input]
+        taken = (taken - {table.name}) | {"embed"}
+        table.name = "embed"
+    head = "lm_head" if "lm_head" not in taken else _unused("lm_head", taken)
+    matmul.input[1] = head
+    graph.node.remove(transpose)
+    for info in [v for v in graph.value_info if v.name == transpose.output[0]]:
+        graph.value_info.remove(info)
+    graph.initializer.append(_transposed(table, head, base))
+
+
+def _unused(name: str, taken: set[str]) -> str:
+    i = 1
+    while f"{name}_{i}" in taken:
+        i += 1
+    return f"{name}_{i}"
+
+
+def _transposed(table: onnx.TensorProto, name: str, base: Path | None) -> onnx.TensorProto:
+    """A [C, V] copy named `name` of the [V, C] `table`, read from `base` if it is external."""
+    if table.data_location == onnx.TensorProto.EXTERNAL:
+        from onnx.external_data_helper import load_external_data_for_tensor
+
+        loaded = onnx.TensorProto()
+        loaded.CopyFrom(table)
+        load_external_data_for_tensor(loaded, str(base))
+        loaded.data_location = onnx.TensorProto.DEFAULT
+        del loaded.external_data[:]
+        table = loaded
+    return numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(table).T), name)
 
 
 def _qk_norms(g, padded: str, layer, d, p: str) -> list[str]:
