@@ -1,4 +1,4 @@
-"""Audio for speech models, in numpy: a WAV file read with the standard library, resampled to
+"""Audio for speech models, in numpy: a WAV file read chunk by chunk (RIFF), resampled to
 16 kHz, and the log-mel spectrogram Whisper's encoder reads (OpenAI's whisper/audio.py, which
 transformers' WhisperFeatureExtractor reproduces): one 30-second window, a 400-sample periodic
 Hann window every 160 samples, the power spectrum through 80 (or 128) Slaney-scaled mel
@@ -10,7 +10,9 @@ filters, log10, floored 8 below its maximum, then (x + 4) / 4. No torch, no libr
 
 from __future__ import annotations
 
-import wave
+import os
+import stat
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -91,12 +93,16 @@ def log_mel(samples: np.ndarray, n_mels: int = 80, frames: int = N_FRAMES) -> np
     return ((log + 4.0) / 4.0).astype(np.float32)
 
 
+def _check_rate(rate: int, what: str = "the audio") -> None:
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise InputError(f"the sample rate of {what} is {rate} Hz: rates from {MIN_RATE} to "
+                         f"{MAX_RATE} Hz are resampled to {SAMPLE_RATE}; {CONVERT}")
+
+
 def resample(samples: np.ndarray, rate: int) -> np.ndarray:
     """`samples` at `rate` Hz -> 16 kHz, band-limited (the spectrum cut or zero-padded: the
     method of scipy.signal.resample), for a rate in [8 kHz, 192 kHz]."""
-    if not MIN_RATE <= rate <= MAX_RATE:
-        raise InputError(f"the audio's sample rate is {rate} Hz: rates from {MIN_RATE} to "
-                         f"{MAX_RATE} Hz are resampled to {SAMPLE_RATE}; {CONVERT}")
+    _check_rate(rate)
     x = np.asarray(samples, np.float64)
     if rate == SAMPLE_RATE or len(x) == 0:
         return x.astype(np.float32)
@@ -113,33 +119,184 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
 
 def read_audio(path, max_seconds: float = WINDOW_SECONDS, *, name: str | None = None
                ) -> np.ndarray:
-    """A WAV file (PCM, 8 to 32 bits, any channels: averaged; FLAC and the other formats
-    soundfile reads, where it is installed) as float32 mono samples at 16 kHz; InputError naming
-    the file and the fix for anything else: not audio, no samples, a rate outside [8, 192] kHz,
-    longer than one window of `max_seconds`. `path` may be a binary file object (an upload),
-    then named `name` in messages."""
+    """A WAV file (PCM, 8 to 32 bits, plain or WAVE_FORMAT_EXTENSIBLE, any channels: averaged;
+    float WAV, FLAC and the other formats soundfile reads, where it is installed) as float32
+    mono samples at 16 kHz; InputError naming the file and the fix for anything else: not a
+    regular file (a FIFO, a device), not audio, no samples, a damaged header, a rate outside
+    [8, 192] kHz, longer than one window of `max_seconds`. `path` may be a seekable binary file
+    object (an upload), then named `name` in messages. No more than the window's samples are
+    ever read."""
     stream = hasattr(path, "read")
     label = repr(name if name is not None else str(getattr(path, "name", "the audio")
                                                    if stream else path))
-    source = path if stream else str(Path(path))
+    if stream:
+        return _read(path, label, max_seconds)
+    with _open_regular(Path(path), label) as f:
+        return _read(f, label, max_seconds)
+
+
+_NOT_A_FILE = ((stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open_regular(path: Path, label: str):
+    """`path` opened for reading, if it is a regular file (or a link to one: /dev/stdin
+    redirected from a file). Anything else is refused: opening a FIFO waits for a writer,
+    reading a terminal or a pipe waits for its input, maybe forever, and none of them can seek
+    back to the header. The open does not block (O_NONBLOCK), and the check is on the opened
+    descriptor, so that nothing swapped in after a check is read."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
     try:
-        with wave.open(source, "rb") as f:
-            rate, channels, width = f.getframerate(), f.getnchannels(), f.getsampwidth()
-            raw = f.readframes(min(f.getnframes(), int(max_seconds + 1) * MAX_RATE))
-            total = f.getnframes()
+        fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise InputError(f"{label} does not exist: give the path of a WAV file") from None
-    except (wave.Error, EOFError) as e:
-        return _other_format(source, label, e, max_seconds)
+    except IsADirectoryError:  # where a system refuses to open one
+        raise InputError(f"{label} is a directory: give the path of a WAV file") from None
     except OSError as e:
         raise InputError(f"{label} cannot be read ({e.strerror}): give a readable WAV "
                          f"file") from None
-    if total == 0 or not raw:
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise InputError(f"{label} is a directory: give the path of a WAV file")
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _NOT_A_FILE if test(mode)), "not a file")
+            raise InputError(f"{label} is {kind}, not a regular file: audio is read from a "
+                             f"file, so save it to one first (e.g. `ffmpeg -i INPUT -ar 16000 "
+                             f"-ac 1 speech.wav`) and give that path")
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read(f, label: str, max_seconds: float) -> np.ndarray:
+    seekable = f.seekable() if hasattr(f, "seekable") else hasattr(f, "seek")
+    if not seekable:
+        raise InputError(f"{label} cannot seek: a WAV header's sizes may need checking "
+                         f"against the file's end; give a file's path or a seekable file "
+                         f"object (io.BytesIO)")
+    try:
+        base = f.tell()
+        head = f.read(12)
+        if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+            try:
+                return _read_wav(f, label, max_seconds)
+            except _NotPCM as e:
+                return _other_format(f, base, label, str(e), max_seconds)
+        return _other_format(f, base, label, "its RIFF type is not WAVE", max_seconds)
+    except OSError as e:
+        raise InputError(f"{label} cannot be read ({e.strerror or e}): give a readable WAV "
+                         f"file") from None
+
+
+class _NotPCM(Exception):
+    """A WAV file whose samples are not integer PCM: soundfile's to read, where installed."""
+
+
+# the sub-format GUID of WAVE_FORMAT_EXTENSIBLE after its first two bytes (the format tag):
+# KSDATAFORMAT_SUBTYPE_PCM is 00000001-0000-0010-8000-00aa00389b71, IEEE_FLOAT 00000003-...
+_GUID_TAIL = bytes.fromhex("000000001000800000aa00389b71")
+_PCM, _FLOAT, _EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
+_BLOCK_BYTES = 1 << 20  # what is read at once: samples are averaged to mono block by block
+
+
+def _damaged(label: str, what: str) -> InputError:
+    return InputError(f"{label} is a damaged WAV file ({what}): {CONVERT}")
+
+
+def _read_wav(f, label: str, max_seconds: float) -> np.ndarray:
+    """The RIFF chunks up to `data`, skipping those it does not read (LIST, fact, ...). The
+    RIFF size is not used: a streamed header holds a placeholder there."""
+    here = f.tell()
+    end = f.seek(0, os.SEEK_END)
+    f.seek(here)
+    fmt = None
+    while True:
+        header = f.read(8)
+        if len(header) < 8:
+            if fmt is None:
+                raise _damaged(label, "it has no fmt chunk")
+            raise InputError(f"{label} holds no samples (it has no data chunk): give a "
+                             f"recording of speech")
+        cid, size = header[:4].decode("latin-1"), int.from_bytes(header[4:], "little")
+        start = f.tell()
+        if cid == "data":
+            if fmt is None:
+                raise _damaged(label, "its data chunk comes before its fmt chunk")
+            # a size past the file's end is a streamed header's placeholder (ffmpeg or sox
+            # writing to a pipe cannot go back to fill it in) or a file cut short: the audio
+            # is the bytes present, as soundfile and ffmpeg read it
+            return _read_pcm(f, min(size, end - start), fmt, label, max_seconds)
+        if size > end - start:  # the data after it cannot be found
+            raise _damaged(label, f"its {cid!r} chunk declares {size} bytes, past the file's "
+                                  f"end")
+        if cid == "fmt ":
+            fmt = _format(f.read(min(size, 40)), label)
+        f.seek(start + size)
+        # RIFF pads an odd chunk with a zero byte; some writers leave it out, and then the
+        # byte here is the next chunk's id, which is never zero
+        if size % 2 and f.read(1) not in (b"\x00", b""):
+            f.seek(-1, os.SEEK_CUR)
+
+
+def _format(body: bytes, label: str) -> tuple[int, int, int]:
+    """(channels, rate, bytes per sample) of an integer PCM fmt chunk, plain or
+    WAVE_FORMAT_EXTENSIBLE (what ffmpeg writes for more than 2 channels or 16 bits); _NotPCM
+    for float or compressed samples."""
+    if len(body) < 16:
+        raise _damaged(label, f"its fmt chunk holds {len(body)} bytes, fewer than its 16 bytes "
+                              f"of fields")
+    tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
+    if tag == _EXTENSIBLE:
+        if len(body) < 40:
+            raise _damaged(label, f"its extensible fmt chunk holds {len(body)} bytes, fewer "
+                                  f"than 40")
+        guid = body[24:40]
+        if guid[2:] != _GUID_TAIL:
+            raise _NotPCM(f"sub-format {guid.hex()}")
+        tag = int.from_bytes(guid[:2], "little")
+    if tag == _FLOAT:
+        raise _NotPCM(f"{bits}-bit float samples")
+    if tag != _PCM:
+        raise _NotPCM(f"format tag {tag:#06x}: compressed samples")
+    if channels == 0:
+        raise _damaged(label, "it has 0 channels")
+    _check_rate(rate, label)
+    width = (bits + 7) // 8  # the container: fewer valid bits are left-justified in it
+    if width not in (1, 2, 3, 4):
+        raise InputError(f"{label} holds {bits}-bit PCM samples: 8-, 16-, 24- and 32-bit "
+                         f"samples are read; {CONVERT}")
+    return channels, rate, width
+
+
+def _read_pcm(f, present: int, fmt: tuple[int, int, int], label: str, max_seconds: float
+              ) -> np.ndarray:
+    """The data chunk's `present` bytes as mono, checked against the window before any sample
+    is read, and averaged block by block: memory is the window's mono samples and one block,
+    whatever the channels."""
+    channels, rate, width = fmt
+    frame = channels * width
+    frames = present // frame  # a last frame cut short is dropped, as soundfile drops it
+    if frames == 0:
         raise InputError(f"{label} holds no samples: give a recording of speech")
-    if total / max(rate, 1) > max_seconds:
-        raise too_long(total / rate, label, max_seconds)
-    samples = _pcm(raw, width).reshape(-1, channels).mean(axis=1)
-    return resample(samples, rate)
+    if frames / rate > max_seconds:
+        raise too_long(frames / rate, label, max_seconds)
+    mono = np.empty(frames, np.float64)
+    step = max(1, _BLOCK_BYTES // frame)
+    done = 0
+    while done < frames:
+        raw = f.read(min(step, frames - done) * frame)
+        got = len(raw) // frame
+        if got == 0:  # the file shrank while it was read
+            break
+        mono[done:done + got] = _pcm(raw[:got * frame], width).reshape(got, channels).mean(1)
+        done += got
+    if done == 0:
+        raise InputError(f"{label} holds no samples: give a recording of speech")
+    return resample(mono[:done], rate)
 
 
 def _pcm(raw: bytes, width: int) -> np.ndarray:
@@ -150,7 +307,7 @@ def _pcm(raw: bytes, width: int) -> np.ndarray:
         b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
         v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
         return np.where(v >= 1 << 23, v - (1 << 24), v) / float(1 << 23)
-    kind = {2: np.int16, 4: np.int32}[width]  # wave refuses other widths
+    kind = {2: np.int16, 4: np.int32}[width]  # _format refuses other widths
     return np.frombuffer(raw, f"<{np.dtype(kind).char}").astype(np.float64) / float(
         1 << (8 * width - 1))
 
@@ -168,20 +325,13 @@ def sniff(head: bytes) -> str:
     return next((name for magic, name in _MAGIC if head.startswith(magic)), "not audio")
 
 
-def _other_format(source, label: str, error, max_seconds: float) -> np.ndarray:
-    """What the standard library's wave module does not read (FLAC, float WAV, ...): read by
-    soundfile where it is installed, else refused naming the format that was found."""
-    try:
-        if hasattr(source, "read"):
-            source.seek(0)
-            head = source.read(16)
-            source.seek(0)
-        else:
-            with open(source, "rb") as f:
-                head = f.read(16)
-    except OSError as e:
-        raise InputError(f"{label} cannot be read ({e.strerror}): give a readable WAV "
-                         f"file") from None
+def _other_format(f, base: int, label: str, reason: str, max_seconds: float
+                  ) -> np.ndarray:
+    """What is not integer PCM WAV (FLAC, float WAV, ...), `f` read from `base`: by soundfile
+    where it is installed, else refused naming the format that was found."""
+    f.seek(base)
+    head = f.read(16)
+    f.seek(base)
     kind = sniff(head)
     if kind == "not audio":
         raise InputError(f"{label} is not audio (it starts {head[:8]!r}): give a WAV "
@@ -189,17 +339,15 @@ def _other_format(source, label: str, error, max_seconds: float) -> np.ndarray:
     try:
         import soundfile
     except ImportError:
-        why = "a WAV file that is not PCM (float or compressed samples)" if kind == "WAV" \
-            else f"{kind} audio"
-        raise InputError(f"{label} is {why} ({error}), which is read with soundfile: "
+        why = f"a WAV file that is not PCM ({reason})" if kind == "WAV" else f"{kind} audio"
+        raise InputError(f"{label} is {why}, which is read with soundfile: "
                          f"`pip install soundfile`, or {CONVERT}") from None
     try:
-        info = soundfile.info(source)
-        if hasattr(source, "seek"):
-            source.seek(0)
+        info = soundfile.info(f)
+        f.seek(base)
         if info.frames / max(info.samplerate, 1) > max_seconds:
             raise too_long(info.frames / info.samplerate, label, max_seconds)
-        data, rate = soundfile.read(source, dtype="float64", always_2d=True)
+        data, rate = soundfile.read(f, dtype="float64", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError) as e:
         raise InputError(f"{label} is not audio soundfile reads ({e}): {CONVERT}") from None
     if data.size == 0:
