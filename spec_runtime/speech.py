@@ -105,9 +105,13 @@ def task_token(entry: AudioEntry, task: str) -> int | None:
                                  f"(into English)")
     if not entry.tasks:
         if task != "transcribe":
-            raise FieldError("task", "this model is English-only: it transcribes, it does not "
-                                     "translate; leave task out")
+            raise FieldError("task", f"task={task!r} is not taken: this model is English-only, "
+                                     f"it transcribes and does not translate; leave task out")
         return None
+    if task not in entry.tasks:  # the bundle's reader requires "transcribe" only
+        have = " and ".join(repr(t) for t in sorted(entry.tasks))
+        raise FieldError("task", f"task={task!r} is not one this model has (its bundle records "
+                                 f"{have}): leave task out to transcribe")
     return entry.tasks[task]
 
 

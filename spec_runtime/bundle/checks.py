@@ -239,6 +239,12 @@ def _check_audio(m: dict, arch: str, target: dict) -> int | None:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise _bad(f"audio.{key}[{name!r}]", token,
                            f"it must be a token id in [0, {vocab})")
+    # English-only Whispers have no task tokens; the others' every prompt holds <|transcribe|>
+    # (translate is asked for, and refused when missing, by the request)
+    tasks = audio["tasks"]
+    if tasks and "transcribe" not in tasks:
+        raise _bad("audio.tasks", tasks, "a model with task tokens must have 'transcribe' "
+                   "(an English-only model has none: {})")
     _integer(audio, "no_timestamps_token_id", "audio", 0, vocab - 1, optional=True)
     for key in ("suppress_tokens", "begin_suppress_tokens"):
         ids = _require(audio, key, list, "audio")
