@@ -20,6 +20,9 @@ class ChatSession:
         """`options` (or GenerationOptions(**values): max_new_tokens, the sampling controls,
         gamma, use_draft) serve every answer: each turn is a request of its own, made from the
         conversation and them."""
+        if gen.audio is not None:  # before the template: a speech bundle has none either
+            raise InputError("this bundle is a speech model (Whisper): it transcribes audio, it "
+                             "does not chat; use `specrun transcribe AUDIO`")
         if not gen.chat_template:
             raise InputError("this bundle has no chat template, so it cannot hold a "
                              "conversation: use `specrun generate`")
