@@ -411,3 +411,159 @@ def test_a_shared_encoder_draft_runs_where_the_target_runs(pair, tmp_path):
     bundle = build_bundle(str(model_dir), "self", tmp_path / "self", progress=False)
     with pytest.raises(spec_runtime.InputError, match="--draft-device cuda out"):
         spec_runtime.load(bundle, device="cpu", draft_device="cuda")
+
+
+# -- WAV files as other programs write them, through `specrun` and the server -----------------
+
+
+def _wav_cases(x: np.ndarray):
+    """(name, bytes, samples read or None for a refusal, words of the refusal): the WAV files
+    of tests/test_audio_input.py, built byte by byte; the samples expected are the 16-bit
+    values written, decoded here."""
+    from test_audio_input import EXTENSIBLE, PCM, chunk, fmt_chunk, riff
+
+    pcm = (np.clip(x, -1, 1) * 32767).astype("<i2")
+    want = (pcm / 32768).astype(np.float32)
+    raw = pcm.tobytes()
+    return [
+        ("zero-rate.wav", riff(fmt_chunk(rate=0), chunk(b"data", raw)), None, ("0 Hz",)),
+        ("40-bit.wav", riff(fmt_chunk(bits=40), chunk(b"data", bytes(500))), None, ("40-bit",)),
+        ("64-bit.wav", riff(fmt_chunk(bits=64), chunk(b"data", bytes(800))), None, ("64-bit",)),
+        ("huge-chunk.wav", riff(fmt_chunk(), chunk(b"LIST", b"INFO", size=0xFFFFFFF0),
+                                chunk(b"data", raw)), None, ("'LIST'", "4294967280")),
+        ("cut.wav", riff(fmt_chunk(), chunk(b"data", raw))[:-1], want[:-1], ()),
+        ("no-pad.wav", riff(fmt_chunk(), chunk(b"LIST", b"INFOabc", pad=False),
+                            chunk(b"data", raw)), want, ()),
+        ("streamed.wav", riff(fmt_chunk(), chunk(b"data", raw, size=0xFFFFFFF0),
+                              size=0xFFFFFFFF), want, ()),
+        ("extensible.wav", riff(fmt_chunk(EXTENSIBLE, sub=PCM), chunk(b"data", raw)), want, ()),
+    ]
+
+
+def test_specrun_transcribe_reads_or_refuses_wav_files_as_written(pair, tmp_path):
+    """Each file is read (the transcript of its samples, by transformers) or refused in one
+    line with exit 2; never a traceback."""
+    from draftproof.cli.specrun import main as specrun
+
+    model_dir, bundle = pair
+    for name, data, want, words in _wav_cases(signal(3)):
+        path = tmp_path / name
+        path.write_bytes(data)
+        r = run(specrun, "transcribe", path, "-b", bundle, "--language", "fr", "--json",
+                "--max-new-tokens", N)
+        if want is None:
+            assert_input_error(r, name, *words)
+            assert len(r.output.strip().splitlines()) == 1, r.output
+        else:
+            assert r.exit_code == 0, (name, r.output)
+            assert json.loads(r.stdout)["tokens"] == hf_transcribe(model_dir, want, "fr"), name
+
+
+def _specrun_subprocess(*args):
+    import subprocess
+    import sys
+
+    # a reader that waits on the pipe never returns: the limit turns a hang into a failure
+    return subprocess.run([sys.executable, "-m", "draftproof.cli.specrun", *map(str, args)],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_a_fifo_given_as_audio_is_refused_not_waited_on(pair, tmp_path):
+    import os
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("named pipes are POSIX")
+    _, bundle = pair
+    fifo = tmp_path / "speech.wav"
+    os.mkfifo(fifo)
+    for args in (("transcribe", fifo, "-b", bundle), ("bench", "-b", bundle, "--audio", fifo)):
+        r = _specrun_subprocess(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr and "speech.wav" in r.stderr, r.stderr
+        assert "pipe (FIFO)" in r.stderr and "save it to one" in r.stderr, r.stderr
+
+
+def test_the_server_answers_a_bad_wav_upload_with_400(pair, tmp_path):
+    """WAV files that used to raise inside the reader (a 500): one 400 naming the file; the
+    ones that are readable are transcribed."""
+    pytest.importorskip("multipart", reason="the serve extra installs python-multipart")
+    import httpx
+    from test_serve import assert_error, server
+
+    _, bundle = pair
+    gen = spec_runtime.load(bundle, threads=THREADS)
+    with server(bundle) as (url, _):
+        post = f"{url}/v1/audio/transcriptions"
+        for name, data, want, words in _wav_cases(signal(4)):
+            form = {"language": "fr", "max_tokens": "8"}
+            r = httpx.post(post, files={"file": (name, data)}, data=form, timeout=60)
+            if want is None:
+                assert_error(r, 400, name, *words, param="file")
+            else:
+                assert r.status_code == 200, (name, r.text)
+                text = gen.transcribe(want, language="fr", max_new_tokens=8).text
+                assert r.json()["text"] == text.strip(), name
+
+
+def test_a_manifest_whose_tasks_lack_transcribe_is_refused_at_load(pair, tmp_path):
+    """A multilingual Whisper's prompt needs its <|transcribe|> token; a manifest without it
+    is refused when the bundle is read, by the CLI too, in one line."""
+    import shutil
+
+    from draftproof.cli.specrun import main as specrun
+
+    _, bundle = pair
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    edit_manifest(copy, lambda m: m["audio"]["tasks"].pop("transcribe"))
+    with pytest.raises(BundleError, match=r"audio\.tasks.*'transcribe'.*specexport build"):
+        spec_runtime.load(copy, threads=THREADS)
+    wav = write_wav(tmp_path / "a.wav", signal(0))
+    assert_input_error(run(specrun, "transcribe", wav, "-b", copy), "audio.tasks",
+                       "transcribe", "specexport build")
+
+
+def test_a_task_the_manifest_lacks_is_refused_by_the_request(pair, tmp_path):
+    """tasks {"transcribe"} only (translate left out): --task translate is one line naming the
+    option; transcribing works."""
+    import shutil
+
+    from draftproof.cli.specrun import main as specrun
+
+    _, bundle = pair
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    edit_manifest(copy, lambda m: m["audio"]["tasks"].pop("translate"))
+    wav = write_wav(tmp_path / "a.wav", signal(0))
+    assert_input_error(run(specrun, "transcribe", wav, "-b", copy, "--task", "translate",
+                           "--language", "fr"), "--task", "translate", "transcribe")
+    r = run(specrun, "transcribe", wav, "-b", copy, "--language", "fr", "--max-new-tokens", 4)
+    assert r.exit_code == 0, r.output
+
+
+def test_an_english_only_manifest_has_no_task_tokens_and_transcribes(pair, tmp_path):
+    """English-only Whispers have neither language nor task tokens: the prompt is
+    <|startoftranscript|> <|notimestamps|>, and translating is refused in one line."""
+    import shutil
+
+    from draftproof.cli.specrun import main as specrun
+
+    _, bundle = pair
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    edit_manifest(copy, lambda m: m["audio"].update(languages={}, tasks={}))
+    gen = spec_runtime.load(copy, threads=THREADS)
+    assert gen.transcription(signal(0), max_new_tokens=4).prefix.tolist() == [257, 263]
+    wav = write_wav(tmp_path / "a.wav", signal(0))
+    r = run(specrun, "transcribe", wav, "-b", copy, "--max-new-tokens", 4)
+    assert r.exit_code == 0, r.output
+    assert_input_error(run(specrun, "transcribe", wav, "-b", copy, "--task", "translate"),
+                       "--task 'translate'", "English-only")
+
+
+def test_specrun_chat_on_a_speech_bundle_points_at_transcribe(pair):
+    from draftproof.cli.specrun import main as specrun
+
+    r = run(specrun, "chat", "-b", pair[1], input="hello\n")
+    assert_input_error(r, "speech model", "specrun transcribe AUDIO")
+    assert "specrun generate" not in r.output, r.output
