@@ -292,11 +292,13 @@ def start_build(target, out: Path) -> subprocess.Popen:
 
 def killed_build(target, out: Path) -> Path:
     """The temporary directory of a build into `out` killed with SIGKILL as it writes its
-    first graph."""
+    first graph (once its journal knows the graph: a build killed in the instant between
+    creating a file and recording what it created leaves that file, reported, to its user)."""
     proc = start_build(target, out)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if any((p / "bundle" / "target.onnx").exists() for p in out.parent.glob(".bundle.tmp-*")):
+        if any('"created": "bundle/target.onnx"' in _text(p / "written.jsonl")
+               for p in out.parent.glob(".bundle.tmp-*")):
             proc.send_signal(signal.SIGKILL)  # the OOM killer or a CI timeout: no cleanup
             break
         time.sleep(0.02)
@@ -306,6 +308,13 @@ def killed_build(target, out: Path) -> Path:
     assert len(left) == 1 and not out.exists()
     assert output.stale_temporaries(out.parent) == (left, [])
     return left[0]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def test_a_killed_builds_leftover_is_removed_by_the_next_build(tmp_path, target):
@@ -348,8 +357,8 @@ def test_files_written_into_a_killed_builds_directory_survive_the_next_build(tmp
 
 
 def test_only_the_files_a_build_recorded_are_removed(tmp_path):
-    """A file put in place of one the build wrote is someone else's; a name killed between its
-    two journal lines (before its writer wrote a byte) is the build's only while empty."""
+    """A file put in place of one the build wrote is someone else's; so is one under a name the
+    journal records without its identity (killed between the two lines), empty or not."""
     work = output.BuildDir(tmp_path / "bundle")
     for name in ("target.onnx", "tokenizer.json"):
         will_write(work.bundle / name)
@@ -363,9 +372,9 @@ def test_only_the_files_a_build_recorded_are_removed(tmp_path):
     (work.bundle / "a.onnx").write_bytes(b"")
     (work.bundle / "b.onnx").write_text("someone's")
     theirs = {k: v for k, v in snapshot(work.root).items()
-              if k in ("bundle/target.onnx", "bundle/b.onnx")}
+              if k in ("bundle/target.onnx", "bundle/a.onnx", "bundle/b.onnx")}
     work.close()
-    assert snapshot(work.root) == theirs and len(theirs) == 2
+    assert snapshot(work.root) == theirs and len(theirs) == 3
 
 
 def test_every_file_a_build_writes_is_recorded_before_it_exists(tmp_path, target, monkeypatch):
@@ -374,7 +383,7 @@ def test_every_file_a_build_writes_is_recorded_before_it_exists(tmp_path, target
     journal owns (recorded, and still of the recorded identity), and a build that fails there
     leaves nothing behind."""
     from spec_export import onnx_export
-    from spec_export.journal import recorded
+    from spec_export.journal import birth_time, recorded
 
     monkeypatch.setattr(onnx_export, "ONNX_SIZE_LIMIT", onnx_export.GRAPH_ROOM + 1)
     owned = {}
@@ -383,7 +392,12 @@ def test_every_file_a_build_writes_is_recorded_before_it_exists(tmp_path, target
         records = recorded(work.root)
         for p in work.bundle.iterdir():
             record = records.get(f"bundle/{p.name}")
-            owned[p.name] = record is not None and record.owns(p.lstat())
+            fd = os.open(p.parent, os.O_RDONLY)
+            try:
+                owned[p.name] = record is not None and record.owns(p.lstat(),
+                                                                   birth_time(fd, p.name))
+            finally:
+                os.close(fd)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(work.out))
 
     monkeypatch.setattr(output.BuildDir, "commit", check_then_fail)
@@ -431,12 +445,21 @@ def test_a_build_killed_mid_swap_gets_its_old_bundle_back(tmp_path):
     (out / "manifest.json").write_text(json.dumps({"format": "specedge-bundle", "files": {
         "tokenizer.json": {}}}))
     work = output.BuildDir(out)
-    os.replace(out, work.root / "old")
-    os.close(work._lock)  # what the kernel does when the process dies
-    work._journal.close()
+    move_aside(work)
     assert output.clean_stale_temporaries(tmp_path) == [work.root]
     assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
     assert os.listdir(tmp_path) == ["bundle"]
+
+
+def move_aside(work: output.BuildDir) -> None:
+    """The swap's first rename, as BuildDir.commit makes it, then the process's death."""
+    parent_fd = os.open(work.out.parent, os.O_RDONLY)
+    try:
+        work._journal.move_in(parent_fd, work.out.name, "old")
+    finally:
+        os.close(parent_fd)
+    os.close(work._lock)  # what the kernel does when the process dies
+    work._journal.close()
 
 
 # -- names as long as the file system allows ------------------------------------------------
@@ -467,9 +490,7 @@ def test_a_long_names_temporary_directory_is_still_found_and_matched_to_its_out(
     work = output.BuildDir(out)
     assert len(os.fsencode(work.root.name)) <= limit
     assert output.TMP_PATTERN.match(work.root.name) and work.root.name.startswith(".éé")
-    os.replace(out, work.root / "old")
-    os.close(work._lock)  # what the kernel does when the process dies
-    work._journal.close()
+    move_aside(work)
     assert output.stale_temporaries(tmp_path) == ([work.root], [])
     assert output.clean_stale_temporaries(tmp_path) == [work.root]
     assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]

@@ -300,6 +300,21 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
             data = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise unreadable(path, e) from None
+    d = _checked_json(data, path)
+    manifest = Manifest.from_json(d)
+    check_inside(bundle_dir, list(d["files"]))
+    if check_files:
+        check_file_hashes(bundle_dir, d)
+    return manifest
+
+
+def parse_manifest(data: bytes, path) -> Manifest:
+    """The manifest that the bytes `data` (read from `path`, named in messages) hold, checked
+    as `read_manifest` checks it, but not the files it lists."""
+    return Manifest.from_json(_checked_json(data, path))
+
+
+def _checked_json(data: bytes, path) -> dict:
     if len(data) > MAX_MANIFEST_BYTES:
         raise BundleError(f"{path} is larger than {MAX_MANIFEST_BYTES >> 20} MB, far more than "
                           f"any manifest; {REBUILD}")
@@ -321,11 +336,7 @@ def read_manifest(bundle_dir, check_files: bool = True) -> Manifest:
             hint = REBUILD
         raise BundleError(f"bundle schema_version {version!r}, this runtime reads "
                           f"{list(READABLE_SCHEMAS)}: {hint}")
-    manifest = Manifest.from_json(d)
-    check_inside(bundle_dir, list(d["files"]))
-    if check_files:
-        check_file_hashes(bundle_dir, d)
-    return manifest
+    return d
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
