@@ -85,6 +85,10 @@ class Journal:
                 os.close(fd)
         self._held.clear()
 
+    def names(self) -> set[str]:
+        """Every name this build has created."""
+        return set(self._ours)
+
     def held(self, rel: str, st: os.stat_result) -> bool:
         """Whether `st` (of the name `rel`) is a file or directory this build made: on POSIX
         it holds each open, so no other can have its inode."""
@@ -293,7 +297,7 @@ def remove_written(root_fd: int, owner: Owner) -> None:
     links."""
     names = set(owner.records)
     if owner.live is not None:
-        names |= set(owner.live._ours)
+        names |= owner.live.names()
     for rel in sorted(names, key=lambda r: (-r.count(os.sep), r)):
         *parents, name = rel.split(os.sep)
         dir_fd = open_directory(root_fd, parents)
