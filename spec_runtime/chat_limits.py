@@ -12,6 +12,11 @@ in a long loop body). `make` and `step` charge the budget of the render in progr
 `measure` is the size a value prints as: characters, one per item, nested values counted every
 time they occur, as `join`, `tojson` or `str()` write them. The bounds of the filters and string
 methods that can make more than they read are here too (chat_sandbox.py applies them).
+
+What is made of many pieces (`join`, a `{}`- or `%`-format's fields, the items a filter or a call
+draws from a generator) is counted as it is made, by a `Tally`: each piece is bounded before it is
+made and the total is refused as soon as it would pass the limit on one value. No count of pieces
+is estimated: a generator's cannot be, and `range(100000)|join(sep)` is 100000 separators.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ WORK_FACTOR = 64  # characters a render may make or walk in all, in units of its
 MAX_STEPS = 20_000  # loop iterations and calls a render may take, plus, per message:
 STEPS_PER_MESSAGE = 100  # (real templates take a few per message)
 MAX_INT_BITS = 4096  # an integer `*` or `**` may make (a chat template counts, no more)
-_WIDTH = re.compile(r"\d{7,}|\*")  # a width or precision of a million or more, or one read
-                                  # from the arguments, in a %- or {}-format
+ESCAPED = 5  # characters an HTML escape writes for one (`'` is `&#39;`)
+REPR = 10  # characters repr() writes for one at most ('\U000e0001')
+FLOAT = 440  # characters a float formats as before its width and precision (1e308 with `,`)
+_DIGITS = re.compile(r"\d+")
+# a %-conversion after its '%' and mapping key: flags, width, precision, length, type
+_CONVERSION = re.compile(r"[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?(.?)", re.S)
 
 
 class Limit(Exception):
@@ -87,6 +96,26 @@ def make(n: int, what: str) -> None:
     _clock(budget)
 
 
+class Tally:
+    """What one operation has made so far, counted piece by piece as it makes them: `expect`
+    refuses a piece before it is made if the total would pass the limit on one value; `add`
+    counts it (and charges the render's work)."""
+
+    def __init__(self, what: str, start: int = 0):
+        self.what, self.total = what, 0
+        self.add(start)
+
+    def expect(self, n: int) -> None:
+        limit = _budget().limit
+        if self.total + n > limit:
+            raise Limit(f"{self.what} would make more than {limit} characters")
+
+    def add(self, n: int) -> None:
+        self.expect(n)
+        self.total += n
+        make(n, self.what)
+
+
 def step() -> None:
     """One loop iteration or call."""
     budget = _budget()
@@ -100,6 +129,8 @@ def measure(value, stop: int) -> tuple[int, int]:
     """(size, depth): the characters `value` prints as, one more per item, nested values
     counted every time they occur (`[s] * 1000` is a thousand times `s`: `join` and `tojson`
     write it so); counting stops past `stop`."""
+    if type(value) is str:  # most values: drawn items, filters' results
+        return len(value), 1
     from jinja2.utils import Namespace
 
     size, deepest, stack = 0, 0, [(value, 1)]
@@ -116,8 +147,10 @@ def measure(value, stop: int) -> tuple[int, int]:
             stack.extend((x, d + 1) for x in v)
         elif isinstance(v, Namespace):  # {% set ns.x = ns.x ~ ns.x %} lives in its attributes
             stack.extend((x, d + 1) for x in v._Namespace__attrs.values())
+        elif isinstance(v, int):  # `|int` of a message's digits prints thousands of them
+            size += max(24, abs(v).bit_length() // 3 + 2)
         else:
-            size += 24  # a number's or an object's repr
+            size += 24  # a float's or an object's repr
     return size, deepest
 
 
@@ -125,26 +158,96 @@ def size_of(value) -> int:
     return measure(value, value_limit())[0]
 
 
-def items_of(value) -> int:
-    return len(value) if isinstance(value, (str, list, tuple, dict, set)) else size_of(value)
+def text_chars(value) -> int:
+    """At most the characters `str(value)` writes, or `format(value, spec)` before the spec's
+    width and precision."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (bytes, bytearray)):
+        return 4 * len(value) + 12  # its repr: b'\x00'
+    if isinstance(value, bool) or value is None:
+        return 5
+    if isinstance(value, int):  # in binary, '_' every four digits, signed and prefixed
+        return abs(value).bit_length() * 5 // 4 + 8
+    if isinstance(value, float):
+        return FLOAT
+    return REPR * size_of(value) + 24  # a container's repr: each item escaped, quoted
 
 
-def fields(fmt: str) -> int:
-    return fmt.count("{") + fmt.count("%")
+def _number(digits: str) -> int:
+    # past 18 digits the value is past any limit, and int() refuses past 4300
+    return int(digits) if len(digits) <= 18 else 10 ** 18
 
 
-def largest(values) -> int:
-    return max((size_of(v) for v in values), default=0)
+def spec_chars(spec: str) -> int:
+    """At least a `{}`-format spec's width plus its precision (after its nested fields are
+    filled in): the sum of its runs of digits, whatever the type's own grammar."""
+    return sum(_number(d) for d in _DIGITS.findall(spec))
+
+
+def percent_bound(fmt, values) -> int:
+    """At most the characters `fmt % values` makes: its own text, and for each conversion its
+    width, precision and value, matched to the values as Python matches them (`*` takes them
+    from the values too). Where Python would stop with an error, what comes before."""
+    if isinstance(fmt, (bytes, bytearray)):
+        fmt = fmt.decode("latin-1")  # the same grammar, one character a byte
+    positional = list(values) if isinstance(values, tuple) else [values]
+    escape = ESCAPED if hasattr(fmt, "__html__") else 1  # Markup % escapes its values
+    total, i = len(fmt), 0
+    while (i := fmt.find("%", i) + 1) > 0:
+        key = None
+        if fmt.startswith("(", i):  # a mapping key, its parentheses nested as Python reads them
+            depth, j = 1, i + 1
+            while j < len(fmt) and depth:
+                depth += (fmt[j] == "(") - (fmt[j] == ")")
+                j += 1
+            if depth:
+                break
+            key, i = fmt[i + 1 : j - 1], j
+        m = _CONVERSION.match(fmt, i)
+        width, precision, kind = m.groups()
+        if m.end() == i + 1 and kind == "%" and key is None:  # '%%'
+            i = m.end()
+            continue
+        i = m.end()
+        if not kind or kind == "%":
+            break
+        for part in (width, precision):
+            if part == "*":
+                if not positional or not _integer(positional[0]):
+                    return total
+                total += abs(positional.pop(0))
+            elif part:
+                total += _number(part)
+        if key is not None:
+            value = values.get(key, "") if isinstance(values, dict) else values
+        elif positional:
+            value = positional.pop(0)
+        else:
+            break
+        if kind in "ra":
+            content = REPR * size_of(value) + 24
+        elif kind in "s":
+            content = text_chars(value)
+        elif kind in "diouxX":
+            content = text_chars(value) if _integer(value) else FLOAT
+        elif kind in "eEfFgG":
+            content = FLOAT
+        elif kind == "c":
+            content = 1
+        else:  # Python: "unsupported format character"
+            break
+        total += content * escape
+    return total
 
 
 def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
     """At most how many characters the filter `name` makes of `value` with these arguments;
-    None for the filters that make no more than they read."""
+    None for the filters that make no more than they read. `join` and `format` count as they
+    make (chat_sandbox.py)."""
     def arg(i, key, default):
         return args[i] if len(args) > i else kwargs.get(key, default)
 
-    if name == "join":
-        return size_of(value) + len(str(arg(0, "d", ""))) * items_of(value)
     if name in ("string", "pprint", "e", "escape", "forceescape", "urlencode", "xmlattr",
                 "urlize", "striptags"):
         return 6 * size_of(value)  # an escape writes at most 6 characters per character
@@ -159,8 +262,6 @@ def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
         return len(value) + (value.count("\n") + 1) * width
     if name == "wordwrap" and isinstance(value, str):
         return len(value) * (1 + len(str(arg(3, "wrapstring", None) or "\n")))
-    if name == "format" and isinstance(value, str):
-        return len(value) + fields(value) * largest((*args, *kwargs.values()))
     if name == "sum":
         return size_of(value) + size_of(arg(1, "start", 0))
     if name == "truncate" and isinstance(value, str):
@@ -169,31 +270,44 @@ def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
 
 
 def method_bound(name: str, self, args: tuple, kwargs: dict) -> int | None:
-    """The same for a string's methods."""
+    """The same for a string's methods. `join` and `format` count as they make."""
     if not isinstance(self, str):
         return None
-    if name == "join" and args:
-        return size_of(args[0]) + len(self) * items_of(args[0])
-    if name in ("format", "format_map"):
-        return len(self) + fields(self) * largest((*args, *kwargs.values()))
     if name == "expandtabs":
         tab = args[0] if args else kwargs.get("tabsize", 8)
         return len(self) + self.count("\t") * (tab if isinstance(tab, int) else 0)
     if name == "translate" and args and isinstance(args[0], dict):
-        return len(self) * max(1, largest(args[0].values()))
+        return len(self) * max(1, max((size_of(v) for v in args[0].values()), default=0))
     return None
+
+
+def gather(items, sep, what: str, convert: bool, escape: int = 1) -> list:
+    """The items `sep.join` will join, drawn one at a time and counted with the separators as
+    they come: refused at the first that would pass the limit, however many are left (a
+    generator's count cannot be known before). `convert`: non-strings are written with str(),
+    as the `join` filter writes them (bounded first); `escape`: each character may be written
+    escaped, as Markup writes it."""
+    tally, kept = Tally(what), []
+    for item in items:
+        if kept:
+            tally.add(len(sep) * escape)
+        if not isinstance(item, (str, bytes, bytearray)):
+            if convert and not hasattr(item, "__html__"):
+                make(text_chars(item), what)
+                item = str(item)
+            else:  # join refuses it, or Markup writes it: at most its text
+                tally.add(text_chars(item) * escape)
+                kept.append(item)
+                continue
+        tally.add(len(item) * escape)
+        kept.append(item)
+    return kept
 
 
 def check_numbers(args, kwargs, what: str) -> None:
     for a in (*args, *kwargs.values()):
         if isinstance(a, (int, float)) and not isinstance(a, bool) and abs(a) > MAX_CHARS:
             raise Limit(f"{what} got the number {a!r} (limit {MAX_CHARS})")
-
-
-def check_format(spec, what: str) -> None:
-    if isinstance(spec, str) and _WIDTH.search(spec):
-        raise Limit(f"{what} has a width or precision over {MAX_CHARS - 1} or taken from "
-                    f"its arguments")
 
 
 def check_replace(s, old, new) -> None:
@@ -204,7 +318,7 @@ def check_replace(s, old, new) -> None:
 
 def check_binop(operator: str, left, right) -> None:
     """Bound `left operator right` before it runs: sequences by what the result would print,
-    integers by its bits."""
+    integers by its bits, a %-format by its conversions."""
     if operator == "*":
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
@@ -216,11 +330,8 @@ def check_binop(operator: str, left, right) -> None:
         make(size_of(left) + size_of(right), "'+'")
     elif operator == "**" and _integer(left) and _integer(right) and abs(left) > 1:
         _check_bits(abs(left).bit_length() * max(right, 0), "'**'")
-    elif operator == "%":
-        check_format(left, "a %-format")
-        if isinstance(left, str):
-            values = right if isinstance(right, tuple) else (right,)
-            make(len(left) + fields(left) * largest(values), "a %-format")
+    elif operator == "%" and isinstance(left, str):
+        make(percent_bound(left, right), "a %-format")
 
 
 def _integer(x) -> bool:

@@ -5,7 +5,14 @@ make something large or run long passing through a bound of chat_limits.py.
 - The sandbox's own hooks: `*`, `+`, `**` and `%` (intercepted operators, `call_binop`);
   calls (`call`: each one a step; string methods that can make more than they read bounded
   before they run, every result measured after; a recursive loop's `loop(children)` counted);
-  `str.format` (`getattr`); every filter (wrapped: bounded before, measured after).
+  `str.format` and `format_map` (`wrap_str_format`: a formatter that bounds each field by its
+  value, width and precision, nested ones filled in, before it is made, and counts the total);
+  every filter (wrapped: bounded before, measured after).
+- What is made of many pieces is counted as it is made (chat_limits.Tally), never estimated
+  from a count of items: `join` (the filter and `str.join`) draws its items one at a time;
+  every generator a filter or a call is given, or `*args` unpacks, is drawn through `_Metered`,
+  which charges each item as it comes (`range(100000)|map('string')|list` is refused at the
+  limit, not after a list of every item is made).
 - The code generator, for what jinja2 compiles to plain Python that no hook sees:
   `~` (a `str_join` of its operands) becomes `environment.concat_values`, which counts the
   operands' lengths before joining; the output buffers of blocks, macros and
@@ -25,10 +32,12 @@ from __future__ import annotations
 
 import json
 import time
-from functools import lru_cache
+from collections.abc import Iterator
+from functools import lru_cache, update_wrapper
 
-from .chat_limits import (Limit, check_binop, check_format, check_numbers, check_replace,
-                          filter_bound, make, method_bound, size_of, step, value_limit)
+from .chat_limits import (Limit, Tally, check_binop, check_numbers, check_replace, filter_bound,
+                          gather, make, measure, method_bound, percent_bound, size_of,
+                          spec_chars, step, text_chars, value_limit, REPR, ESCAPED)
 from .errors import TemplateError
 
 
@@ -39,6 +48,8 @@ def environment():
     env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
                            optimized=False, finalize=_finalize)
     env.filters["tojson"] = _tojson  # Hugging Face's: no HTML escaping, unicode kept
+    env.filters["join"] = _join_filter()
+    env.filters["format"] = _format
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals.pop("lipsum", None)  # lipsum(n) makes n paragraphs in one C-speed call
     env.globals["raise_exception"] = _raise_exception
@@ -62,9 +73,14 @@ def _sandbox_class():
             step()  # macros recurse through calls
             name = getattr(__obj, "__name__", "a call")
             check_numbers(args, kwargs, name)
+            args = tuple(metered(a, name) for a in args)
+            kwargs = {k: metered(v, name) for k, v in kwargs.items()}
             owner = getattr(__obj, "__self__", None)
             if name == "replace" and args[1:]:
                 check_replace(owner, args[0], args[1])
+            if name == "join" and isinstance(owner, str) and len(args) == 1:
+                escape = ESCAPED if hasattr(owner, "__html__") else 1  # Markup.join escapes
+                args = (gather(args[0], owner, "join()", convert=False, escape=escape),)
             bound = method_bound(name, owner, args, kwargs)
             if bound is not None:
                 make(bound, f"{name}()")
@@ -74,18 +90,30 @@ def _sandbox_class():
             make(size_of(result), f"{name}()")
             return result
 
-        def getattr(self, obj, attribute):
-            value = super().getattr(obj, attribute)
-            if isinstance(obj, str) and attribute in ("format", "format_map"):
-                check_format(obj, "a {}-format")
-                method = value  # jinja2's own sandboxed formatter, which hides the string
+        def wrap_str_format(self, value):
+            """jinja2's own (both `getattr` and `getitem` reach it: `s['format']` too), with
+            formatters that bound each field."""
+            from markupsafe import Markup
 
-                def bounded_format(*args, **kwargs):
-                    make(method_bound(attribute, obj, args, kwargs), f"{attribute}()")
-                    return method(*args, **kwargs)
+            if super().wrap_str_format(value) is None:  # not a string's format method
+                return None
+            string, is_format_map = value.__self__, value.__name__ == "format_map"
+            if isinstance(string, Markup):
+                formatter = _bounded_formatter(True)(self, escape=string.escape)
+            else:
+                formatter = _bounded_formatter(False)(self)
 
-                return bounded_format
-            return value
+            def bounded(*args, **kwargs):
+                if is_format_map:
+                    if kwargs:
+                        raise TypeError("format_map() takes no keyword arguments")
+                    if len(args) != 1:
+                        raise TypeError(f"format_map() takes exactly one argument "
+                                        f"({len(args)} given)")
+                    args, kwargs = (), args[0]
+                return type(string)(formatter.vformat(string, args, kwargs))
+
+            return update_wrapper(bounded, value)
 
         def getitem(self, obj, argument):
             if not isinstance(argument, slice):
@@ -131,6 +159,10 @@ def _sandbox_class():
             return _Counted(iterable)
 
         @staticmethod
+        def metered(iterable):
+            return metered(iterable, "'*' unpacking")
+
+        @staticmethod
         def output_buffer():
             return _Buffer()
 
@@ -151,6 +183,43 @@ class _Counted:
         for item in self.iterable:
             step()
             yield item
+
+
+class _Metered:
+    """A generator (or any iterator) that a filter, a call or `*args` draws from: each item is
+    charged what it prints as, and one more, as it is drawn, so that whatever keeps the items
+    (`list`, `sort`, `*args`, `sum`) is refused at the limit on one value, however many there
+    would have been. Its own attributes are private: the sandbox hides them."""
+
+    __slots__ = ("_iterator", "_tally")
+
+    def __init__(self, iterator, what):
+        self._iterator, self._tally = iterator, Tally(f"the items drawn by {what}")
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._iterator)
+        self._tally.add(measure(item, value_limit())[0] + 1)
+        return item
+
+
+def metered(value, what: str):
+    """`value` drawn through `_Metered` if it is an iterator, else itself. A loop's `loop` is
+    left as it is: its items are its loop's, counted already, and filters read its attributes."""
+    if isinstance(value, (str, int, float, list, tuple, dict)) or value is None:
+        return value  # most arguments: no need to ask the ABC
+    if isinstance(value, Iterator) and not isinstance(value, _not_metered()):
+        return _Metered(value, what)
+    return value
+
+
+@lru_cache(maxsize=1)
+def _not_metered():
+    from jinja2.runtime import LoopContext
+
+    return _Metered, LoopContext
 
 
 class _Buffer(list):
@@ -180,14 +249,20 @@ def _code_generator_class():
         of the environment (each the same value as before, bounded)."""
 
         def visit_Template(self, node, frame=None):
-            # the loops' iterables, by identity (jinja2 allows no node types of one's own)
-            self.loop_iterables = {id(loop.iter) for loop in node.find_all(nodes.For)}
+            # by identity (jinja2 allows no node types of one's own): the loops' iterables,
+            # counted, and what `*args` unpacks (Python makes a tuple of it before the call)
+            self.wrapped = {id(loop.iter): "environment.counted("
+                            for loop in node.find_all(nodes.For)}
+            for call in node.find_all((nodes.Call, nodes.Filter, nodes.Test)):
+                if call.dyn_args is not None:
+                    self.wrapped[id(call.dyn_args)] = "environment.metered("
             super().visit_Template(node, frame)
 
         def visit(self, node, *args, **kwargs):
-            if id(node) not in getattr(self, "loop_iterables", ()):
+            wrapper = getattr(self, "wrapped", {}).get(id(node))
+            if wrapper is None:
                 return super().visit(node, *args, **kwargs)
-            self.write("environment.counted(")
+            self.write(wrapper)
             super().visit(node, *args, **kwargs)
             self.write(")")
 
@@ -247,6 +322,42 @@ def _finalize(value):
     return value
 
 
+def _bounded_formatter(escaping: bool):
+    from jinja2.sandbox import SandboxedEscapeFormatter, SandboxedFormatter
+
+    base = SandboxedEscapeFormatter if escaping else SandboxedFormatter
+
+    class BoundedFormatter(base):
+        """jinja2's sandboxed formatter, each field bounded before it is made (its value's text
+        and its spec's width and precision, nested fields filled in: `{0:>{1}}`), the result's
+        total counted as the fields are made."""
+
+        tally = None
+
+        def vformat(self, format_string, args, kwargs):
+            outer, self.tally = self.tally, Tally("a {}-format", len(format_string))
+            try:
+                return super().vformat(format_string, args, kwargs)
+            finally:
+                self.tally = outer
+
+        def convert_field(self, value, conversion):
+            if conversion == "s":
+                make(text_chars(value), "a {}-format")
+            elif conversion is not None:  # !r or !a: repr() escapes a character in up to ten
+                make(REPR * size_of(value) + 24, "a {}-format")
+            return super().convert_field(value, conversion)
+
+        def format_field(self, value, format_spec):
+            n = text_chars(value) + spec_chars(format_spec)
+            self.tally.expect(n * ESCAPED if escaping else n)
+            text = super().format_field(value, format_spec)
+            self.tally.add(len(text))
+            return text
+
+    return BoundedFormatter
+
+
 def _bounded_filter(name, f):
     from jinja2.utils import _PassArg
 
@@ -255,10 +366,10 @@ def _bounded_filter(name, f):
     def bounded(*args, **kwargs):
         what = f"the filter {name!r}"
         check_numbers(args[skip:], kwargs, what)
+        args = tuple(metered(a, what) for a in args)
+        kwargs = {k: metered(v, what) for k, v in kwargs.items()}
         if name == "replace" and len(args) >= skip + 2:
             check_replace(*args[skip - 1 : skip + 2])
-        if name == "format" and len(args) >= skip:
-            check_format(args[skip - 1], "a %-format")
         if len(args) >= skip:
             bound = filter_bound(name, args[skip - 1], args[skip:], kwargs)
             if bound is not None:
@@ -275,6 +386,36 @@ def _bounded_filter(name, f):
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+def _join_filter():
+    from jinja2.filters import make_attrgetter, sync_do_join
+    from jinja2.utils import pass_eval_context
+
+    @pass_eval_context
+    def join(eval_ctx, value, d="", attribute=None):
+        """jinja2's, of the items drawn and counted one at a time (chat_limits.gather)."""
+        if attribute is not None:
+            value = map(make_attrgetter(eval_ctx.environment, attribute), value)
+        escape = ESCAPED if eval_ctx.autoescape else 1
+        items = gather(value, str(d), "the filter 'join'", convert=True, escape=escape)
+        return sync_do_join(eval_ctx, items, d)
+
+    return join
+
+
+def _format(value, *args, **kwargs):
+    """jinja2's `format` (a %-format of the value), bounded by its conversions first."""
+    from jinja2.exceptions import FilterArgumentError
+    from markupsafe import soft_str
+
+    if args and kwargs:
+        raise FilterArgumentError("can't handle positional and keyword arguments at the same "
+                                  "time")
+    make(text_chars(value), "the filter 'format'")
+    text = soft_str(value)
+    make(percent_bound(text, kwargs or args), "the filter 'format'")
+    return text % (kwargs or args)
 
 
 def _raise_exception(message):

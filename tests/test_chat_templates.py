@@ -181,6 +181,8 @@ MEASURE = textwrap.dedent("""
     from spec_runtime.chat import compile_chat_template, render_chat
     template, messages = json.loads(sys.stdin.read())
     compile_chat_template(template)  # compiled (and rendered once) before the measurement
+    import spec_runtime.chat_limits as limits
+    limits.RENDER_SECONDS = 1e6  # refused by a bound, not by the clock, however fast or slow
     # 1 GiB more address space than the imports took (the old way peaked at 3 GB)
     with open("/proc/self/statm") as f:
         used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -228,6 +230,82 @@ def test_a_value_is_refused_before_it_is_built(body, words):
         assert w in message, message
     assert "\n" not in message and "specexport build" in message, message
     assert peak < 8 * MIB, (peak, message)
+
+
+@pytest.mark.parametrize("body, words", [
+    # a range or a generator, joined: 100000 items, each with a separator of 40000 characters
+    ("{{ range(100000)|join('y' * 40000) }}", ["the filter 'join' would make more than"]),
+    ("{{ range(100000)|map('string')|join('y' * 40000) }}",
+     ["the filter 'join' would make more than"]),
+    ("{{ ('y' * 10000).join(range(100000)|map('string')) }}", ["join() would make more than"]),
+    # widths and precisions of any number of digits, nested ones filled in, many fields
+    ("{{ '{0:>{1}}'.format('x', '999999999') }}", ["a {}-format would make more than"]),
+    ("{{ '{0:{1}{2}}'.format('x', '>', '999999999') }}", ["a {}-format would make more than"]),
+    ("{{ '{0:>{1}}'['format']('x', '999999999') }}", ["a {}-format would make more than"]),
+    ("{{ ('{0:>999999}' * 1000).format(1) }}", ["a {}-format would make more than"]),
+    ("{{ ('{:.999999f}' * 1000).format(*((1.5,) * 1000)) }}",
+     ["a {}-format would make more than"]),
+    ("{{ ('%999999d' * 1000) % ((1,) * 1000) }}", ["a %-format would make 1000016000 "]),
+    ("{{ ('%(a)999999d' * 1000) % {'a': 1} }}", ["a %-format would make"]),
+    ("{{ ('%-*d' * 1000) % ((999999, 1) * 1000) }}", ["a %-format would make"]),
+    ("{{ ('%999999d' * 1000)|format(*((1,) * 1000)) }}", ["the filter 'format' would make"]),
+    # a generator's items kept by a filter or by *args: 100000 of 2000 characters
+    ("{{ (range(100000)|map('string')|map('replace', '', 'y' * 1000)|list)|length }}",
+     ["the items drawn by the filter 'list' would make more than"]),
+    ("{{ ('{}' * 2).format(*(range(100000)|map('string')|map('replace', '', 'y' * 1000))) }}",
+     ["the items drawn by '*' unpacking would make more than"]),
+])
+def test_a_value_made_of_many_pieces_is_refused_as_it_is_made(body, words):
+    """Each piece (an item, a separator, a field) is counted as it is made, and the total is
+    refused as soon as it would pass the limit on one value: no count of pieces is estimated
+    (a generator's cannot be). Peak memory of the render: under 8 MiB (these would make from
+    150 MB to gigabytes)."""
+    peak, message = render_measured(two_messages_bomb(body))
+    assert message.startswith("BundleError: the bundle's chat template failed ("), message
+    for w in words:
+        assert w in message, message
+    assert "\n" not in message and "specexport build" in message, message
+    assert peak < 8 * MIB, (peak, message)
+
+
+# what the bounded operations make, compared with jinja2's own sandbox making it unbounded
+SAME_AS_JINJA2 = [
+    "{{ messages|map(attribute='content')|join(', ') }}{{ messages|join('|', attribute='role') }}",
+    "{{ [1, 'x', none, [2, 'y'], {'k': 'v'}]|join('-') }}",
+    "{% autoescape true %}{{ ['<a>', 'b'|safe]|join('&') }}"
+    "{{ messages|map(attribute='content')|join('<br>') }}{% endautoescape %}",
+    "{{ '-'.join(messages|map(attribute='role')) }}{{ '-'.encode().join(['a'.encode()] * 2) }}",
+    "{{ '{0:>{1}}|{2!r}|{x:.3f}|{0:*^9}|{3:,}|{3:_b}'.format('ab', 6, 'q', 123456, x=3.14159) }}",
+    "{{ '{a} {b[0]}'.format_map({'a': 1, 'b': [2]}) }}",
+    "{{ '%05d|%-6s|%.2f|%x|%r|%c|%%|%*d|%.*f' % (42, 'ab', 3.14159, 255, 'q', 65, 5, 7, 2, 1.5) }}",
+    "{{ '%(a)s-%(b)05.1f' % {'a': 'x', 'b': 2.25} }}{{ '%s and %s'|format('a', 'b') }}"
+    "{{ '%(x)s'|format(x=1) }}{{ 12|format }}",
+    "{{ 'ab'.center(9, '*') }}{{ 'ab'.ljust(5) }}|{{ '7'.zfill(4) }}{{ 'ab'|center(8) }}|",
+    "{{ messages[0].content|indent(3, true) }}{{ messages[1].content|wordwrap(2) }}",
+    "{{ messages|tojson(indent=2) }}{{ {'a': [1, 2]}|tojson(separators=(',', ':')) }}",
+    "{{ messages|pprint }}{{ messages|string }}{{ {'a': 'b c'}|urlencode }}{{ 'a.com'|urlize }}",
+    "{{ range(7)|batch(3, 0)|list }}{{ range(7)|slice(3)|list }}{{ range(10)|select('odd')|sum }}",
+    "{% for x in range(4)|reverse %}{{ loop.index }}{{ x }}{% endfor %}"
+    "{{ range(3)|map('string')|unique|list }}{{ messages|groupby('role')|list|length }}",
+    "{% macro m(a, b) %}{{ a }}{{ b }}{{ varargs }}{% endmacro %}{{ m(*(range(4)|map('string'))) }}",
+]
+
+
+@pytest.mark.parametrize("body", SAME_AS_JINJA2)
+def test_bounded_operations_make_what_jinja2_makes(body):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from spec_runtime.chat_sandbox import _tojson
+
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                          extensions=[loopcontrols])
+    plain.filters["tojson"] = _tojson
+    messages = [{"role": "user", "content": "a<b>&'\"c"},
+                {"role": "assistant", "content": "d\te\x0bf"}]
+    template = two_messages_bomb(body)
+    assert render_chat(template, messages, {}) == plain.from_string(template).render(
+        messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
 
 
 def test_values_kept_in_many_variables_stay_within_the_render_s_work():
