@@ -35,6 +35,8 @@ MAX_INT_BITS = 4096  # an integer `*` or `**` may make (a chat template counts, 
 ESCAPED = 5  # characters an HTML escape writes for one (`'` is `&#39;`)
 REPR = 10  # characters repr() writes for one at most ('\U000e0001')
 FLOAT = 440  # characters a float formats as before its width and precision (1e308 with `,`)
+# every line break str.splitlines (and so `indent`) breaks at, not only "\n"
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
 _DIGITS = re.compile(r"\d+")
 # a %-conversion after its '%' and mapping key: flags, width, precision, length, type
 _CONVERSION = re.compile(r"[-+ #0]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?(.?)", re.S)
@@ -145,6 +147,8 @@ def measure(value, stop: int) -> tuple[int, int]:
         elif isinstance(v, (list, tuple, set, frozenset)):
             size += 1
             stack.extend((x, d + 1) for x in v)
+        elif isinstance(v, (bytes, bytearray)):  # 'x'.encode() * 10**9 is as large as its str
+            size += len(v) + (d > 1)
         elif isinstance(v, Namespace):  # {% set ns.x = ns.x ~ ns.x %} lives in its attributes
             stack.extend((x, d + 1) for x in v._Namespace__attrs.values())
         elif isinstance(v, int):  # `|int` of a message's digits prints thousands of them
@@ -241,6 +245,14 @@ def percent_bound(fmt, values) -> int:
     return total
 
 
+def _escaped(value) -> int:
+    if isinstance(value, str):
+        return ESCAPED * len(value)
+    # a container's repr escaped: ten for a character at most (an escape sequence has no
+    # character HTML escapes), and an item's quotes and separator (12 for `'', `)
+    return (REPR + 2) * size_of(value) + 24
+
+
 def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
     """At most how many characters the filter `name` makes of `value` with these arguments;
     None for the filters that make no more than they read. `join` and `format` count as they
@@ -248,20 +260,37 @@ def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
     def arg(i, key, default):
         return args[i] if len(args) > i else kwargs.get(key, default)
 
-    if name in ("string", "pprint", "e", "escape", "forceescape", "urlencode", "xmlattr",
-                "urlize", "striptags"):
-        return 6 * size_of(value)  # an escape writes at most 6 characters per character
-    if name == "tojson":
-        size, deepest = measure(value, value_limit())
-        indent = arg(0, "indent", None)
-        width = len(indent) if isinstance(indent, str) else int(indent or 0)
-        return 6 * size + size * width * deepest  # each item on a line of its own, indented
+    def length(x):
+        return len(x) if isinstance(x, str) else text_chars(x) if x is not None else 0
+
+    if name == "string":
+        return text_chars(value)
+    if name in ("e", "escape", "forceescape", "xmlattr"):
+        return _escaped(value)
+    if name == "striptags":
+        return text_chars(value)
+    if name == "urlencode":  # a character's UTF-8 bytes, each written %XX
+        return 3 * 4 * (len(value) if isinstance(value, str) else text_chars(value))
+    if name == "urlize" and isinstance(value, str):
+        # every word may become a link: its text twice, escaped, and the attributes
+        attributes = 64 + ESCAPED * (length(arg(2, "target", None)) +
+                                     length(arg(3, "rel", None)) + 16)
+        return 2 * ESCAPED * len(value) + (len(value) // 2 + 1) * attributes
+    if name == "tojson":  # counted as it is written; but its deepest line's indentation is
+        indent = arg(1, "indent", None)  # made in one piece
+        width = indent if _integer(indent) else len(indent) if isinstance(indent, str) else 0
+        return max(width, 0) * measure(value, value_limit())[1]
     if name == "indent" and isinstance(value, str):
         width = arg(0, "width", 4)
-        width = len(width) if isinstance(width, str) else int(width)
-        return len(value) + (value.count("\n") + 1) * width
+        width = len(width) if isinstance(width, str) else max(int(width), 0)
+        return len(value) + (sum(map(value.count, _LINE_BREAKS)) + 2) * width
     if name == "wordwrap" and isinstance(value, str):
-        return len(value) * (1 + len(str(arg(3, "wrapstring", None) or "\n")))
+        # a line per character at most (tabs expanded to 8), each ending in the wrap string
+        chars = len(value) + 7 * value.count("\t") + 1
+        return chars * (1 + length(arg(2, "wrapstring", None) or "\n"))
+    if name == "center":
+        width = arg(0, "width", 80)
+        return text_chars(value) + (max(width, 0) if _integer(width) else 0)
     if name == "sum":
         return size_of(value) + size_of(arg(1, "start", 0))
     if name == "truncate" and isinstance(value, str):
@@ -270,14 +299,21 @@ def filter_bound(name: str, value, args: tuple, kwargs: dict) -> int | None:
 
 
 def method_bound(name: str, self, args: tuple, kwargs: dict) -> int | None:
-    """The same for a string's methods. `join` and `format` count as they make."""
-    if not isinstance(self, str):
+    """The same for a string's (or bytes') methods. `join` and `format` count as they make."""
+    if not isinstance(self, (str, bytes, bytearray)):
         return None
+    if name in ("center", "ljust", "rjust", "zfill"):
+        width = args[0] if args else 0
+        return len(self) + (max(width, 0) if _integer(width) else 0)
     if name == "expandtabs":
         tab = args[0] if args else kwargs.get("tabsize", 8)
-        return len(self) + self.count("\t") * (tab if isinstance(tab, int) else 0)
+        return len(self) + self.count("\t") * (max(tab, 0) if _integer(tab) else 0)
     if name == "translate" and args and isinstance(args[0], dict):
         return len(self) * max(1, max((size_of(v) for v in args[0].values()), default=0))
+    if name == "encode":  # 'unicode_escape' writes ten bytes for a character
+        return REPR * len(self) + 16
+    if name == "hex":  # two digits a byte, and a separator
+        return 3 * len(self)
     return None
 
 
@@ -311,26 +347,32 @@ def check_numbers(args, kwargs, what: str) -> None:
 
 
 def check_replace(s, old, new) -> None:
-    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
-        matches = len(s) + 1 if old == "" else s.count(old)
-        make(len(s) + matches * len(new), "replace")
+    """Bound `s.replace(old, new)` before it runs (the filter writes each with str() first):
+    its matches counted where `s` and `old` are text of one kind, else one per character."""
+    text = (str, bytes, bytearray)
+    chars = len(s) if isinstance(s, text) else text_chars(s)
+    matches = chars + 1
+    if isinstance(s, text) and isinstance(old, text) and len(old) and \
+            isinstance(s, str) == isinstance(old, str):
+        matches = s.count(old)
+    make(chars + matches * (len(new) if isinstance(new, text) else text_chars(new)), "replace")
 
 
 def check_binop(operator: str, left, right) -> None:
     """Bound `left operator right` before it runs: sequences by what the result would print,
     integers by its bits, a %-format by its conversions."""
+    sequences = (str, bytes, bytearray, list, tuple)
     if operator == "*":
         for seq, n in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
-                make(size_of(seq) * n, "'*'")
+            if isinstance(seq, sequences) and isinstance(n, int):
+                make(size_of(seq) * max(n, 0), "'*'")
         if _integer(left) and _integer(right):
             _check_bits(left.bit_length() + right.bit_length(), "'*'")
-    elif operator == "+" and isinstance(left, (str, list, tuple)) \
-            and isinstance(right, (str, list, tuple)):
+    elif operator == "+" and isinstance(left, sequences) and isinstance(right, sequences):
         make(size_of(left) + size_of(right), "'+'")
     elif operator == "**" and _integer(left) and _integer(right) and abs(left) > 1:
         _check_bits(abs(left).bit_length() * max(right, 0), "'**'")
-    elif operator == "%" and isinstance(left, str):
+    elif operator == "%" and isinstance(left, (str, bytes, bytearray)):
         make(percent_bound(left, right), "a %-format")
 
 

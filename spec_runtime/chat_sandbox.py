@@ -30,6 +30,7 @@ while compiling, before any bound applies.
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ def environment():
                            optimized=False, finalize=_finalize)
     env.filters["tojson"] = _tojson  # Hugging Face's: no HTML escaping, unicode kept
     env.filters["join"] = _join_filter()
+    env.filters["pprint"] = _pprint
     env.filters["format"] = _format
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals.pop("lipsum", None)  # lipsum(n) makes n paragraphs in one C-speed call
@@ -76,9 +78,9 @@ def _sandbox_class():
             args = tuple(metered(a, name) for a in args)
             kwargs = {k: metered(v, name) for k, v in kwargs.items()}
             owner = getattr(__obj, "__self__", None)
-            if name == "replace" and args[1:]:
+            if name == "replace" and args[1:] and isinstance(owner, (str, bytes, bytearray)):
                 check_replace(owner, args[0], args[1])
-            if name == "join" and isinstance(owner, str) and len(args) == 1:
+            if name == "join" and isinstance(owner, (str, bytes, bytearray)) and len(args) == 1:
                 escape = ESCAPED if hasattr(owner, "__html__") else 1  # Markup.join escapes
                 args = (gather(args[0], owner, "join()", convert=False, escape=escape),)
             bound = method_bound(name, owner, args, kwargs)
@@ -384,8 +386,37 @@ def _bounded_filter(name, f):
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    """Hugging Face's `json.dumps`, written piece by piece and counted as it is written (its
+    separators and indentation come once per item)."""
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                               sort_keys=sort_keys)
+    out = _Written("the filter 'tojson'")
+    for piece in encoder.iterencode(value):  # the same text as dumps, made lazily
+        out.write(piece)
+    return out.getvalue()
+
+
+def _pprint(value):
+    """jinja2's `pprint` (pformat), written piece by piece and counted as it is written (a
+    nested item's indentation is as long as the keys above it)."""
+    from pprint import PrettyPrinter
+
+    out = _Written("the filter 'pprint'")
+    PrettyPrinter(stream=out).pprint(value)
+    return out.getvalue()[:-1]  # pprint ends the text with a newline; pformat does not
+
+
+class _Written(io.StringIO):
+    """A stream that counts what is written to it, piece by piece, refusing the piece that
+    would pass the limit on one value."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.tally = Tally(what)
+
+    def write(self, piece):
+        self.tally.add(len(piece))
+        return super().write(piece)
 
 
 def _join_filter():

@@ -254,6 +254,16 @@ def test_a_value_is_refused_before_it_is_built(body, words):
      ["the items drawn by the filter 'list' would make more than"]),
     ("{{ ('{}' * 2).format(*(range(100000)|map('string')|map('replace', '', 'y' * 1000))) }}",
      ["the items drawn by '*' unpacking would make more than"]),
+    # replace writes a list with str() first: 104000 matches of 1000 characters
+    ("{{ (['a' * 100] * 1000)|replace('', 'y' * 1000) }}", ["replace would make"]),
+    # bytes are sequences too
+    ("{{ ('x'.encode() * 1000000000)|length }}", ["'*' would make 1000000000 characters"]),
+    # a width or a separator repeated per line or per item: indent breaks lines at '\x0b' too
+    ("{{ ('a\\x0b' * 100000)|indent('y' * 4000) }}", ["the filter 'indent' would make"]),
+    ("{{ ([1] * 4000)|tojson(separators=('y' * 40000, ':')) }}",
+     ["the filter 'tojson' would make"]),
+    # pprint indents a dict's items by the length of its key: 4000 lines of 5000 spaces
+    ("{{ {'k' * 5000: [''] * 4000}|pprint|length }}", ["the filter 'pprint' would make"]),
 ])
 def test_a_value_made_of_many_pieces_is_refused_as_it_is_made(body, words):
     """Each piece (an item, a separator, a field) is counted as it is made, and the total is
