@@ -297,3 +297,36 @@ def test_an_engine_error_mid_decode_is_an_error_never_a_stop(gen, fails_mid_deco
     assert "grammar engine failed after" in error["message"], error
     finishes = [c["finish_reason"] for e in sent[:-2] for c in json.loads(e)["choices"]]
     assert not any(finishes), sent
+
+
+
+def test_a_logit_bias_key_past_pythons_digit_limit_is_a_400_naming_it():
+    """Python reads at most 4,300 digits into an int (int('9' * 5000) raises ValueError): a key
+    that long is no token id of any vocabulary, refused as one, shortened, through the server
+    and the Python API alike."""
+    from test_runtime_text import make
+
+    from spec_runtime.apps.server import create_app
+    from spec_runtime.errors import FieldError
+
+    key = "9" * 5000
+    app = create_app(generator=make())
+
+    async def post(body):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions", json=body, timeout=60)
+
+    body = assert_error(asyncio.run(post({"prompt": "red", "logit_bias": {key: 1}})), 400,
+                        "logit_bias token id 999999", "(5000 digits)", "vocabulary",
+                        param="logit_bias", code="invalid_value")
+    assert len(body["message"]) < 300 and "\n" not in body["message"], body
+    gen = make()
+    for bias, digits in (({key: 1}, 5000), ({10 ** 5000: 1}, 5001), ({2 ** 64: 1}, 20)):
+        with pytest.raises(FieldError, match="token id .* vocabulary") as e:
+            gen.generate("red", max_new_tokens=2, logit_bias=bias)
+        assert e.value.field == "logit_bias" and f"({digits} digits)" in str(e.value), \
+            str(e.value)[:400]
+        assert len(str(e.value)) < 300, str(e.value)[:400]
+    ok = gen.generate("red", max_new_tokens=2, logit_bias={"1": 5})
+    assert ok.finish_reason in ("length", "eos")

@@ -248,6 +248,32 @@ def cli_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# a token id is an int64 (numpy's ids): a key past it is in no vocabulary, and one of more than
+# 4,300 digits Python will not even read (int() raises ValueError), so longer keys are refused
+# by their length, unread
+_MAX_ID = 2 ** 63 - 1
+_ID_DIGITS = len(str(_MAX_ID))
+
+
+def _digit_count(n: int) -> int:
+    """Decimal digits of n >= 0, without str(n) (refused past 4,300 digits)."""
+    d = int(n.bit_length() * 0.30103) + 1  # log10(2): at most one too many
+    while d > 1 and 10 ** (d - 1) > n:
+        d -= 1
+    return d
+
+
+def _shown_id(x) -> str:
+    """A key or bias too large for any vocabulary or range, shortened: its first digits and
+    how many there are (a message holds a line, not 5,000 digits)."""
+    if isinstance(x, str):
+        head, n, sign = x[:12], len(x), ""
+    else:
+        n, sign = _digit_count(abs(x)), "-" if x < 0 else ""
+        head = str(abs(x) // 10 ** max(n - 12, 0))
+    return f"{sign}{head}{'...' if n > 12 else ''} ({n} digits)"
+
+
 def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
     """{token id: bias} (or pairs) -> sorted ((id, bias), ...), None when empty."""
     if bias is None:
@@ -260,20 +286,36 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...] | None:
         except TypeError:
             items = None
         if items is None or any(len(pair) != 2 for pair in items):
-            raise FieldError("logit_bias", f"logit_bias={bias!r} is invalid: use a dict "
+            try:
+                shown = repr(bias)
+            except ValueError:  # it holds an int of more than 4,300 digits
+                shown = f"<a {type(bias).__name__}>"
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise FieldError("logit_bias", f"logit_bias={shown} is invalid: use a dict "
                                            f"{{token id: bias}}")
     out = {}
     for tok, b in items:
-        if isinstance(tok, str) and tok.isascii() and tok.isdigit():
-            tok = int(tok)  # JSON object keys are strings (OpenAI's API sends them so); only
-            # the plain decimal spelling: int() would also read " 5" and "٥" as 5
+        # numpy scalars as Python numbers: uint64 reaches past int64, and the size checks and
+        # the shortened messages below need Python's unbounded ints
+        tok = tok.item() if isinstance(tok, np.generic) else tok
+        b = b.item() if isinstance(b, np.generic) else b
+        digits = isinstance(tok, str) and tok.isascii() and tok.isdigit()
+        if digits and len(tok) <= _ID_DIGITS:
+            tok, digits = int(tok), False  # JSON object keys are strings (OpenAI's API sends
+            # them so); only the plain decimal spelling: int() would also read " 5" and "٥"
+        if digits or _integer(tok) and tok > _MAX_ID:
+            raise FieldError("logit_bias", f"logit_bias token id {_shown_id(tok)} is beyond any "
+                                           f"vocabulary: use a token id within the model's "
+                                           f"vocabulary (an integer >= 0, below its size)")
         if not _integer(tok) or tok < 0:
-            raise FieldError("logit_bias", f"logit_bias token id {_show(tok)} is invalid: use "
-                                           f"a token id (an integer >= 0)")
+            shown = _shown_id(tok) if _integer(tok) and tok < -_MAX_ID else _show(tok)
+            raise FieldError("logit_bias", f"logit_bias token id {shown} is invalid: use a "
+                                           f"token id (an integer >= 0)")
         if not _real(b) or not -100.0 <= b <= 100.0:
-            raise FieldError("logit_bias", f"logit_bias[{_show(tok)}]={_show(b)} is invalid: use "
-                                           f"a number in [-100, 100] (-100 bans the token, 100 "
-                                           f"all but forces it)")
+            shown = _shown_id(b) if _integer(b) and abs(b) > _MAX_ID else _show(b)
+            raise FieldError("logit_bias", f"logit_bias[{tok}]={shown} is invalid: use a number "
+                                           f"in [-100, 100] (-100 bans the token, 100 all but "
+                                           f"forces it)")
         out[int(tok)] = float(b)
     return tuple(sorted(out.items())) or None
 
