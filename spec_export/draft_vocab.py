@@ -7,16 +7,19 @@ drafts keep 32k), a step reads N rows. The output stays exact (spec_runtime/deco
 The N ids are, in this order: every id the runtime must be able to propose cheaply, whatever
 their rank (the tokenizer's special and added tokens, the end-of-sequence, BOS and padding ids,
 and every token the chat template writes around the messages); then the most frequent ids of a
-text corpus the user names (`--draft-vocab-corpus`, counted with the target's tokenizer), ties
-and ids the corpus never uses in the tokenizer's own order of frequency: a Unigram
-(sentencepiece) model's piece scores, highest first; a BPE model's ids, which follow its merges,
-the earliest merges being the most frequent pairs of its training text (byte-level BPE puts the
-256 bytes first, so every text stays reachable); any other model's ids in order.
+text corpus the user names (`--draft-vocab-corpus`, its first 64 MB counted with the target's
+tokenizer), ties and ids the corpus never uses in the tokenizer's own order of frequency: a
+Unigram (sentencepiece) model's piece scores, highest first; a BPE model's ids, which follow its
+merges, the earliest merges being the most frequent pairs of its training text (byte-level BPE
+puts the 256 bytes first, so every text stays reachable); any other model's ids in order.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +28,19 @@ import numpy as np
 from .sources import BuildError
 
 VOCAB_FILE = "draft-vocab.json"
-CORPUS_CHUNK = 1 << 20  # characters tokenized at a time: memory stays bounded by the chunk
+# The corpus only ranks ids (which ids a head keeps changes the speed, never the output: the
+# runtime's draft_vocab.py), so it is read as a sample of bounded cost: its first
+# CORPUS_MAX_BYTES, the build's summary saying so when the file is longer (some 15 million
+# tokens of English for a ranking of tens of thousands of ids; about two minutes for a
+# tokenizer of one token a byte, which reads 0.5 MB/s on one core), CORPUS_READ bytes at a time, given to the tokenizer CORPUS_PIECE characters at most at a
+# time. A tokenizer's memory grows with the text of one call (a 20 MB line took 5 GB at once)
+# and a line can be any length, so pieces are cut before a whitespace character in their second
+# half, else at the bound: a byte-level BPE reads the words on either side of a cut before a
+# space as it reads them in place, and a word longer than half a piece is counted as two.
+CORPUS_MAX_BYTES = 64 * 10**6
+CORPUS_READ = 1 << 20
+CORPUS_PIECE = 1 << 18
+SPACES = " \n\t\r\f\v\u3000"  # where a piece is cut, when one is in its second half
 # conversations rendered through the chat template to find the tokens it writes
 TEMPLATE_PROBES = (
     [{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
@@ -55,21 +70,110 @@ def check_options(draft_vocab: int | None, corpus: str | None) -> None:
         _corpus_size(Path(corpus))
 
 
-def _corpus_size(path: Path) -> int:
-    fix = "give a UTF-8 text file (the kind of text the bundle will generate)"
+FIX = "give a UTF-8 text file (the kind of text the bundle will generate)"
+KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+         (stat.S_ISSOCK, "a socket"))
+
+
+def _not_a_file(path: Path, mode: int) -> BuildError:
+    kind = next((name for test, name in KINDS if test(mode)), "not a regular file")
+    return BuildError(f"--draft-vocab-corpus {str(path)!r} is {kind}, not a file: {FIX}")
+
+
+def _open_corpus(path: Path):
+    """The corpus opened for reading in binary, and its size; a path that is not a regular
+    file is refused by what it is, before it is opened: opening a FIFO waits for a writer, a
+    device reads without end."""
     try:
-        if not path.is_file():
-            why = "is a directory" if path.is_dir() else "does not exist"
-            raise BuildError(f"--draft-vocab-corpus {str(path)!r} {why}: {fix}")
-        with open(path, "rb") as f:
-            f.read(1)
-        size = path.stat().st_size
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_a_file(path, mode)
+        # non-blocking: replaced by a FIFO since the stat, the open still returns
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise BuildError(f"--draft-vocab-corpus {str(path)!r} does not exist: {FIX}") from None
     except OSError as e:
         raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "
-                         f"({e.strerror or type(e).__name__}): {fix}") from None
-    if size == 0:
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} is empty: {fix}")
-    return size
+                         f"({e.strerror or type(e).__name__}): {FIX}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_a_file(path, st.st_mode)
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _corpus_size(path: Path) -> int:
+    f, size = _open_corpus(path)
+    with f:
+        if size == 0:
+            raise BuildError(f"--draft-vocab-corpus {str(path)!r} is empty: {FIX}")
+        return size
+
+
+def _pieces(f, path: Path, most: int):
+    """The text of the binary file `f`'s first `most` bytes, in pieces of CORPUS_PIECE
+    characters at most (the module's comment says where they are cut). A character the cap
+    cuts in two is dropped."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    text, read = "", 0
+    while read < most:
+        data = f.read(min(CORPUS_READ, most - read))
+        pending = len(decoder.getstate()[0])
+        try:
+            text += decoder.decode(data, final=not data)
+        except UnicodeDecodeError as e:
+            raise BuildError(f"--draft-vocab-corpus {str(path)!r} is not UTF-8 text (byte "
+                             f"{read - pending + e.start}): {FIX}") from None
+        read += len(data)
+        while len(text) > CORPUS_PIECE:
+            cut = max(text.rfind(c, CORPUS_PIECE // 2, CORPUS_PIECE) for c in SPACES)
+            cut = cut if cut > 0 else CORPUS_PIECE
+            yield text[:cut]
+            text = text[cut:]
+        if not data:
+            break
+    if text:
+        yield text
+
+
+@dataclass(frozen=True)
+class CorpusCounts:
+    """How often each id occurs in the corpus's text read: its first `read` bytes of `size`."""
+    counts: np.ndarray
+    read: int
+    size: int
+
+
+def corpus_counts(tok, path: Path, limit: int) -> np.ndarray:
+    """How often each id < limit occurs in the text file at `path` (its first CORPUS_MAX_BYTES),
+    tokenized as the target reads text, a piece at a time."""
+    return read_corpus(tok, path, limit).counts
+
+
+def read_corpus(tok, path: Path, limit: int) -> CorpusCounts:
+    """corpus_counts, and how much of the file they count."""
+    counts = np.zeros(limit, dtype=np.int64)
+    f, size = _open_corpus(path)
+    most = CORPUS_MAX_BYTES
+    try:
+        with f:
+            for piece in _pieces(f, path, most):
+                ids = np.asarray(tok(piece, add_special_tokens=False)["input_ids"], np.int64)
+                counts += np.bincount(ids[ids < limit], minlength=limit)
+            read = f.tell()
+    except OSError as e:
+        raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "
+                         f"({e.strerror or type(e).__name__}): {FIX}") from None
+    if not counts.any():
+        raise BuildError(f"--draft-vocab-corpus {str(path)!r} holds no text the tokenizer "
+                         f"reads as tokens: {FIX}")
+    return CorpusCounts(counts, read, max(size, read))
 
 
 def required_ids(tok, eos) -> set[int]:
@@ -115,29 +219,6 @@ def tokenizer_order(tok, limit: int) -> tuple[np.ndarray, str]:
     return np.arange(limit), "the tokenizer's id order"
 
 
-def corpus_counts(tok, path: Path, limit: int) -> np.ndarray:
-    """How often each id < limit occurs in the text file at `path`, tokenized as the target
-    reads text, a chunk of lines at a time."""
-    counts = np.zeros(limit, dtype=np.int64)
-    fix = "give a UTF-8 text file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            while chunk := f.read(CORPUS_CHUNK):
-                chunk += f.readline()  # to the end of its line: no word is cut in two
-                ids = np.asarray(tok(chunk, add_special_tokens=False)["input_ids"], np.int64)
-                counts += np.bincount(ids[ids < limit], minlength=limit)
-    except UnicodeDecodeError as e:
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} is not UTF-8 text (byte "
-                         f"{e.start} of a chunk): {fix}") from None
-    except OSError as e:
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "
-                         f"({e.strerror or type(e).__name__}): {fix}") from None
-    if not counts.any():
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} holds no text the tokenizer "
-                         f"reads as tokens: {fix}")
-    return counts
-
-
 def choose_ids(n: int, tok, eos, limit: int, corpus: str | None = None) -> VocabChoice:
     """The `n` ids a trimmed head keeps among 0..limit-1 (the vocabulary both the target's
     logits and the draft's head cover)."""
@@ -157,11 +238,15 @@ def choose_ids(n: int, tok, eos, limit: int, corpus: str | None = None) -> Vocab
                          f"{len(required)}")
     order, how = tokenizer_order(tok, limit)
     if corpus is not None:
-        counts = corpus_counts(tok, Path(corpus), limit)
+        read = read_corpus(tok, Path(corpus), limit)
+        counts = read.counts
         rank = np.empty(limit, dtype=np.int64)
         rank[order] = np.arange(limit)
         order = np.lexsort((rank, -counts))  # by count, ties by the tokenizer's order
-        how = f"frequency in {Path(corpus).name} ({counts.sum()} tokens), then {how}"
+        name = Path(corpus).name
+        if read.read < read.size:  # past CORPUS_MAX_BYTES
+            name = f"the first {_amount(read.read)} of {name} ({_amount(read.size)})"
+        how = f"frequency in {name} ({counts.sum()} tokens), then {how}"
     keep = np.zeros(limit, dtype=bool)
     keep[sorted(required)] = True
     rest = order[~keep[order]][: n - len(required)]
@@ -171,6 +256,10 @@ def choose_ids(n: int, tok, eos, limit: int, corpus: str | None = None) -> Vocab
         covered = counts[ids].sum() / counts.sum()
         how += f"; the kept ids are {covered:.1%} of the corpus's tokens"
     return VocabChoice(ids, how)
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10**7 else f"{n} bytes"
 
 
 def write_ids(path: Path, choice: VocabChoice) -> None:

@@ -303,3 +303,131 @@ def test_bad_draft_vocab_options_exit_2_with_one_line(models, tmp_path):
         assert_input_error(r, *words)
         assert r.output.strip().count("\n") == 0, r.output
         assert not out.exists()  # refused before anything was written
+
+
+# -- a corpus of any size or kind -------------------------------------------------------------
+
+MB = 1 << 20
+BOUND = MB  # characters one tokenizer call may get: the module's stated bound is at most this
+
+
+class Recording:
+    """The target's tokenizer, recording the length of each text it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.texts = tok, []
+
+    def __call__(self, text, **kw):
+        self.texts.append(text)
+        return self.tok(text, **kw)
+
+
+def byte_counts(tok, text: str, limit: int) -> np.ndarray:
+    """The oracle: the whole text tokenized at once (a byte tokenizer without merges counts
+    every byte alike however the text is cut, so any lost or repeated text shows)."""
+    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int64)
+    return np.bincount(ids[ids < limit], minlength=limit)
+
+
+@pytest.fixture(scope="module")
+def tok(models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models["t"])
+
+
+def test_one_long_line_is_tokenized_in_bounded_pieces_cut_at_whitespace(tok, tmp_path):
+    from spec_export.draft_vocab import corpus_counts
+
+    # one 3 MB line of words with two-byte characters (cut across the reads' byte boundaries)
+    text = "héllo wörld, the caté sat " * (3 * MB // 28)
+    (tmp_path / "line.txt").write_text(text, encoding="utf-8")
+    spy = Recording(tok)
+    counts = corpus_counts(spy, tmp_path / "line.txt", 259)
+    assert max(map(len, spy.texts)) <= BOUND
+    assert "".join(spy.texts) == text  # every character once, in order
+    assert all(t[0] == " " for t in spy.texts[1:])  # each cut before a space: no word in two
+    np.testing.assert_array_equal(counts, byte_counts(tok, text, 259))
+
+
+def test_a_line_without_whitespace_is_cut_at_the_bound(tok, tmp_path):
+    from spec_export.draft_vocab import corpus_counts
+
+    text = "é" * (MB + 1000) + "x" * (2 * MB)
+    (tmp_path / "word.txt").write_text(text, encoding="utf-8")
+    spy = Recording(tok)
+    counts = corpus_counts(spy, tmp_path / "word.txt", 259)
+    assert max(map(len, spy.texts)) <= BOUND and "".join(spy.texts) == text
+    np.testing.assert_array_equal(counts, byte_counts(tok, text, 259))
+
+
+RSS_PROBE = """
+import resource, sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from spec_export.draft_vocab import corpus_counts
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+tok("warm up " * 1000, add_special_tokens=False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+counts = corpus_counts(tok, Path(sys.argv[2]), 259)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(int(counts.sum()), grew // 1024)
+"""
+
+
+def test_a_long_line_is_counted_in_bounded_memory(models, tmp_path):
+    """Peak memory of counting an 8 MB one-line corpus, in a process of its own (ru_maxrss is
+    the peak): tokenized at once it grows by about 2 GB (a 20 MB line: 5 GB)."""
+    import subprocess
+    import sys
+
+    words = "the quick brown fox jumps over the lazy dog; hello world, hello again. "
+    size = 8 * 10**6
+    (tmp_path / "line.txt").write_text((words * (size // len(words) + 1))[:size])
+    r = subprocess.run([sys.executable, "-c", RSS_PROBE, str(models["t"]),
+                        str(tmp_path / "line.txt")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tokens, grew_mb = map(int, r.stdout.split())
+    assert tokens == size  # one token a byte
+    assert grew_mb < 400, grew_mb
+
+
+def test_a_corpus_past_the_cap_is_read_up_to_it_and_the_summary_says_so(models, tok, tmp_path,
+                                                                        monkeypatch):
+    from spec_export import draft_vocab
+
+    cap = 10_001  # inside a two-byte character: the part of it read is dropped
+    monkeypatch.setattr(draft_vocab, "CORPUS_MAX_BYTES", cap)
+    data = ("é" * 3000 + " and then some text\n" * 2000).encode("utf-8")
+    (tmp_path / "big.txt").write_bytes(data)
+    counts = draft_vocab.corpus_counts(tok, tmp_path / "big.txt", 259)
+    read = data[:cap].decode("utf-8", errors="ignore")
+    np.testing.assert_array_equal(counts, byte_counts(tok, read, 259))
+    out = tmp_path / "b"
+    r = run(specexport, "build", "--target", models["t"], "--draft", models["d"], "--out", out,
+            "--max-len", 32, "--quiet", "--draft-vocab", 80, "--draft-vocab-corpus",
+            tmp_path / "big.txt")
+    assert r.exit_code == 0, r.output
+    said = f"the first {cap} bytes of big.txt ({len(data)} bytes)"
+    assert said in r.output
+    assert said in json.loads((out / "manifest.json").read_text())["draft"]["vocab"]["chosen_by"]
+
+
+def test_a_corpus_that_is_not_a_regular_file_is_named_for_what_it_is(models, tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nothing writes to it: opening it to read would wait forever
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    cases = [(fifo, "is a FIFO, not a file"), (link, "is a FIFO, not a file"),
+             ("/dev/zero", "is a character device, not a file"),
+             (tmp_path, "is a directory, not a file")]
+    for corpus, words in cases:
+        out = tmp_path / "out"
+        r = run(specexport, "build", "--target", models["t"], "--draft", models["d"], "--out",
+                out, "--max-len", 32, "--quiet", "--draft-vocab", 50, "--draft-vocab-corpus",
+                corpus)
+        assert_input_error(r, str(corpus), words, "give a UTF-8 text file")
+        assert r.output.strip().count("\n") == 0, r.output
+        assert not out.exists()
