@@ -29,14 +29,15 @@ from .sources import BuildError
 
 VOCAB_FILE = "draft-vocab.json"
 # The corpus only ranks ids (which ids a head keeps changes the speed, never the output: the
-# runtime's draft_vocab.py), so it is read as a sample of bounded cost: its first
-# CORPUS_MAX_BYTES, the build's summary saying so when the file is longer (some 15 million
-# tokens of English for a ranking of tens of thousands of ids; about two minutes for a
-# tokenizer of one token a byte, which reads 0.5 MB/s on one core), CORPUS_READ bytes at a time, given to the tokenizer CORPUS_PIECE characters at most at a
-# time. A tokenizer's memory grows with the text of one call (a 20 MB line took 5 GB at once)
-# and a line can be any length, so pieces are cut before a whitespace character in their second
-# half, else at the bound: a byte-level BPE reads the words on either side of a cut before a
-# space as it reads them in place, and a word longer than half a piece is counted as two.
+# runtime's draft_vocab.py), so it is read as a sample of bounded cost. Its first
+# CORPUS_MAX_BYTES are read, the summary saying so when the file is longer: some 15 million
+# tokens of English for a ranking of tens of thousands of ids, and about two minutes for a
+# tokenizer of one token a byte (0.5 MB/s on one core). A tokenizer's memory grows with the
+# text of one call (a 20 MB line took 5 GB at once) and a line can be any length, so the text
+# is read CORPUS_READ bytes at a time and tokenized in pieces of CORPUS_PIECE characters at
+# most, cut before a whitespace character in a piece's second half, else at the bound: a
+# byte-level BPE reads the words on either side of a cut before a space as it reads them in
+# place; only a word longer than half a piece can be counted as two.
 CORPUS_MAX_BYTES = 64 * 10**6
 CORPUS_READ = 1 << 20
 CORPUS_PIECE = 1 << 18
