@@ -112,7 +112,8 @@ def main(ctx):
                    "EAGLE-3 and FR-Spec drafts keep [default: the whole vocabulary]")
 @click.option("--draft-vocab-corpus", default=None,
               help="a UTF-8 text file like what the bundle will generate, whose token "
-                   "frequencies (target's tokenizer) choose --draft-vocab's ids [default: the "
+                   "frequencies (target's tokenizer; the file's first 64 MB) choose "
+                   "--draft-vocab's ids [default: the "
                    "tokenizer's own statistics]")
 @click.option("--quiet", is_flag=True,
               help="no progress bar on stderr; the summary is still printed [default: show "
