@@ -92,7 +92,7 @@ def _open_corpus(path: Path):
             raise _not_a_file(path, mode)
         # non-blocking: replaced by a FIFO since the stat, the open still returns
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # ValueError: a NUL byte, which no path holds
         raise BuildError(f"--draft-vocab-corpus {str(path)!r} does not exist: {FIX}") from None
     except OSError as e:
         raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "

@@ -431,3 +431,11 @@ def test_a_corpus_that_is_not_a_regular_file_is_named_for_what_it_is(models, tmp
         assert_input_error(r, str(corpus), words, "give a UTF-8 text file")
         assert r.output.strip().count("\n") == 0, r.output
         assert not out.exists()
+
+
+def test_a_corpus_path_no_file_can_have_is_said_not_to_exist():
+    from spec_export.draft_vocab import check_options
+    from spec_export.sources import BuildError
+
+    with pytest.raises(BuildError, match="does not exist"):
+        check_options(50, "corpus\0.txt")
