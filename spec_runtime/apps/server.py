@@ -38,6 +38,7 @@ the same app in each replica (ray_serve.py).
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -125,6 +126,39 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     s.generator, s.health, s.active = generator, server.health, server.active
     s.begin_drain, s.end_drain = server.begin_drain, server.end_drain
     return app
+
+
+@functools.cache
+def _streamed_class():
+    from fastapi.responses import StreamingResponse
+    from starlette.requests import ClientDisconnect
+
+    class Streamed(StreamingResponse):
+        """Server-sent events whose request is given up however the response ends: Starlette
+        never starts the body when the client is gone before the first byte (an ASGI 2.4
+        server's send raises), and a body never started runs no `finally` of its own."""
+
+        def __init__(self, body, on_close):
+            super().__init__(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+            self.on_close = on_close
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            except ClientDisconnect:  # nobody to answer: on_close counts it (499), no bug
+                pass
+            finally:
+                try:
+                    await self.body_iterator.aclose()  # a started body's own finally, now
+                finally:
+                    self.on_close()
+
+    return Streamed
+
+
+def streamed_response(body, on_close):
+    return _streamed_class()(body, on_close)
 
 
 def engine_devices(gen) -> dict:
@@ -286,24 +320,44 @@ class Server:
             raise input_error(e, job.prompt_field) from None
 
     async def run(self, request, job: Job, endpoint: str):
-        from fastapi.responses import StreamingResponse
-
         chat = endpoint == "/v1/chat/completions"
         started = time.monotonic()
         # the chat template and the tokenizer take a while on a large prompt: not on the loop
         await asyncio.to_thread(self.check, job)
         g = await self.acquire(request)
-        task = Decode(g, job, asyncio.get_running_loop())
-        self.active.add(task)
-        task.start()
+        task = self.start(g, job)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if job.stream:
-            events = StreamEvents(rid, chat, self.model_name, job, self.token_text)
-            return StreamingResponse(self.stream(task, events, endpoint, started),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            try:
+                events = StreamEvents(rid, chat, self.model_name, job, self.token_text)
+                return streamed_response(self.stream(task, events, endpoint, started),
+                                         lambda: self.abandoned(task, endpoint))
+            except BaseException:
+                self.finish(task, g)
+                raise
         result = await self.finished(request, task, g, endpoint, started)
         return completion_body(result, rid, chat, self.model_name, self.token_text)
+
+    def start(self, g, job: Job) -> Decode:
+        """The job's worker on slot `g`, started. The slot goes back to the pool if it does not
+        start: its release otherwise waits for a thread that will never run. A thread the system
+        will not give (RuntimeError "can't start new thread": out of threads or memory) is a
+        503 to retry, not the request's fault."""
+        try:
+            task = Decode(g, job, asyncio.get_running_loop())
+            try:
+                task.start()
+            except RuntimeError as e:
+                log.error("cannot start a decode thread", exc_info=e)
+                raise APIError(503, f"the server cannot start a worker thread for this request "
+                                    f"now ({e}): retry after {RETRY_AFTER_S} s",
+                               type="server_error", code="overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BaseException:
+            self.pool.release(g)
+            raise
+        self.active.add(task)
+        return task
 
     async def finished(self, request, task: Decode, g, endpoint: str, started: float):
         """The result of a request that does not stream, once its worker is done (cancelled
@@ -336,9 +390,7 @@ class Server:
         job, upload = await parse_transcription(await read_form(request), self.model_name)
         await asyncio.to_thread(make_request, self.gen, job, upload)
         g = await self.acquire(request)
-        task = Decode(g, job, asyncio.get_running_loop())
-        self.active.add(task)
-        task.start()
+        task = self.start(g, job)
         result = await self.finished(request, task, g, TRANSCRIPTIONS, started)
         return transcription_body(result, upload["format"])
 
@@ -406,8 +458,16 @@ class Server:
                 yield event
             ended = True
         finally:  # also when the client went away: Starlette cancels this generator
-            if not ended:
-                metrics.requests.labels(endpoint, str(CLIENT_GONE)).inc()
+            if ended:
+                self.finish(task, task.gen)
+            else:
+                self.abandoned(task, endpoint)
+
+    def abandoned(self, task: Decode, endpoint: str) -> None:
+        """A streamed request whose client is gone: counted once (the stream's end and its
+        response's both call this), its worker cancelled and its slot released."""
+        if task in self.active:
+            self.metrics.requests.labels(endpoint, str(CLIENT_GONE)).inc()
             self.finish(task, task.gen)
 
     async def watch_disconnect(self, request, task: Decode):
