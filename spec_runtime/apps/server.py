@@ -21,11 +21,15 @@ dashboards: the Prometheus metrics' `specedge_*` names, beside `draftproof_*`: m
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
 ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
 The rest wait in a queue of at most `queue` requests; beyond it the server answers 429 with
-Retry-After. A request decodes on a worker thread; a client that disconnects, or a request that
-is cancelled, sets the request's cancel event and the decode loop stops after the round it is in,
-freeing the slot. On SIGTERM the server stops accepting connections, answers new requests on
-open connections with 503, lets the requests it holds finish for up to `drain_seconds`, then
-cancels the rest (each gets an error, in its JSON or as a last stream event) and exits.
+Retry-After. An audio upload is admitted only while fewer than slots + queue transcriptions are
+in the server (more could only be refused once read), else it gets that 429 before its body is
+read; its file is spooled to a temporary file past SPOOL_BYTES, and INTAKE_THREADS threads
+decode the admitted ones, so that what uploads hold in memory is bounded. A request decodes
+on a worker thread; a client that disconnects, or a request that is cancelled, sets the
+request's cancel event and the decode loop stops after the round it is in, freeing the slot.
+On SIGTERM the server stops accepting connections, answers new requests on open connections
+with 503, lets the requests it holds finish for up to `drain_seconds`, then cancels the rest
+(each gets an error, in its JSON or as a last stream event) and exits.
 
     body ─ parse_completion / parse_chat (its JSON types: the request's pydantic model) ─► Job
     ─ Server.check ─► Request (Generator.request: its values checked once, before a slot is
@@ -43,6 +47,7 @@ import logging
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from ..engines.devices import device as device_entry
 from ..decode.drafts import draft_engines
@@ -61,6 +66,7 @@ from .transcriptions import MAX_AUDIO_BYTES, ROUTE as TRANSCRIPTIONS, require_fo
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = 16
+INTAKE_THREADS = 2  # uploads decoded at once, each holding what reading one audio file takes
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
@@ -246,6 +252,9 @@ class Server:
         self.drain_seconds = drain_seconds
         self.draining = False
         self.active: set[Decode] = set()
+        self.uploads = 0  # transcriptions admitted (admit_upload), until their answer
+        self.max_uploads = slots + queue
+        self.intake_pool = ThreadPoolExecutor(INTAKE_THREADS, "draftproof-intake")
         self.created = int(time.time())
         self._cancel_rest = None
 
@@ -381,18 +390,50 @@ class Server:
         return result
 
     async def transcribe(self, request):
-        """POST /v1/audio/transcriptions (transcriptions.py): the upload read and its Request
-        made before a slot is taken, then decoded like any request."""
-        from .transcriptions import (make_request, parse_transcription, read_form,
-                                     transcription_body)
+        """POST /v1/audio/transcriptions (transcriptions.py): admitted or refused before its body
+        is read (`admit_upload`), the upload spooled and its Request made before a slot is
+        taken, then decoded like any request."""
+        from .transcriptions import transcription_body
 
         started = time.monotonic()
-        job, upload = await parse_transcription(await read_form(request), self.model_name)
-        await asyncio.to_thread(make_request, self.gen, job, upload)
-        g = await self.acquire(request)
-        task = self.start(g, job)
-        result = await self.finished(request, task, g, TRANSCRIPTIONS, started)
-        return transcription_body(result, upload["format"])
+        with self.admit_upload():
+            job, fmt = await self.intake(request)
+            g = await self.acquire(request)
+            task = self.start(g, job)
+            result = await self.finished(request, task, g, TRANSCRIPTIONS, started)
+        return transcription_body(result, fmt)
+
+    @contextlib.contextmanager
+    def admit_upload(self):
+        """Room for one more upload, or 429 at once, before its body is read. The server holds
+        at most slots + queue requests, so more uploads than that would only be read (up to 25
+        MB each), decoded and then refused; the client retries, as for a full queue."""
+        if self.uploads >= self.max_uploads:
+            raise APIError(429, f"{self.uploads} transcriptions are in this server, the most it "
+                                f"holds (slots {len(self.pool.generators)} + queue "
+                                f"{self.pool.queue}): retry after {RETRY_AFTER_S} s",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.uploads += 1
+        try:
+            yield
+        finally:
+            self.uploads -= 1
+
+    async def intake(self, request) -> tuple[Job, str]:
+        """(the upload's Job with its Request, its response format): the form read (its file
+        spooled to disk past SPOOL_BYTES), the audio decoded on one of the INTAKE_THREADS
+        (each holds what reading one file takes), the spooled file closed however it ends."""
+        from .transcriptions import close_form, make_request, parse_transcription, read_form
+
+        form = await read_form(request)
+        try:
+            job, upload = parse_transcription(form, self.model_name)
+            await asyncio.get_running_loop().run_in_executor(
+                self.intake_pool, make_request, self.gen, job, upload)
+        finally:
+            close_form(form)
+        return job, upload["format"]
 
     async def acquire(self, request):
         """A slot for the request, waiting in the queue if need be; a client that leaves while

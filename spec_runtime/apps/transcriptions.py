@@ -10,7 +10,6 @@ is taken; the request then decodes on a slot like any other (server.Server.trans
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from ..errors import FieldError, InputError, install_extra
@@ -20,6 +19,9 @@ from .plumbing import client_gone
 
 ROUTE = "/v1/audio/transcriptions"
 MAX_AUDIO_BYTES = 25 << 20  # OpenAI's limit for an upload; 30 s of 48 kHz stereo is 6 MB
+SPOOL_BYTES = 1 << 20  # of an upload's file kept in memory; the rest goes to a temporary file
+FIELD_BYTES = 4096  # a form field other than the file (language, temperature ...): a few bytes
+MAX_FIELDS = 32
 FORMATS = ("json", "text")
 UNSUPPORTED = ("prompt", "timestamp_granularities[]", "timestamp_granularities", "stream",
                "chunking_strategy", "include[]")
@@ -44,7 +46,10 @@ def require_form_uploads() -> None:
 
 
 async def read_form(request) -> Any:
-    """The multipart body, read up to MAX_AUDIO_BYTES (a chunked upload too), parsed."""
+    """The multipart body parsed as it arrives, up to MAX_AUDIO_BYTES (a chunked upload too):
+    the file spooled to a temporary file past SPOOL_BYTES, each other field at most
+    FIELD_BYTES, so that an upload holds little memory however large it is. Its files are the
+    caller's to close (close_form)."""
     from starlette.formparsers import MultiPartException, MultiPartParser
     from starlette.requests import ClientDisconnect
 
@@ -53,27 +58,35 @@ async def read_form(request) -> Any:
         raise APIError(400, f"the body is {kind or 'untyped'}: send multipart/form-data with "
                             f"the audio as `file` (what OpenAI's clients send)",
                        code="invalid_request")
-    body, size = bytearray(), 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_AUDIO_BYTES:
-                raise APIError(413, f"the upload exceeds {MAX_AUDIO_BYTES} bytes: send at most "
-                                    f"one 30-second window of audio", code="request_too_large")
-            body += chunk
-    except ClientDisconnect:
-        raise client_gone() from None
 
-    async def stream():
-        yield bytes(body)
-        yield b""
+    async def body():
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_AUDIO_BYTES:
+                    raise APIError(413, f"the upload exceeds {MAX_AUDIO_BYTES} bytes: send at "
+                                        f"most one 30-second window of audio",
+                                   code="request_too_large")
+                yield chunk
+        except ClientDisconnect:
+            raise client_gone() from None
 
+    parser = MultiPartParser(request.headers, body(), max_files=1, max_fields=MAX_FIELDS,
+                             max_part_size=FIELD_BYTES)
+    parser.spool_max_size = SPOOL_BYTES
     try:
-        return await MultiPartParser(request.headers, stream(), max_files=1, max_fields=32
-                                     ).parse()
+        return await parser.parse()  # (it closes its files when it fails)
     except MultiPartException as e:
         raise APIError(400, f"the multipart body cannot be read: {e.message}",
                        code="invalid_request") from None
+
+
+def close_form(form) -> None:
+    """Close the form's spooled files now (a file past SPOOL_BYTES is on disk until then)."""
+    for _, value in form.multi_items():
+        if not isinstance(value, str):
+            value.file.close()
 
 
 def _value(name: str, text, kind):
@@ -89,9 +102,9 @@ def _value(name: str, text, kind):
                        code="invalid_value") from None
 
 
-async def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
-    """(Job, {"audio": file object, "name", "language", "format"}) of a form; APIError for a
-    field it cannot take."""
+def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
+    """(Job, {"audio": the upload's spooled file, "name", "language", "format"}) of a form;
+    APIError for a field it cannot take."""
     for name in form.keys():
         if name in UNSUPPORTED:
             raise APIError(400, f"{name} is not supported by this server: leave it out",
@@ -115,7 +128,8 @@ async def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
         if text not in (None, ""):
             kwargs[field] = _value(name, text, kind)
     max_tokens = kwargs.pop("max_new_tokens", None)
-    audio = io.BytesIO(await upload.read())
+    audio = upload.file
+    audio.seek(0)
     job = Job(prompt=None, chat=False, max_tokens=max_tokens, stream=False,
               include_usage=False, kwargs=kwargs, prompt_field="file")
     return job, {"audio": audio, "name": upload.filename or "file",
