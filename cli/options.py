@@ -158,13 +158,17 @@ def parse_logit_bias(values) -> dict | None:
     out = {}
     for v in values:
         tok, sep, bias = v.partition("=")
+        shown = repr(v) if len(v) <= 80 else repr(v[:60]) + f"... ({len(v)} characters)"
         try:
-            out[int(tok)] = float(bias)
+            # digits stay a string: SamplingParams reads an id past any vocabulary without
+            # int(), which refuses more than 4,300 digits
+            key = tok if tok.isascii() and tok.isdigit() else int(tok)
+            out[key] = float(bias)
         except ValueError:
-            raise BadInput(f"--logit-bias {v!r} is invalid: use TOKEN_ID=BIAS, e.g. "
+            raise BadInput(f"--logit-bias {shown} is invalid: use TOKEN_ID=BIAS, e.g. "
                            f"--logit-bias 2=-100 to ban token 2") from None
         if not sep:
-            raise BadInput(f"--logit-bias {v!r} is invalid: use TOKEN_ID=BIAS")
+            raise BadInput(f"--logit-bias {shown} is invalid: use TOKEN_ID=BIAS")
     return out or None
 
 

@@ -84,6 +84,16 @@ def test_presence_and_logit_bias_values_are_named_as_options(tmp_path):
     assert_input_error(r, "--logit-bias 'five' is invalid", "TOKEN_ID=BIAS")
 
 
+@pytest.mark.parametrize("value", ["9" * 5000 + "=1", "x" * 5000 + "=1"])
+def test_a_logit_bias_of_thousands_of_characters_is_named_shortened(tmp_path, value):
+    """An id past Python's 4,300-digit int() limit is beyond any vocabulary, said as the server
+    says it; neither message repeats the 5,000 characters."""
+    r = run(specrun, "generate", "hi", "--bundle", tmp_path, "--logit-bias", value)
+    words = "beyond any vocabulary" if value[0] == "9" else "TOKEN_ID=BIAS"
+    assert_input_error(r, "--logit-bias", words)
+    assert len(r.output) < 400, r.output
+
+
 def test_stream_json_is_one_object_per_piece_then_the_result(llama_pair):
     bundle = llama_pair[2]
     whole = run(specrun, "generate", "hello", "-b", bundle, "--max-new-tokens", 12, "--json")
