@@ -3,14 +3,16 @@
 Both graphs run through the runtime's own engine (spec_runtime.engines.opener.open_graph). The
 encoder runs once on the right-padded source; its cross K/V (real rows only: padded rows are
 masked by every consumer) are compared with those Hugging Face caches. The decoder is then
-driven as the decode loop drives it, through parity.drive_calls: a self-attention cache that
-starts as finite garbage, chunked prefill, single steps, a verify call, a rollback over stale
-slots and a second verify; every call is compared with a fresh HF forward of the whole decoder
-sequence.
+driven as the decode loop drives it, through parity.plan_calls and run_calls: a self-attention
+cache that starts as finite garbage, chunked prefill, single steps, a verify call, a rollback
+over stale slots and a second verify; every call is compared with a fresh HF forward of the
+whole decoder sequence. A float32 graph is held to quality.fp32_tolerance of its values' scale
+and, where the model itself amplifies float32 rounding, of that rounding (fp32_parity_seq2seq).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import numpy as np
@@ -18,11 +20,12 @@ import torch
 
 from spec_runtime.engines.opener import open_graph
 
-from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, drive_calls, graph_dims, graph_entry,
-                     require_finite)
+from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, graph_dims, graph_entry, plan_calls,
+                     require_finite, run_calls)
+from .quality import fp32_tolerance
 
 
-def _hf_cross_kv(hf_model, src: dict, start_id: int) -> list[np.ndarray]:
+def _hf_cross_kv(hf_model, src: dict, start_id: int, dtype=torch.float32) -> list[np.ndarray]:
     """Cross-attention K/V per decoder layer as HF caches them: [key.0, value.0, key.1, ...]."""
     out = hf_model(**src, decoder_input_ids=torch.tensor([[start_id]]), use_cache=True)
     cache = getattr(out, "cache", None) or out.past_key_values  # renamed in transformers 5
@@ -31,63 +34,122 @@ def _hf_cross_kv(hf_model, src: dict, start_id: int) -> list[np.ndarray]:
         pairs = [(layer.keys, layer.values) for layer in cross.layers]
     else:
         pairs = list(zip(cross.key_cache, cross.value_cache))
-    return [t.float().numpy() for kv in pairs for t in kv]
+    return [t.to(dtype).numpy() for kv in pairs for t in kv]
 
 
 @torch.no_grad()
-def check_parity_seq2seq(
-    hf_model,
-    encoder_path,
-    decoder_path,
-    source,
-    decoder_ids: list[int],
-    *,
-    prefill_chunk: int = 3,
-    steps: int = 3,
-    verify_len: int = 5,
-    seed: int = 0,
-    threads: int | None = None,
-    log: Callable[[str], None] | None = None,
-    name: str = "the model",
-) -> dict[str, float]:
+def check_parity_seq2seq(hf_model, encoder_path, decoder_path, source, decoder_ids: list[int],
+                         **options) -> dict[str, float]:
     """-> {"encoder": max |cross K/V diff|, "decoder": max |logits diff|}. `source` is the
     source's ids, or a speech model's features [n_mels, frames]; `decoder_ids` is the decoder
-    prompt, starting with the decoder start token. Values that are not finite are
-    refused (`name` names the model)."""
-    hf_model.eval()
-    decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
-    max_len, vocab = graph_dims(decoder)
-    first = encoder.inputs[0]["shape"]
-    # the encoder's output length: a token source is [1, max_source_len]; a speech window is
-    # [1, n_mels, frames], which the encoder's stride-2 convolution halves
-    S = first[2] // 2 if len(first) == 3 else first[1]
-    engine = open_graph(decoder_path, decoder, encoder=(encoder_path, encoder), vocab_size=vocab,
-                        max_len=max_len, max_source_len=S, prefill_chunk=max_len,
-                        threads=threads, where="exported", garbage_seed=seed)
-    engine.encode_source(source)
-    if engine.audio:  # the whole window is real
-        src, n_src = {"input_features": torch.tensor(np.asarray(source, np.float32))[None]}, S
-    else:
-        src, n_src = {"input_ids": torch.tensor([list(source)])}, len(source)
-    ref = _hf_cross_kv(hf_model, src, decoder_ids[0])
-    names = engine.cross_names
-    if len(ref) != len(names):
-        raise ValueError(f"encoder graph returns {len(names)} cross tensors, the model has {len(ref)}")
-    got = [engine.cross[nm].numpy()[:, :, :n_src] for nm in names]
-    for r, g in zip(ref, got):
-        require_finite(r, f"{name}: the PyTorch model's cross-attention keys and values",
-                       DAMAGED_WEIGHTS)
-        require_finite(g, f"{name}: the exported encoder's cross-attention keys and values",
-                       GRAPH_NOT_FINITE)
-    enc_diff = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
-    if log:
-        log(f"{'encode':>8} source={n_src:<4} max|cross diff|={enc_diff:.3g}")
+    prompt, starting with the decoder start token; `options` are _Run's (prefill_chunk, steps,
+    verify_len, seed, threads, log, name). Values that are not finite are refused (`name`
+    names the model)."""
+    return _Run(hf_model, encoder_path, decoder_path, source, decoder_ids, **options).diffs
 
-    def reference(tokens: list[int], num_logits: int) -> np.ndarray:
-        out = hf_model(**src, decoder_input_ids=torch.tensor([tokens]), use_cache=False)
-        return out.logits[0, -num_logits:].float().numpy()
 
-    dec_diff = drive_calls(engine, reference, decoder_ids, hf_model.config.vocab_size,
-                           prefill_chunk=prefill_chunk, steps=steps, verify_len=verify_len,
-                           rng=np.random.default_rng(seed + 1), log=log, name=name)
-    return {"encoder": enc_diff, "decoder": dec_diff}
+@torch.no_grad()
+def fp32_parity_seq2seq(hf_model, encoder_path, decoder_path, source, decoder_ids: list[int],
+                        **options) -> dict[str, tuple[float, float]]:
+    """{graph: (max |diff|, tolerance)} of float32 graphs, as check_parity_seq2seq measures
+    them. The tolerance is quality.fp32_tolerance of PyTorch's values' scale (the decoder-only
+    rule: encoder and decoder values are as large as the model makes them); only where a graph
+    is outside that is PyTorch's own float32 rounding of the same values measured against
+    float64 and allowed for (FP32_ROUNDING_FACTOR), up to FP32_MAX_RELATIVE of the scale."""
+    run = _Run(hf_model, encoder_path, decoder_path, source, decoder_ids, **options)
+    limits = {g: fp32_tolerance(run.scales[g]) for g in run.diffs}
+    if any(not run.diffs[g] <= limits[g] for g in run.diffs):
+        rounding = run.float32_rounding()
+        limits = {g: fp32_tolerance(run.scales[g], rounding[g]) for g in run.diffs}
+        if options.get("log"):
+            options["log"]("PyTorch's float32 rounding (vs float64): " + ", ".join(
+                f"{g} {rounding[g]:.3g}, tolerance {limits[g]:.3g}" for g in limits))
+    return {g: (run.diffs[g], limits[g]) for g in run.diffs}
+
+
+class _Run:
+    """One parity run: the encoder once, then the decoder driven through parity.plan_calls.
+    Keeps PyTorch's inputs and rows, so that its float32 rounding can be measured on the same
+    values afterwards (float32_rounding)."""
+
+    @torch.no_grad()
+    def __init__(self, hf_model, encoder_path, decoder_path, source, decoder_ids: list[int], *,
+                 prefill_chunk: int = 3, steps: int = 3, verify_len: int = 5, seed: int = 0,
+                 threads: int | None = None, log: Callable[[str], None] | None = None,
+                 name: str = "the model"):
+        hf_model.eval()
+        self.hf_model = hf_model
+        decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
+        max_len, vocab = graph_dims(decoder)
+        first = encoder.inputs[0]["shape"]
+        # the encoder's output length: a token source is [1, max_source_len]; a speech window is
+        # [1, n_mels, frames], which the encoder's stride-2 convolution halves
+        S = first[2] // 2 if len(first) == 3 else first[1]
+        engine = open_graph(decoder_path, decoder, encoder=(encoder_path, encoder),
+                            vocab_size=vocab, max_len=max_len, max_source_len=S,
+                            prefill_chunk=max_len, threads=threads, where="exported",
+                            garbage_seed=seed)
+        engine.encode_source(source)
+        if engine.audio:  # the whole window is real
+            self.src = {"input_features": torch.tensor(np.asarray(source, np.float32))[None]}
+            n_src = S
+        else:
+            self.src, n_src = {"input_ids": torch.tensor([list(source)])}, len(source)
+        self.start_id = decoder_ids[0]
+        self.cross = _hf_cross_kv(hf_model, self.src, self.start_id)
+        names = engine.cross_names
+        if len(self.cross) != len(names):
+            raise ValueError(f"encoder graph returns {len(names)} cross tensors, the model has "
+                             f"{len(self.cross)}")
+        got = [engine.cross[nm].numpy()[:, :, :n_src] for nm in names]
+        for r, g in zip(self.cross, got):
+            require_finite(r, f"{name}: the PyTorch model's cross-attention keys and values",
+                           DAMAGED_WEIGHTS)
+            require_finite(g, f"{name}: the exported encoder's cross-attention keys and values",
+                           GRAPH_NOT_FINITE)
+        enc_diff = max(float(np.abs(g - r).max()) for g, r in zip(got, self.cross))
+        if log:
+            log(f"{'encode':>8} source={n_src:<4} max|cross diff|={enc_diff:.3g}")
+        self.calls = plan_calls(self._reference, decoder_ids, hf_model.config.vocab_size,
+                                engine.max_len, prefill_chunk=prefill_chunk, steps=steps,
+                                verify_len=verify_len, rng=np.random.default_rng(seed + 1),
+                                name=name)
+        self.diffs = {"encoder": enc_diff, "decoder": run_calls(engine, self.calls, log, name)}
+        self.scales = {"encoder": max(float(np.abs(r).max()) for r in self.cross),
+                       "decoder": max(float(np.abs(c.want).max()) for c in self.calls)}
+
+    def _reference(self, tokens: list[int], num_logits: int, src=None,
+                   dtype=torch.float32) -> np.ndarray:
+        out = self.hf_model(**(src or self.src), decoder_input_ids=torch.tensor([tokens]),
+                            use_cache=False)
+        return out.logits[0, -num_logits:].to(dtype).numpy()
+
+    @torch.no_grad()
+    def float32_rounding(self) -> dict[str, float]:
+        """{graph: max |PyTorch's float32 values - its float64 values|} over the run's values:
+        how far float32 rounding alone moves them in this model."""
+        src = {k: v.double() if v.is_floating_point() else v for k, v in self.src.items()}
+        with _float64(self.hf_model):
+            cross = _hf_cross_kv(self.hf_model, src, self.start_id, torch.float64)
+            tokens: list[int] = []
+            decoder = 0.0
+            for c in self.calls:  # the sequence each call's rows are for, as plan_calls built it
+                del tokens[c.position:]
+                tokens.extend(c.ids)
+                rows = self._reference(tokens, c.num_logits, src, torch.float64)
+                decoder = max(decoder, float(np.abs(c.want - rows).max()))
+        encoder = max(float(np.abs(r - r64).max()) for r, r64 in zip(self.cross, cross))
+        return {"encoder": encoder, "decoder": decoder}
+
+
+@contextmanager
+def _float64(model):
+    """`model` in float64 in place, then each tensor back in its own dtype: exact both ways
+    (float64 holds every float32 and bfloat16 value), and no second copy of the weights."""
+    dtypes = [t.dtype for t in (*model.parameters(), *model.buffers())]
+    model.double()
+    try:
+        yield model
+    finally:
+        for t, dtype in zip((*model.parameters(), *model.buffers()), dtypes):
+            t.data = t.data.to(dtype)
