@@ -88,15 +88,16 @@ def _open_corpus(path: Path):
     device reads without end."""
     try:
         mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_a_file(path, mode)
-        # non-blocking: replaced by a FIFO since the stat, the open still returns
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if stat.S_ISREG(mode):
+            # non-blocking: replaced by a FIFO since the stat, the open still returns
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except (FileNotFoundError, ValueError):  # ValueError: a NUL byte, which no path holds
         raise BuildError(f"--draft-vocab-corpus {str(path)!r} does not exist: {FIX}") from None
     except OSError as e:
         raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "
                          f"({e.strerror or type(e).__name__}): {FIX}") from None
+    if not stat.S_ISREG(mode):
+        raise _not_a_file(path, mode)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
