@@ -24,7 +24,8 @@ from spec_runtime.bundle.manifest import (MANIFEST, Manifest, TokenizerEntry, lo
                                    write_manifest)
 
 from .journal import will_write
-from .output import BuildDir, check_out, clean_stale_temporaries, file_system_errors, resolve_out
+from .leftovers import clean_stale_temporaries
+from .output import BuildDir, check_out, file_system_errors, resolve_out
 from .quality import check_inputs
 from .sources import BuildError, default_target, load_model, model_spec
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from spec_export import build as build_module
-from spec_export import output
+from spec_export import leftovers, output
 from spec_export.journal import JOURNAL, birth_time
 from test_data_safety import build, killed_build, snapshot
 
@@ -283,7 +283,7 @@ def test_a_fifo_as_a_leftovers_marker_does_not_hang_the_next_build(tmp_path, tar
     root.mkdir(parents=True)
     os.mkfifo(root / "build.json")
     found = []
-    worker = threading.Thread(target=lambda: found.append(output.stale_temporaries(p)),
+    worker = threading.Thread(target=lambda: found.append(leftovers.stale_temporaries(p)),
                               daemon=True)
     worker.start()
     worker.join(60)

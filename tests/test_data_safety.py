@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spec_export import output
+from spec_export import leftovers, output
 from spec_export.journal import will_write
 from draftproof.cli.specexport import main as specexport
 from helpers import assert_input_error, run
@@ -274,7 +274,7 @@ def test_no_build_deletes_a_file_it_did_not_write(tmp_path, target, monkeypatch)
     listed = {f.name for f in old_files}
     for p in deleted.paths:
         parts = p.relative_to(tmp_path).parts
-        assert output.TMP_PATTERN.match(parts[0]), p  # inside a build's temporary directory
+        assert leftovers.TMP_PATTERN.match(parts[0]), p  # inside a build's temporary directory
         if parts[1:2] == ("old",) and len(parts) > 2:  # the replaced bundle: its listed files
             assert parts[2:] in [(name,) for name in listed], p
     after = snapshot(tmp_path)
@@ -306,7 +306,7 @@ def killed_build(target, out: Path) -> Path:
     assert proc.returncode == -signal.SIGKILL, "the build ended before it could be killed"
     left = list(out.parent.glob(".bundle.tmp-*"))
     assert len(left) == 1 and not out.exists()
-    assert output.stale_temporaries(out.parent) == (left, [])
+    assert leftovers.stale_temporaries(out.parent) == (left, [])
     return left[0]
 
 
@@ -353,7 +353,7 @@ def test_files_written_into_a_killed_builds_directory_survive_the_next_build(tmp
         f"which no build wrote" in r.stderr
     assert f"rm -r {root}" in r.stderr and "Traceback" not in r.output
     assert (out / "manifest.json").is_file()
-    assert output.stale_temporaries(tmp_path) == ([], [root])  # reported, never removed
+    assert leftovers.stale_temporaries(tmp_path) == ([], [root])  # reported, never removed
 
 
 def test_only_the_files_a_build_recorded_are_removed(tmp_path):
@@ -415,8 +415,8 @@ def test_a_running_builds_directory_is_left_alone(tmp_path):
     work = output.BuildDir(tmp_path / "bundle")
     will_write(work.bundle / "target.onnx")  # how every writer of the build creates its files
     (work.bundle / "target.onnx").write_bytes(b"half written")
-    assert output.stale_temporaries(tmp_path) == ([], [])
-    assert output.clean_stale_temporaries(tmp_path) == []
+    assert leftovers.stale_temporaries(tmp_path) == ([], [])
+    assert leftovers.clean_stale_temporaries(tmp_path) == []
     assert (work.bundle / "target.onnx").exists()
     work.close()
     assert os.listdir(tmp_path) == []
@@ -431,7 +431,7 @@ def test_leftovers_that_are_not_provably_ours_are_reported_not_removed(tmp_path,
     old = tmp_path / ".bundle.old-4242"
     old.mkdir()
     with caplog.at_level("WARNING"):
-        assert output.clean_stale_temporaries(tmp_path) == []
+        assert leftovers.clean_stale_temporaries(tmp_path) == []
     assert (mine / "data.bin").exists() and old.exists()
     assert f"rm -r {old} {mine}" in caplog.text
 
@@ -446,7 +446,7 @@ def test_a_build_killed_mid_swap_gets_its_old_bundle_back(tmp_path):
         "tokenizer.json": {}}}))
     work = output.BuildDir(out)
     move_aside(work)
-    assert output.clean_stale_temporaries(tmp_path) == [work.root]
+    assert leftovers.clean_stale_temporaries(tmp_path) == [work.root]
     assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
     assert os.listdir(tmp_path) == ["bundle"]
 
@@ -489,9 +489,9 @@ def test_a_long_names_temporary_directory_is_still_found_and_matched_to_its_out(
         "tokenizer.json": {}}}))
     work = output.BuildDir(out)
     assert len(os.fsencode(work.root.name)) <= limit
-    assert output.TMP_PATTERN.match(work.root.name) and work.root.name.startswith(".éé")
+    assert leftovers.TMP_PATTERN.match(work.root.name) and work.root.name.startswith(".éé")
     move_aside(work)
-    assert output.stale_temporaries(tmp_path) == ([work.root], [])
-    assert output.clean_stale_temporaries(tmp_path) == [work.root]
+    assert leftovers.stale_temporaries(tmp_path) == ([work.root], [])
+    assert leftovers.clean_stale_temporaries(tmp_path) == [work.root]
     assert sorted(os.listdir(out)) == ["manifest.json", "tokenizer.json"]
     assert os.listdir(tmp_path) == [name]
