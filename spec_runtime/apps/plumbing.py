@@ -1,7 +1,9 @@
 """The HTTP plumbing under the server's routes: the gate every request passes before its
-route, the body reader with its size limit, and watching for a client that has gone."""
+route, the body reader with its size limit, watching for a client that has gone, and the
+streamed response that gives its request up however it ends."""
 
 import asyncio
+import functools
 import json
 from typing import Any
 
@@ -61,3 +63,36 @@ async def read_json(request) -> Any:
     except RecursionError:
         raise APIError(400, "the request body nests its values too deeply to be a request",
                        code="invalid_json") from None
+
+
+@functools.cache
+def _streamed_class():
+    from fastapi.responses import StreamingResponse
+    from starlette.requests import ClientDisconnect
+
+    class Streamed(StreamingResponse):
+        """Server-sent events whose request is given up however the response ends: Starlette
+        never starts the body when the client is gone before the first byte (an ASGI 2.4
+        server's send raises), and a body never started runs no `finally` of its own."""
+
+        def __init__(self, body, on_close):
+            super().__init__(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+            self.on_close = on_close
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            except ClientDisconnect:  # nobody to answer: on_close counts it (499), no bug
+                pass
+            finally:
+                try:
+                    await self.body_iterator.aclose()  # a started body's own finally, now
+                finally:
+                    self.on_close()
+
+    return Streamed
+
+
+def streamed_response(body, on_close):
+    return _streamed_class()(body, on_close)

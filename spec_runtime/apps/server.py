@@ -42,7 +42,6 @@ the same app in each replica (ray_serve.py).
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -55,7 +54,7 @@ from ..errors import InputError
 from ..limits import check_slots
 from ..request import GenerationOptions
 from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnected,
-                       read_json)
+                       read_json, streamed_response)
 from .metrics import Metrics
 from .openai_api import (APIError, Job, StreamEvents, completion_body, default_model_name,
                          input_error, parse_chat, parse_completion)
@@ -132,39 +131,6 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     s.generator, s.health, s.active = generator, server.health, server.active
     s.begin_drain, s.end_drain = server.begin_drain, server.end_drain
     return app
-
-
-@functools.cache
-def _streamed_class():
-    from fastapi.responses import StreamingResponse
-    from starlette.requests import ClientDisconnect
-
-    class Streamed(StreamingResponse):
-        """Server-sent events whose request is given up however the response ends: Starlette
-        never starts the body when the client is gone before the first byte (an ASGI 2.4
-        server's send raises), and a body never started runs no `finally` of its own."""
-
-        def __init__(self, body, on_close):
-            super().__init__(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-            self.on_close = on_close
-
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            except ClientDisconnect:  # nobody to answer: on_close counts it (499), no bug
-                pass
-            finally:
-                try:
-                    await self.body_iterator.aclose()  # a started body's own finally, now
-                finally:
-                    self.on_close()
-
-    return Streamed
-
-
-def streamed_response(body, on_close):
-    return _streamed_class()(body, on_close)
 
 
 def engine_devices(gen) -> dict:
