@@ -129,24 +129,48 @@ def texts(rounds, detokenize, stop: tuple[str, ...], live: bool = True,
     string ends the request at the token that completes it; tokens, stats and
     `token_logprobs` then count up to it. Without `live` (generate) and without stop strings
     the text is decoded once, at the end."""
-    text = IncrementalText(detokenize, stop)
-    shown, stats = 0, None
+    state = TextState(detokenize, stop, live, token_logprobs)
     try:
         for new, stats in rounds:
-            if not live and not stop:
-                text.tokens.extend(int(t) for t in new)
-                continue
-            if text.extend(new):
-                stats.new_tokens = len(text.tokens)
-                stats.finish_reason = "stop"
-                if token_logprobs is not None:  # none past the stop string's token
-                    del token_logprobs[len(text.tokens):]
-            ready = text.ready()
-            yield text.text[shown:ready], text, stats
-            shown = max(shown, ready)
+            piece = state.add(new, stats)
+            if piece is not None:
+                yield piece, state.text, stats
             if stats.finish_reason == "stop":
                 return
     finally:
         rounds.close()  # releases the engines now, not when the generator is collected
-    final = text.finish()
-    yield final[shown:], text, stats
+    yield state.end(), state.text, state.stats
+
+
+class TextState:
+    """One request's text as its rounds come (`texts` pulls them from a loop; a batch pushes
+    each sequence's: batch.py)."""
+
+    def __init__(self, detokenize, stop: tuple[str, ...], live: bool = True,
+                 token_logprobs: list | None = None):
+        self.text = IncrementalText(detokenize, stop)
+        self.stop, self.live, self.token_logprobs = stop, live, token_logprobs
+        self.shown, self.stats = 0, None
+
+    def add(self, new, stats) -> str | None:
+        """A round's new tokens: the text now safe to show (None where it is decoded only at
+        the end); a stop string sets stats.finish_reason "stop"."""
+        self.stats = stats
+        text = self.text
+        if not self.live and not self.stop:
+            text.tokens.extend(int(t) for t in new)
+            return None
+        if text.extend(new):
+            stats.new_tokens = len(text.tokens)
+            stats.finish_reason = "stop"
+            if self.token_logprobs is not None:  # none past the stop string's token
+                del self.token_logprobs[len(text.tokens):]
+        ready = text.ready()
+        piece = text.text[self.shown:ready]
+        self.shown = max(self.shown, ready)
+        return piece
+
+    def end(self) -> str:
+        """The rest of the text, once the request has ended."""
+        final = self.text.finish()
+        return final[self.shown:]

@@ -174,48 +174,76 @@ def generate_tokens(target: Engine, draft: Draft | None,
                     req: RequestState) -> Iterator[np.ndarray]:
     """Yield the new tokens of each round. `draft=None` is target-only decoding on the same
     engine: one target call per token, the baseline every speedup is measured against."""
-    rec = req.recorder
+    begin(target, draft, req)
+    while not req.stats.finish_reason:
+        proposal = propose(draft, req)
+        tokens, pos, rows = proposal.feed
+        logits = req.recorder.target(target.forward, tokens, pos, rows)
+        yield settle(draft, req, proposal, logits)
+
+
+def begin(target: Engine, draft: Draft | None, req: RequestState) -> None:
+    """A request starts: the engines forget the last one's positions."""
     target.reset()
     if draft is not None:
         draft.reset()
-    rec.start("speculative" if draft is not None else "target-only", draft)
-    while not req.stats.finish_reason:
-        # 1. The draft proposes γ tokens x_1..x_γ from p_draft (fewer near max_new_tokens: a
-        #    round emits up to γ+1).
-        g = min(req.gamma.next(req.stats), req.remaining - 1) if draft is not None else 0
-        #    With auto γ, a model draft stops where its confidence falls below the policy's
-        #    floor, or goes on up to `most` (the round's length depends on the draft's own draws
-        #    and on earlier rounds, never on the target's: each position is still an ordinary
-        #    draft-and-verify step, and exact).
-        most = min(req.gamma.max_gamma, req.remaining - 1) if g > 0 else 0
-        floor = req.gamma.floor
-        drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng, most, floor) \
-            if g > 0 else (_NO_DRAFTS, None)
-        k = len(drafts)
+    req.recorder.start("speculative" if draft is not None else "target-only", draft)
 
-        # 2. The target scores the prefix + x_1..x_i for i = 0..k in one call: every token it
-        #    has not seen, then the drafts; k+1 rows of logits.
-        feed = np.concatenate([req.seq[req.target_valid : req.n_seq], drafts])
-        logits = rec.target(target.forward, feed, req.target_valid, k + 1)
 
-        # 3. Accept x_i while r < p_target(x_i) / p_draft(x_i); at the first rejection draw from
-        #    norm(max(0, p_target - p_draft)), or from p_target[k] when all k were accepted.
-        new, beta_sum, examined, rows = _accept(drafts, p_draft, logits, req.params, req.rng,
-                                                req.tokens)
-        n_acc = len(new) - 1
+@dataclass
+class Proposal:
+    """Steps 1 and 2 of a round: the draft's tokens, and what the target must score for them:
+    `feed` = (tokens, position of the first, logit rows). A batch scores many requests'
+    proposals in one call (batch.py); each is settled on its own."""
 
-        # 4. Roll back by position: both caches now hold the old sequence + accepted drafts.
-        req.target_valid = req.n_seq + n_acc
-        if draft is not None:
-            rec.round(k, n_acc, g if floor is None else k, beta_sum, examined)
-            draft.rewind(req.n_seq + n_acc)
+    drafts: np.ndarray
+    p_draft: np.ndarray | None
+    gamma: int
+    floor: float | None
+    feed: tuple[np.ndarray, int, int]
 
-        # 5. Emit, stopping at EOS or max_new_tokens; row i of the target's distributions is
-        #    the position of the round's token i, whether a draft's or its own.
-        emitted = req.emit(new)
-        if req.logprobs is not None:
-            req.token_logprobs += token_logprobs(rows, req.params.greedy, emitted, req.logprobs)
-        yield emitted
+
+def propose(draft: Draft | None, req: RequestState) -> Proposal:
+    # 1. The draft proposes γ tokens x_1..x_γ from p_draft (fewer near max_new_tokens: a
+    #    round emits up to γ+1).
+    g = min(req.gamma.next(req.stats), req.remaining - 1) if draft is not None else 0
+    #    With auto γ, a model draft stops where its confidence falls below the policy's
+    #    floor, or goes on up to `most` (the round's length depends on the draft's own draws
+    #    and on earlier rounds, never on the target's: each position is still an ordinary
+    #    draft-and-verify step, and exact).
+    most = min(req.gamma.max_gamma, req.remaining - 1) if g > 0 else 0
+    floor = req.gamma.floor
+    drafts, p_draft = draft.propose(req.tokens, g, req.params, req.rng, most, floor) \
+        if g > 0 else (_NO_DRAFTS, None)
+    # 2. The target scores the prefix + x_1..x_i for i = 0..k in one call: every token it
+    #    has not seen, then the drafts; k+1 rows of logits.
+    feed = np.concatenate([req.seq[req.target_valid : req.n_seq], drafts])
+    return Proposal(drafts, p_draft, g, floor, (feed, req.target_valid, len(drafts) + 1))
+
+
+def settle(draft: Draft | None, req: RequestState, proposal: Proposal,
+           logits: np.ndarray) -> np.ndarray:
+    """Steps 3 to 5 of a round, from the target's k+1 rows of `logits`: the tokens emitted."""
+    drafts, k = proposal.drafts, len(proposal.drafts)
+    # 3. Accept x_i while r < p_target(x_i) / p_draft(x_i); at the first rejection draw from
+    #    norm(max(0, p_target - p_draft)), or from p_target[k] when all k were accepted.
+    new, beta_sum, examined, rows = _accept(drafts, proposal.p_draft, logits, req.params,
+                                            req.rng, req.tokens)
+    n_acc = len(new) - 1
+
+    # 4. Roll back by position: both caches now hold the old sequence + accepted drafts.
+    req.target_valid = req.n_seq + n_acc
+    if draft is not None:
+        req.recorder.round(k, n_acc, proposal.gamma if proposal.floor is None else k,
+                           beta_sum, examined)
+        draft.rewind(req.n_seq + n_acc)
+
+    # 5. Emit, stopping at EOS or max_new_tokens; row i of the target's distributions is
+    #    the position of the round's token i, whether a draft's or its own.
+    emitted = req.emit(new)
+    if req.logprobs is not None:
+        req.token_logprobs += token_logprobs(rows, req.params.greedy, emitted, req.logprobs)
+    return emitted
 
 
 def _accept(drafts, p_draft, logits, params: SamplingParams, rng, context):

@@ -264,16 +264,20 @@ class Recorder:
         """forward(tokens, pos, rows), timed."""
         t0 = self.clock()
         logits = forward(tokens, pos, rows)
-        elapsed = self.clock() - t0
+        self.target_call(len(tokens), self.clock() - t0)
+        return logits
+
+    def target_call(self, n_tokens: int, elapsed: float) -> None:
+        """A target call of `n_tokens` that took `elapsed` seconds (a batched call's: the time
+        its every sequence waited for it)."""
         s = self.stats
         if s.target_calls == 0:
             s.prefill_time_s = elapsed
         else:
             s.target_time_s += elapsed
-            total, calls = s.call_rows.get(len(tokens), (0.0, 0))
-            s.call_rows[len(tokens)] = (total + elapsed, calls + 1)
+            total, calls = s.call_rows.get(n_tokens, (0.0, 0))
+            s.call_rows[n_tokens] = (total + elapsed, calls + 1)
         s.target_calls += 1
-        return logits
 
     def round(self, proposed: int, accepted: int, gamma: int, beta_sum: float,
               examined: int) -> None:
