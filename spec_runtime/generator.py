@@ -59,6 +59,7 @@ class Generator:
         audio=None,
         row_check=None,
         costs: Costs | None = None,
+        lanes=None,
         clock=time.perf_counter,
     ):
         self.target = target
@@ -89,25 +90,67 @@ class Generator:
         # vocabulary reads such ids as 0: drafts.ModelDraft)
         self.vocab_size = target.vocab_size
         self._grammar = None  # constraint.Grammar, made at the first response_format
+        # (lanes.LaneEngine, lanes.LaneCheck, the batch-1 engines it was checked on): the
+        # target's lanes graph where the bundle has one and its lanes score as single calls do
+        # on this machine; generate_batch decodes together only then
+        self.lanes = lanes
         self._hold_nothing()
 
     def _hold_nothing(self) -> None:
         """A generator's own state, apart from the bundle's: who holds its engines."""
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
+        self._forks = None  # generate_batch's generators, one per lane
         self._owner: int | None = None  # thread id of the request holding the lock
         # (features, seconds): the window language detection encoded in the target, which the
         # request made with it need not encode again, and what that took
         self._detected = None
 
-    def fork(self) -> "Generator":
+    def fork(self, target=None) -> "Generator":
         """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
         copy of the weights), tokenizer and settings, a KV cache and request state of its own,
-        so that a second request decodes beside this one's (`specrun serve --slots N`)."""
+        so that a second request decodes beside this one's (`specrun serve --slots N`).
+        `target`: a fork of this generator's target engine, made already, to use."""
         forked = copy.copy(self)  # the bundle's settings, tokenizer and compiled grammar
-        forked.target = fork_engine(self.target)
+        forked.target = target if target is not None else fork_engine(self.target)
         forked.draft = self.draft.fork() if self.draft is not None else None
         forked._hold_nothing()
         return forked
+
+    @property
+    def max_batch(self) -> int:
+        """Requests generate_batch decodes in one call of the target: the bundle's lanes, or 1
+        (one request at a time) without them or where they do not score exactly here."""
+        if self.lanes is None or not self.lanes[1].identical:
+            return 1
+        return self.lanes[0].lanes
+
+    def generate_batch(self, prompts: Sequence, options: GenerationOptions | None = None,
+                       **values) -> list[GenerationResult]:
+        """Decode many prompts, up to `max_batch` at a time in one call of the target each
+        round (a bundle built with `specexport build --max-batch N`), the next starting as one
+        ends; returns their results in order. Each prompt is what `generate` takes (a Request
+        too, with options of its own), and each result is exactly what `generate` returns for
+        it alone, greedy or seeded."""
+        from .batch import decode_batch
+
+        requests = [self._request_of(p, options, values) if not isinstance(p, Request) else p
+                    for p in prompts]
+        if self.max_batch == 1:
+            return [self.generate(r) for r in requests]
+        self._not_streaming_here()
+        with self._lock:
+            forks = self._batch_forks()
+            out: list = [None] * len(requests)
+            for index, result in decode_batch(self, self.lanes[0], forks, requests, self.clock):
+                out[index] = result
+            return out
+
+    def _batch_forks(self) -> list["Generator"]:
+        """The generators a batch decodes on: one per lane, over the engines the lanes were
+        checked on (made once)."""
+        if self._forks is None:
+            self._forks = [self.fork(target=engine) for engine in self.lanes[2]]
+        return self._forks
 
     # -- text -------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ read from a position-indexed state the engine writes at `pos` like a KV cache; s
 last written position keep stale tokens, exactly like a real static cache.
 """
 
+import copy
 import itertools
 
 import numpy as np
@@ -46,6 +47,13 @@ class ToyEngine:
 
     def reset(self):
         pass  # stale state stays, as in a real cache; positions decide what is read
+
+    def fork(self):
+        """Another engine of the same tables with a "cache" of its own."""
+        other = copy.copy(self)
+        other.state = np.zeros(self.max_len, dtype=np.int64)
+        other.calls = 0
+        return other
 
     def forward(self, tokens, pos, num_logits=1):
         tokens = np.asarray(tokens, dtype=np.int64)

@@ -27,7 +27,7 @@ from .. import renamed
 from ..engines import devices, rows
 from ..chat import compile_chat_template
 from ..decode.drafts import open_draft
-from ..engines.opener import open_engine
+from ..engines.opener import open_engine, open_lanes
 from ..errors import BundleError, InputError
 from ..generator import Generator
 from ..limits import check_threads
@@ -190,6 +190,7 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     if check_files:
         check_unchanged(before, snapshot(bundle_dir, [MANIFEST, *manifest.files]), bundle_dir)
     row_check = rows.choose_one_row(target, one_row)
+    lanes = open_lanes(bundle_dir, manifest, "target", manifest.target, target, threads=threads)
     return Generator(
         target,
         draft,
@@ -207,4 +208,5 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         generation_defaults=manifest.generation,
         audio=manifest.audio,
         costs=Costs(**manifest.costs) if manifest.costs else None,
+        lanes=lanes,
     )

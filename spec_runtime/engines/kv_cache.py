@@ -42,10 +42,11 @@ class HostCache:
         self._scratch: dict[int, dict[str, np.ndarray]] = {}  # new slots, by token count
         self._n = None
 
-    def bind(self, binding, past: str, present: str | None) -> None:
-        """Bind `past` (and, for an in-place graph, `present`) to the buffer: OrtValues over
+    def bind(self, binding, past: str, present: str | None, key: str | None = None) -> None:
+        """Bind `past` (and, for an in-place graph, `present`) to the buffer of `key` (default:
+        `past`; a lanes graph binds its lane's names to a sequence's buffers): OrtValues over
         numpy memory share it, so nothing is copied."""
-        value = self._ort.OrtValue.ortvalue_from_numpy(self.buffers[past])
+        value = self._ort.OrtValue.ortvalue_from_numpy(self.buffers[key or past])
         binding.bind_ortvalue_input(past, value)
         if present is not None:
             binding.bind_ortvalue_output(present, value)
@@ -101,10 +102,10 @@ class DeviceCache:
         return self._ort.OrtValue.ortvalue_from_shape_and_type(
             list(shape), self.dtype, self.device.memory, self.device.device_id)
 
-    def bind(self, binding, past: str, present: str | None) -> None:
-        binding.bind_ortvalue_input(past, self.values[past])
+    def bind(self, binding, past: str, present: str | None, key: str | None = None) -> None:
+        binding.bind_ortvalue_input(past, self.values[key or past])
         if present is not None:
-            binding.bind_ortvalue_output(present, self.values[past])
+            binding.bind_ortvalue_output(present, self.values[key or past])
 
     def bind_new_slots(self, binding, presents: dict[str, str], n: int) -> None:
         if n not in self._scratch:

@@ -68,7 +68,7 @@ def open_ort_engine(bundle_dir: Path, manifest: Manifest, role: str, model: Mode
     # Sessions that take turns therefore spin inside a run and stop as soon as it returns
     # (session.force_spinning_stop; measured in README, Performance). One session alone keeps
     # spinning (it shortens its own calls).
-    spinning = manifest.draft.model is None
+    spinning = manifest.draft.model is None and "decoder_lanes" not in model.graphs
     decoder = model.graphs["decoder"]
 
     def options(graph):
@@ -101,6 +101,25 @@ def open_ort_engine(bundle_dir: Path, manifest: Manifest, role: str, model: Mode
             encoder_provider_options=options(encoder), **common)
     return OrtEngine.open(bundle_dir / decoder.file, decoder, where=f"{role}.graphs.decoder",
                           **common)
+
+
+def open_lanes(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry, solo,
+               *, threads: int | None):
+    """(LaneEngine, LaneCheck, the batch-1 engines it was checked on) of the model's lanes
+    graph (`specexport build --max-batch N`), or None where the bundle has none or the engine
+    runs where lanes are not checked (ONNX Runtime on the CPU only, for now)."""
+    from .lanes import LaneEngine, check_lanes
+    from .ort import OrtEngine, open_session
+
+    graph = model.graphs.get("decoder_lanes")
+    if graph is None or type(solo) is not OrtEngine or solo.device.memory != "cpu":
+        return None
+    session = open_session(bundle_dir / graph.file, graph, where=f"{role}.graphs.decoder_lanes",
+                           metadata=graph_metadata(role, "decoder_lanes", model.precision),
+                           device=solo.device, threads=threads, spinning=False)
+    lanes = LaneEngine(session, manifest.max_batch, solo)
+    engines = [solo.fork() for _ in range(lanes.lanes)]
+    return lanes, check_lanes(lanes, engines, manifest.max_gamma + 1), engines
 
 
 def open_tensorrt_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry,

@@ -85,6 +85,13 @@ class ChunkedEngine:
             self._call(tokens[start:end], pos + start, 1)
         return self._call(tokens[last:], pos + last, num_logits)
 
+    def fed(self, tokens: np.ndarray, pos: int) -> None:
+        """`tokens` were written at slots pos.. by a call of another graph over this engine's
+        cache (a lanes call: lanes.py): what a "padded" 1-token call feeds again."""
+        if self._fed is None:
+            self._fed = np.zeros(self.max_len, np.int64)
+        self._fed[pos : pos + len(tokens)] = tokens
+
     def _call(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
         """One graph call; a 1-token one in the engine's form. "padded" runs it as the 2-row
         call [token at pos - 1, token] at pos - 1 (slot pos - 1 is valid and gets the values it

@@ -1,0 +1,204 @@
+"""Several sequences' rows in one graph call: a lanes graph (contract.decoder_lanes_io).
+
+A lanes graph is the decoder with L lanes. Its matrix products read the rows of all L lanes
+at once; attention runs once per lane, over that lane's own cache, exactly as the batch-1 graph
+runs it (ONNX Runtime's GroupQueryAttention takes one sequence at a time once a call has a
+past and more than one row). So a sequence keeps its own cache, the store of its batch-1 engine
+(ort.OrtEngine), and a call binds each lane to the cache of the sequence it carries: sequences
+join and leave between calls, and nothing is copied.
+
+    lane b   input_ids[b, :n_b]  the sequence's tokens at position[b] .. position[b] + n_b - 1,
+                                 then fillers (right padding: their slots lie past what the
+                                 sequence holds, stale by definition, written over later)
+             logits[b]           rows [row_ends[b] - K, row_ends[b]) of the lane, K = num_logits;
+                                 row_ends[b] = max(n_b, K), so no row index falls before 0
+    a lane without a sequence: a spare cache of its own, fillers at position 0
+
+Whether a lane's rows are the batch-1 engine's rows bit for bit depends on the kernels this
+machine's ONNX Runtime picks (a matrix product of one row may take another kernel than one of
+many). `check_lanes` measures it on the engines themselves at load, as rows.py does for 1-row
+calls, and a generator batches only where it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..errors import CacheCapacityError
+from .kv_cache import HostCache
+
+log = logging.getLogger(__name__)
+
+FILLER = 0  # the token right padding feeds: any id reads the same stale slots
+
+
+def lane_name(name: str, lane: int) -> str:
+    """past_key.3 -> past_key.3.lane1: a lane's own cache input or output."""
+    return f"{name}.lane{lane}"
+
+
+@dataclass(frozen=True)
+class LaneCall:
+    """One sequence's part of a lanes call: `tokens` at slots pos.. of `engine`'s cache (the
+    sequence's batch-1 engine), and the `rows` last logit rows it needs."""
+
+    engine: object
+    tokens: np.ndarray
+    pos: int
+    rows: int
+
+
+class LaneEngine:
+    """A lanes graph's session, run over the caches of the batch-1 engines it is given.
+    `open` it from the batch-1 engine whose graph it batches."""
+
+    def __init__(self, session, lanes: int, solo):
+        if not solo.in_place:
+            raise ValueError("a lanes graph writes its caches in place")
+        self.session = session
+        self.lanes = lanes
+        self.vocab_size = solo.vocab_size
+        self.max_len = solo.max_len
+        self._pasts = [[lane_name(p, b) for p in solo.past_names] for b in range(lanes)]
+        self._presents = [[lane_name(p, b) for p in solo.present_names] for b in range(lanes)]
+        self._keys = list(solo.past_names)
+        self._binding = session.io_binding()
+        # a lane without a sequence still needs a cache to read and write
+        self._spare = solo._store(solo.cache._ort, self._keys, solo.cache.shape,
+                                  _dtype_name(solo.cache.dtype), solo.device)
+        self._bound: list[object] = [None] * lanes  # the cache store each lane is bound to
+        self._logits = np.empty((lanes, 0, self.vocab_size), np.float32)
+        self._bound_rows = None
+        self._ids = None
+
+    def forward(self, calls: list[LaneCall]) -> list[np.ndarray]:
+        """One graph call of up to `lanes` sequences: each call's rows of logits float32
+        [rows, V], valid until the next forward. Each sequence's cache holds its tokens
+        afterwards, as its own engine's forward would have written them."""
+        if not 0 < len(calls) <= self.lanes:
+            raise ValueError(f"{len(calls)} sequences for {self.lanes} lanes")
+        k = max(c.rows for c in calls)
+        n = max(max(len(c.tokens) for c in calls), k)
+        for c in calls:
+            if c.pos + n > self.max_len:
+                raise CacheCapacityError(
+                    f"positions {c.pos}..{c.pos + n - 1} exceed the cache (max_len "
+                    f"{self.max_len}) in a batched call: lower max_new_tokens or the prompt, or "
+                    f"re-export with `specexport build --max-len`")
+        ids = np.full((self.lanes, n), FILLER, np.int64)
+        position = np.zeros(self.lanes, np.int64)
+        row_ends = np.full(self.lanes, n, np.int64)
+        for b, c in enumerate(calls):
+            ids[b, : len(c.tokens)] = c.tokens
+            position[b] = c.pos
+            row_ends[b] = max(len(c.tokens), k)
+            c.engine.fed(c.tokens, c.pos)
+        for b in range(self.lanes):
+            self._bind_lane(b, calls[b].engine.cache if b < len(calls) else self._spare)
+        out = self._bind_logits(k)
+        self._ids = ids  # bound by pointer: alive until the run is done
+        self._binding.bind_cpu_input("input_ids", ids)
+        self._binding.bind_cpu_input("position", position)
+        self._binding.bind_cpu_input("num_logits", np.asarray(k, np.int64))
+        self._binding.bind_cpu_input("row_ends", row_ends)
+        self.session.run_with_iobinding(self._binding)
+        # lane b's rows end at row_ends[b]; its call's own are the last `rows` of its tokens
+        return [out[b, k - (row_ends[b] - len(c.tokens)) - c.rows:
+                    k - (row_ends[b] - len(c.tokens))]
+                for b, c in enumerate(calls)]
+
+    def _bind_lane(self, b: int, cache) -> None:
+        if self._bound[b] is cache:
+            return  # the same sequence as the last call: its buffers are bound already
+        for key, past, present in zip(self._keys, self._pasts[b], self._presents[b]):
+            cache.bind(self._binding, past, present, key=key)
+        self._bound[b] = cache
+
+    def _bind_logits(self, k: int) -> np.ndarray:
+        """The logits buffer [lanes, k, V] for k rows a lane (one per k, allocated once)."""
+        out = self._outs.get(k)
+        if out is None:
+            out = self._outs[k] = np.empty((self.lanes, k, self.vocab_size), np.float32)
+        if self._bound_rows != k:
+            self._binding.bind_output("logits", "cpu", 0, np.float32, list(out.shape),
+                                      out.ctypes.data)
+            self._bound_rows = k
+        return out
+
+
+def _dtype_name(dtype) -> str:
+    return {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}[np.dtype(dtype)]
+
+
+# -- does a lane score as the batch-1 engine does, on this machine? --------------------------
+
+PROBE_PREFIX = 6  # cached positions before the probed ones (lane b: PROBE_PREFIX + 3b)
+
+
+@dataclass(frozen=True)
+class LaneCheck:
+    """What the load-time check found: whether every lane's rows, in the call shapes batched
+    decoding makes, equal the batch-1 engine's bit for bit; the largest difference seen."""
+
+    identical: bool
+    largest_diff: float
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_lanes(lanes: LaneEngine, engines: list, rows: int) -> LaneCheck:
+    """Score the same positions through `lanes` and through each of `engines` (batch-1
+    engines of the same graph, one per lane, whose caches it may overwrite), in two call
+    shapes: every lane verifying `rows` tokens, one of them fewer (right-padded), and every
+    lane one token (batched target-only decoding). Host caches only: the check compares the
+    cache slots too."""
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for shape in ("verify", "step"):
+        calls = []
+        for b, engine in enumerate(engines[: lanes.lanes]):
+            if not isinstance(engine.cache, HostCache):
+                return LaneCheck(False, float("inf"), time.perf_counter() - t0)
+            engine.reset()
+            prefix = rng.integers(0, engine.vocab_size, PROBE_PREFIX + 3 * b)
+            engine.forward(prefix, 0, 1)
+            n = 1 if shape == "step" else (max(1, rows - 1) if b == 1 else rows)
+            calls.append(LaneCall(engine, rng.integers(0, engine.vocab_size, n), len(prefix),
+                                  n))
+        solo, slots = [], []
+        for c in calls:  # the reference: each sequence alone, its cache then put back
+            before = {k: v.copy() for k, v in c.engine.cache.buffers.items()}
+            solo.append(np.array(c.engine.forward(c.tokens, c.pos, c.rows)))
+            slots.append({k: v[:, :, c.pos : c.pos + len(c.tokens)].copy()
+                          for k, v in c.engine.cache.buffers.items()})
+            for k, v in before.items():
+                c.engine.cache.buffers[k][...] = v
+        batched = [np.array(rows_b) for rows_b in lanes.forward(calls)]
+        for c, want, got, written in zip(calls, solo, batched, slots):
+            worst = max(worst, _diff(want, got))
+            for k, v in written.items():
+                worst = max(worst, _diff(v, c.engine.cache.buffers[k][:, :, c.pos : c.pos
+                                                                     + len(c.tokens)]))
+    for engine in engines:
+        engine.reset()
+    check = LaneCheck(worst == 0.0, worst, time.perf_counter() - t0)
+    if not check.identical:
+        log.warning("batched calls score positions differently from single ones on this "
+                    "machine (largest logit difference %.3g): requests are decoded one at a "
+                    "time, each exactly as alone", worst)
+    return check
+
+
+def _diff(a, b) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if np.array_equal(a, b):
+        return 0.0
+    return float(np.nanmax(np.abs(a.astype(np.float64) - b.astype(np.float64)))) or float("inf")

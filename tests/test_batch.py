@@ -1,0 +1,119 @@
+"""Many requests decoded together (Generator.generate_batch, spec_runtime/batch.py): every result
+is the one its request gets alone, token for token, greedy and seeded, whatever shares its calls
+and whenever it joins; sampled draws from a batch follow the target's enumerated distribution.
+
+The orchestration is tested here on the toy numpy engines, with a lanes stand-in that scores each
+lane by its own engine (a lanes graph's rows are its members' single-call rows: what the real
+graph's check proves, tests/test_batch_bundle.py); the real lanes graph is tested there."""
+
+import numpy as np
+import pytest
+from test_decode import PROMPT, SETTINGS, VOCAB, chi_square_p, make
+from toy_models import ToyEngine, exact_joint
+
+from spec_runtime import GenerationOptions, SamplingParams
+from spec_runtime.engines.lanes import LaneCheck
+
+P_MIN = 1e-4
+
+
+class ToyLanes:
+    """The lanes interface over toy engines: each call's rows from its own engine; counts the
+    calls and how many lanes each carried."""
+
+    def __init__(self, lanes: int, max_len: int):
+        self.lanes, self.max_len = lanes, max_len
+        self.carried: list[int] = []
+
+    def forward(self, calls):
+        assert 0 < len(calls) <= self.lanes
+        self.carried.append(len(calls))
+        return [np.array(c.engine.forward(c.tokens, c.pos, c.rows)) for c in calls]
+
+
+def batched(draft_kind, lanes=3, max_len=128, **kw):
+    gen = make(draft_kind, max_len=max_len, **kw)
+    toy = ToyLanes(lanes, max_len)
+    gen.lanes = (toy, LaneCheck(True, 0.0), [gen.target.fork() for _ in range(lanes)])
+    return gen, toy
+
+
+PROMPTS = [[0], [1, 2, 3, 1, 2], [5, 4, 3, 2, 1, 0, 5, 4], [2, 2], [3, 1, 4, 1, 5, 1],
+           [0, 0, 0, 1], [4]]
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid", None])
+def test_a_batch_gives_each_request_what_it_gets_alone(draft_kind):
+    """Seven requests over three lanes (four join as others end), each with options of its
+    own: greedy at several γ, seeded samples, target-only, different lengths."""
+    gen, toy = batched(draft_kind)
+    options = [dict(max_new_tokens=40), dict(max_new_tokens=17, temperature=1.0, seed=3),
+               dict(max_new_tokens=33, gamma=1), dict(max_new_tokens=9, use_draft=False),
+               dict(max_new_tokens=40, temperature=0.8, top_k=3, seed=11, gamma=5),
+               dict(max_new_tokens=25, temperature=1.2, top_p=0.75, seed=5), dict(max_new_tokens=1)]
+    requests = [gen.request(p, GenerationOptions(**o)) for p, o in zip(PROMPTS, options)]
+    alone = [gen.generate(r) for r in requests]
+    together = gen.generate_batch(requests)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
+    for a, b in zip(alone, together):
+        assert (b.stats["new_tokens"], b.stats["rounds"], b.stats["accepted"]) == \
+            (a.stats["new_tokens"], a.stats["rounds"], a.stats["accepted"])
+    assert max(toy.carried) == 3, toy.carried  # three lanes carried at once
+
+
+def test_one_options_object_for_every_prompt_and_order_of_results():
+    gen, _ = batched("model", lanes=2)
+    options = GenerationOptions(max_new_tokens=12, temperature=0.9, seed=7)
+    together = gen.generate_batch(PROMPTS, options)
+    assert [r.tokens for r in together] == [gen.generate(p, options).tokens for p in PROMPTS]
+    assert gen.generate_batch([]) == []
+
+
+def test_logprobs_in_a_batch_are_those_of_the_request_alone():
+    gen, _ = batched("model")
+    options = GenerationOptions(max_new_tokens=15, logprobs=2)
+    alone = [gen.generate(p, options) for p in PROMPTS[:4]]
+    together = gen.generate_batch(PROMPTS[:4], options)
+    for a, b in zip(alone, together):
+        assert [(t.token, t.logprob, t.top) for t in b.logprobs] == \
+            [(t.token, t.logprob, t.top) for t in a.logprobs]
+
+
+def test_a_request_near_the_cache_end_is_scored_alone_within_the_batch():
+    """Right padding writes filler slots past a lane's own tokens: a member whose call would
+    reach past the cache is scored by a single call that round (the same rows)."""
+    gen, toy = batched("model", lanes=2, max_len=24)
+    prompts = [[1, 2, 3, 1, 2] * 3, [0]]
+    options = GenerationOptions(max_new_tokens=8, gamma=4)
+    assert [r.tokens for r in gen.generate_batch(prompts, options)] == \
+        [gen.generate(p, options).tokens for p in prompts]
+
+
+def test_without_checked_lanes_a_batch_decodes_one_request_at_a_time():
+    gen, toy = batched("model")
+    gen.lanes = (toy, LaneCheck(False, 1e-6), gen.lanes[2])
+    assert gen.max_batch == 1
+    options = GenerationOptions(max_new_tokens=10)
+    assert [r.tokens for r in gen.generate_batch(PROMPTS[:3], options)] == \
+        [gen.generate(p, options).tokens for p in PROMPTS[:3]]
+    assert toy.carried == []
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_the_joint_of_batched_samples_equals_the_target(setting):
+    """2000 seeded requests of one prompt, three at a time in a γ = 1 model draft's rounds:
+    the first three tokens' joint against enumeration of the target. A request's first round
+    (its prefill) is scored alone and emits two tokens at most: the third comes from a round
+    scored in lanes."""
+    gen, toy = batched("model", lanes=3)
+    options = [GenerationOptions(max_new_tokens=4, gamma=1, seed=s, **SETTINGS[setting])
+               for s in range(2000)]
+    results = gen.generate_batch([gen.request(PROMPT, o) for o in options])
+    counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
+    for r in results:
+        counts[tuple(r.tokens[:3])] += 1
+    exact = exact_joint(ToyEngine(vocab=VOCAB, seed=0), PROMPT, SamplingParams(**SETTINGS[setting]))
+    p = chi_square_p(counts, exact)
+    print(f"{setting}: p-value {p:.4f}; lanes carried {np.bincount(toy.carried)}")
+    assert p > P_MIN
