@@ -48,6 +48,12 @@ def main(ctx):
 @click.option("--prompt-file", type=click.Path(exists=True, dir_okay=False, allow_dash=True),
               default=None, help="read the prompt from this UTF-8 file ('-' = stdin) [default: "
                                  "the PROMPT argument, else stdin]")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, allow_dash=True),
+              default=None,
+              help="generate for every line of this file ('-' = stdin): a prompt a line, or a "
+                   "JSON object {\"prompt\": ..., and options of its own}; prints one JSON line "
+                   "a result, with its line number, as each ends (decoded together where the "
+                   "bundle was built with --max-batch) [default: one prompt]")
 @bundle_option
 @max_new_tokens_option()
 @sampling_options()
@@ -64,12 +70,16 @@ def main(ctx):
              "line: {\"text\": piece} per piece, then the whole text and stats")
 @device_options
 @input_errors
-def generate(prompt, prompt_file, bundle, stream, as_json, device, draft_device, threads,
-             **request):
-    """Generate a continuation of PROMPT (or --prompt-file, or stdin)."""
+def generate(prompt, prompt_file, prompts_file, bundle, stream, as_json, device, draft_device,
+             threads, **request):
+    """Generate a continuation of PROMPT (or --prompt-file, or stdin), or of every prompt of
+    --prompts FILE."""
     import spec_runtime
 
     options = generation_options(**request)
+    if prompts_file is not None:
+        return generate_many(prompts_file, prompt, prompt_file, stream, options, bundle,
+                             device=device, draft_device=draft_device, threads=threads)
     text = read_prompt(prompt, prompt_file, bundle)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     req = in_cli_words(gen.request, text, options)
@@ -97,6 +107,31 @@ def generate(prompt, prompt_file, bundle, stream, as_json, device, draft_device,
     else:
         click.echo()
         click.echo(stats_line(last.stats), err=True)
+
+
+def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **load):
+    """generate --prompts: every line's request made, and checked, before the first is
+    decoded; a result a JSON line as each ends."""
+    import spec_runtime
+
+    from .prompts import read_prompts, result_line
+
+    if prompt is not None or prompt_file is not None or stream:
+        raise BadInput("--prompts reads every prompt from its file: leave out the PROMPT "
+                       "argument, --prompt-file and --stream")
+    lines = read_prompts(prompts_file, options)
+    gen = spec_runtime.load(bundle, **load)
+    requests = []
+    from spec_runtime.errors import InputError
+
+    for number, text, line_options in lines:
+        try:
+            requests.append(in_cli_words(gen.request, text, line_options))
+        except (BadInput, InputError) as e:
+            message = e.message if isinstance(e, BadInput) else str(e)
+            raise BadInput(f"--prompts {prompts_file!r} line {number}: {message}") from None
+    for index, result in gen.batch(requests):
+        click.echo(result_line(lines[index][0], result))
 
 
 @main.command()

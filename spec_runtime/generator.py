@@ -131,19 +131,27 @@ class Generator:
         ends; returns their results in order. Each prompt is what `generate` takes (a Request
         too, with options of its own), and each result is exactly what `generate` returns for
         it alone, greedy or seeded."""
+        out: list = [None] * len(prompts)
+        for index, result in self.batch(prompts, options, **values):
+            out[index] = result
+        return out
+
+    def batch(self, prompts: Sequence, options: GenerationOptions | None = None,
+              **values) -> Iterator[tuple[int, GenerationResult]]:
+        """generate_batch's results as each request ends: (its index in `prompts`, its
+        result). Every request is made, and checked, before the first is decoded."""
         from .batch import decode_batch
 
         requests = [self._request_of(p, options, values) if not isinstance(p, Request) else p
                     for p in prompts]
         if self.max_batch == 1:
-            return [self.generate(r) for r in requests]
+            for index, request in enumerate(requests):
+                yield index, self.generate(request)
+            return
         self._not_streaming_here()
         with self._lock:
-            forks = self._batch_forks()
-            out: list = [None] * len(requests)
-            for index, result in decode_batch(self, self.lanes[0], forks, requests, self.clock):
-                out[index] = result
-            return out
+            yield from decode_batch(self, self.lanes[0], self._batch_forks(), requests,
+                                    self.clock)
 
     def _batch_forks(self) -> list["Generator"]:
         """The generators a batch decodes on: one per lane, over the engines the lanes were

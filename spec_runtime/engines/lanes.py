@@ -71,9 +71,9 @@ class LaneEngine:
         self._spare = solo._store(solo.cache._ort, self._keys, solo.cache.shape,
                                   _dtype_name(solo.cache.dtype), solo.device)
         self._bound: list[object] = [None] * lanes  # the cache store each lane is bound to
-        self._logits = np.empty((lanes, 0, self.vocab_size), np.float32)
+        self._outs: dict[int, np.ndarray] = {}  # logits buffers, by rows a lane
         self._bound_rows = None
-        self._ids = None
+        self._inputs: dict = {}
 
     def forward(self, calls: list[LaneCall]) -> list[np.ndarray]:
         """One graph call of up to `lanes` sequences: each call's rows of logits float32
@@ -100,11 +100,11 @@ class LaneEngine:
         for b in range(self.lanes):
             self._bind_lane(b, calls[b].engine.cache if b < len(calls) else self._spare)
         out = self._bind_logits(k)
-        self._ids = ids  # bound by pointer: alive until the run is done
-        self._binding.bind_cpu_input("input_ids", ids)
-        self._binding.bind_cpu_input("position", position)
-        self._binding.bind_cpu_input("num_logits", np.asarray(k, np.int64))
-        self._binding.bind_cpu_input("row_ends", row_ends)
+        # the inputs' host arrays stay referenced until the run is done (ort.py binds so too)
+        self._inputs = {"input_ids": ids, "position": position,
+                        "num_logits": np.asarray(k, np.int64), "row_ends": row_ends}
+        for name, value in self._inputs.items():
+            self._binding.bind_cpu_input(name, value)
         self.session.run_with_iobinding(self._binding)
         # lane b's rows end at row_ends[b]; its call's own are the last `rows` of its tokens
         return [out[b, k - (row_ends[b] - len(c.tokens)) - c.rows:
