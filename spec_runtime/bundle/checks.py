@@ -13,8 +13,9 @@ import os
 import re
 from dataclasses import replace
 
-from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, PRECISIONS, cache_dtype, decoder_io,
-                       dims_of, encoder_io, hidden_size_of, mismatch)
+from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, MAX_LANES, PRECISIONS, cache_dtype,
+                       decoder_io, decoder_lanes_io, dims_of, encoder_io, hidden_size_of,
+                       mismatch)
 from ..errors import BundleError
 from ..decode.sampling import GENERATION_CONFIG_KEYS as GENERATION_KEYS
 
@@ -22,10 +23,15 @@ REBUILD = "re-run `specexport build`"
 ARCHITECTURES = ("decoder-only", "encoder-decoder")
 # graphs every model entry (target, and a model draft) must hold, per architecture
 GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder")}
+# the batched decoder (contract.decoder_lanes_io) a decoder-only model may hold beside its
+# fused decoder when the bundle's max_batch > 1
+LANES_GRAPH = "decoder_lanes"
+OPTIONAL_GRAPHS = {"decoder-only": (LANES_GRAPH,), "encoder-decoder": ()}
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
 VOCAB_SINCE = 4  # the first schema whose draft may have a trimmed head (draft.vocab)
 AUDIO_SINCE = 5  # the first schema with speech bundles (`audio`: an encoder of log-mel features)
+BATCH_SINCE = 6  # the first schema with max_batch and lanes graphs
 MAX_MELS = 512  # mel bins an audio encoder may read (Whisper has 80 or 128)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_BYTES = 255  # a file name, on every common file system
@@ -99,13 +105,14 @@ def validate(m: dict) -> None:
         # decoder_start_token_id
         max_source_len = _integer(m, "max_source_len", "", 1)
     n_mels = _check_audio(m, arch, target)
-    _check_model(target, "target", m, files, max_source_len, n_mels)
+    max_batch = _check_max_batch(m)
+    _check_model(target, "target", m, files, max_source_len, n_mels, max_batch)
     if arch == "encoder-decoder":
         _integer(m, "decoder_start_token_id", "", 0, target["vocab_size"] - 1)
     draft = _require(m, "draft", dict, "")
     _require(draft, "kind", str, "draft")  # which kinds exist is the draft registry's business
     if "graphs" in draft:  # a draft with graphs of its own: a model entry like the target's
-        _check_model(draft, "draft", m, files, max_source_len, n_mels)
+        _check_model(draft, "draft", m, files, max_source_len, n_mels, max_batch)
     _check_shared_encoder(m, draft)
     _check_draft_vocab(m, draft, files, target["vocab_size"])
     _check_tokenizer(_require(m, "tokenizer", dict, ""), files, target["vocab_size"])
@@ -137,6 +144,19 @@ def _check_draft_vocab(m: dict, draft: dict, files: dict, target_vocab: int) -> 
     _integer(vocab, "embedding_rows", "draft.vocab", size)
     if not isinstance(vocab.get("chosen_by", ""), str):
         raise _bad("draft.vocab.chosen_by", vocab["chosen_by"], "it must be a string")
+
+
+def _check_max_batch(m: dict) -> int:
+    """max_batch (schema 6): an integer in [1, MAX_LANES], 1 where absent (every older bundle);
+    more than 1 only in a schema that has it."""
+    if "max_batch" not in m:
+        return 1
+    max_batch = _integer(m, "max_batch", "", 1, MAX_LANES)
+    version = m.get("schema_version")
+    if max_batch > 1 and (not isinstance(version, int) or version < BATCH_SINCE):
+        raise _bad("max_batch", max_batch, f"schema_version {version!r} predates it (lanes "
+                   f"graphs are read since schema {BATCH_SINCE})")
+    return max_batch
 
 
 # auto γ's prices measured at build (stats.Costs): each key's largest sensible value
@@ -283,7 +303,7 @@ def _check_shared_encoder(m: dict, draft: dict) -> None:
 
 
 def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
-                 n_mels: int | None = None) -> None:
+                 n_mels: int | None = None, max_batch: int = 1) -> None:
     vocab = _integer(model, "vocab_size", where, 1)
     _precision(model, where + ".")
     graphs = _require(model, "graphs", dict, where)
@@ -293,8 +313,14 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
     if missing:
         raise BundleError(f"manifest {where}.graphs lacks {missing} (an architecture needs "
                           f"{list(required)}); {REBUILD}")
+    known = required + OPTIONAL_GRAPHS[m["architecture"]]
+    unknown = [g for g in graphs if g not in known]
+    if unknown:
+        raise BundleError(f"manifest {where}.graphs has {unknown}, not a graph of a "
+                          f"{m['architecture']} model ({list(known)}): upgrade draftproof "
+                          f"(`pip install -U draftproof`), or {REBUILD}")
     described = {}
-    for name in required:
+    for name in [g for g in known if g in graphs]:
         graph = _require(graphs, name, dict, f"{where}.graphs")
         at = f"{where}.graphs.{name}"
         f = _require(graph, "file", str, at)
@@ -324,6 +350,9 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
                                    audio=n_mels is not None)}
     if max_source_len is not None and not shared:
         wants["encoder"] = encoder_io(dims, max_source_len, dtype, n_mels)
+    if _check_lanes(model, where, graphs, kv_cache, max_batch):
+        wants[LANES_GRAPH] = decoder_lanes_io(replace(dims, vocab_size=vocab), m["max_len"],
+                                              max_batch, dtype)
     for name, want in wants.items():
         why = mismatch(described[name], want)
         if why:
@@ -331,8 +360,33 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
                        f"{kv_cache}, precision {model.get('precision', 'fp32')}")
             if max_source_len is not None:
                 numbers += f", max_source_len {max_source_len}"
+            if name == LANES_GRAPH:
+                numbers += f", max_batch {max_batch}"
             raise BundleError(f"manifest {where}.graphs.{name} does not fit the manifest's own "
                               f"numbers ({numbers}): {why}; {REBUILD}")
+
+
+def _check_lanes(model: dict, where: str, graphs: dict, kv_cache: str, max_batch: int) -> bool:
+    """Whether `model` holds a lanes graph, and that it may: only with max_batch > 1, beside an
+    in-place (fused) decoder graph, itself fused and in place; the target always has one when
+    max_batch > 1 (a draft may have none: a portable draft model, whose steps are not
+    batched). Its description is compared with the contract by the caller."""
+    at = f"{where}.graphs.{LANES_GRAPH}"
+    if LANES_GRAPH not in graphs:
+        if where == "target" and max_batch > 1:
+            raise BundleError(f"manifest max_batch is {max_batch}, and target.graphs has no "
+                              f"{LANES_GRAPH} (the target's batched graph); {REBUILD}")
+        return False
+    if max_batch == 1:
+        raise BundleError(f"manifest {at} is present, and max_batch is 1 (a lanes graph batches "
+                          f"max_batch > 1 sequences); {REBUILD}")
+    lanes = graphs[LANES_GRAPH]
+    for field, want, value in ((f"{at}.kernels", "fused", lanes.get("kernels")),
+                               (f"{at}.kv_cache", "in-place", lanes.get("kv_cache")),
+                               (f"{where}.graphs.decoder.kv_cache", "in-place", kv_cache)):
+        if value != want:
+            raise _bad(field, value, f"a lanes graph and the decoder it batches are {want}")
+    return True
 
 
 def _io_list(graph: dict, key: str, where: str) -> list[dict]:

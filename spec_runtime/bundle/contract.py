@@ -17,6 +17,18 @@ description of it, and what ONNX Runtime itself reports).
                                     graphs: the whole cache, written where it lies; the spare
                                     slot holds the attention padding row, see
                                     spec_export/onnx_fused.py)
+    decoder_lanes  (a fused decoder's batched form, `specexport build --max-batch L`: L
+             independent sequences, "lanes", in one call; the MatMuls see all L·n rows, each
+             lane's attention is the solo graph's, over the lane's own cache)
+             inputs   input_ids int64 [L, n] · position int64 [L] (each lane's first slot) ·
+                      num_logits int64 [] · row_ends int64 [L] (lane b's logits are its rows
+                      [row_ends[b] - num_logits, row_ends[b]); a lane with fewer tokens is
+                      right-padded with filler tokens, whose slots are stale anyway)
+                      past_key.{i}.lane{b} / past_value.{i}.lane{b} CACHE
+                        [1, kv_heads, max_len + 1, head_dim]   (lane_kv_names: for each layer
+                        i, for each lane b, key then value)
+             outputs  logits float32 [L, num_logits, vocab_size]
+                      present_key.{i}.lane{b} / present_value.{i}.lane{b}, as past (in place)
     encoder  inputs   input_ids int64 [1, max_source_len] · attention_mask int64
                       [1, max_source_len]   (the source right-padded, padding masked)
                       or, for speech (Whisper), input_features float32 [1, n_mels, frames]
@@ -38,6 +50,7 @@ import numpy as np
 
 DIM_N, DIM_NUM_LOGITS = "n", "num_logits"  # names of the symbolic dims
 LOGITS, HIDDEN = "logits", "hidden"
+ROW_ENDS = "row_ends"  # a lanes graph's input: where each lane's logit rows end
 FEATURES = "input_features"  # a speech encoder's input
 KV_CACHE_LAYOUTS = ("new-slots", "in-place")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")  # of a graph's weights
@@ -85,6 +98,14 @@ class Dims:
 def kv_names(prefix: str, n_layers: int) -> list[str]:
     """past_key.0, past_value.0, past_key.1, ... (or present_ / cross_)."""
     return [f"{prefix}_{kind}.{i}" for i in range(n_layers) for kind in ("key", "value")]
+
+
+def lane_kv_names(prefix: str, n_layers: int, lanes: int) -> list[str]:
+    """past_key.0.lane0, past_value.0.lane0, past_key.0.lane1, ... (or present_): the lanes
+    graph's caches, for each layer, for each lane, key then value. The one order the writer
+    and every reader use."""
+    return [f"{prefix}_{kind}.{i}.lane{b}" for i in range(n_layers) for b in range(lanes)
+            for kind in ("key", "value")]
 
 
 def _io(name: str, dtype: str, shape: list) -> dict:
@@ -174,6 +195,23 @@ def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | No
     if hidden_size is not None:
         outs.append(_io(HIDDEN, dtype, [1, DIM_NUM_LOGITS, hidden_size]))
     outs += [_io(n, dtype, present) for n in kv_names("present", dims.n_layers)]
+    return ins, outs
+
+
+MAX_LANES = 64  # the most lanes a batched graph may have (`--max-batch`)
+
+
+def decoder_lanes_io(dims: Dims, max_len: int, lanes: int,
+                     dtype: str = "float32") -> tuple[list[dict], list[dict]]:
+    """The lanes graph's description (module docstring): `lanes` lanes of the in-place fused
+    decoder, each with its own caches [1, kv_heads, max_len + 1, head_dim]; `dtype` is the
+    caches'."""
+    cache = [1, dims.kv_heads, max_len + 1, dims.head_dim]
+    ins = [_io("input_ids", "int64", [lanes, DIM_N]), _io("position", "int64", [lanes]),
+           _io("num_logits", "int64", []), _io(ROW_ENDS, "int64", [lanes])]
+    ins += [_io(n, dtype, cache) for n in lane_kv_names("past", dims.n_layers, lanes)]
+    outs = [_io(LOGITS, "float32", [lanes, DIM_NUM_LOGITS, dims.vocab_size])]
+    outs += [_io(n, dtype, cache) for n in lane_kv_names("present", dims.n_layers, lanes)]
     return ins, outs
 
 

@@ -24,6 +24,11 @@ the upgrade command, an older one with the rebuild command):
     (`input_features`) and a decoder without `source_mask`; and an encoder-decoder's draft
     that reads the target's encoder output (`draft.shared_encoder`: a decoder graph only).
     Written only for them.
+6 — batched decoding (`specexport build --max-batch N`): a top-level `max_batch` (1 where
+    absent) and, with max_batch > 1, a "decoder_lanes" graph (contract.decoder_lanes_io, N
+    lanes) beside the target's fused decoder graph, and beside a model draft's where it is
+    fused. Written only for such bundles: older readers would take a max_batch > 1 bundle for
+    a plain one.
 """
 
 from __future__ import annotations
@@ -37,16 +42,17 @@ from pathlib import Path
 
 from .contract import graph_devices
 from ..errors import BundleError
-from .checks import AUDIO_SINCE, COSTS, REBUILD, SCHEMA_1_DEFAULTS, VOCAB_SINCE, depth, validate
+from .checks import (AUDIO_SINCE, BATCH_SINCE, COSTS, LANES_GRAPH, REBUILD, SCHEMA_1_DEFAULTS,
+                     VOCAB_SINCE, depth, validate)
 from .files import (check_file_hashes, check_inside, name_limit, name_too_long, regular_file,
                     sha256_file, unreadable)
 
-__all__ = ["COSTS", "BundleError", "DraftEntry", "FileEntry", "GraphEntry", "Manifest",
-           "ModelEntry", "REBUILD", "TokenizerEntry", "lowest_schema", "name_limit",
+__all__ = ["COSTS", "LANES_GRAPH", "BundleError", "DraftEntry", "FileEntry", "GraphEntry",
+           "Manifest", "ModelEntry", "REBUILD", "TokenizerEntry", "lowest_schema", "name_limit",
            "name_too_long", "read_manifest", "sha256_file", "unreadable", "write_manifest"]
 
-SCHEMA_VERSION = 5
-READABLE_SCHEMAS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_SCHEMAS = (1, 2, 3, 4, 5, 6)
 FORMAT = "specedge-bundle"
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 16 << 20  # a real one is a few kB; the chat template is the largest part
@@ -72,7 +78,8 @@ class GraphEntry:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A model's graphs ("decoder", and "encoder" for an encoder-decoder) and what it is."""
+    """A model's graphs ("decoder", and "encoder" for an encoder-decoder; "decoder_lanes", the
+    batched decoder of a bundle with max_batch > 1) and what it is."""
 
     vocab_size: int
     graphs: dict[str, GraphEntry]
@@ -172,6 +179,9 @@ class Manifest:
     # timings. Absent in bundles built before they were measured: an older reader ignores them.
     costs: dict = field(default_factory=dict)
     audio: AudioEntry | None = None  # a speech bundle's (schema 5)
+    # the most sequences one batched call decodes: the lanes of every "decoder_lanes" graph
+    # (schema 6); 1 = no batched graphs, what every bundle before schema 6 is
+    max_batch: int = 1
 
     @property
     def encoder_decoder(self) -> bool:
@@ -213,6 +223,8 @@ class Manifest:
                      decoder_start_token_id=self.decoder_start_token_id)
         if self.audio is not None:
             d["audio"] = self.audio.to_json()
+        if self.max_batch != 1:  # absent: 1, so a bundle without batching reads as before
+            d["max_batch"] = self.max_batch
         return d
 
     # -- the one reader -------------------------------------------------------------------------
@@ -241,7 +253,8 @@ class Manifest:
             created_by=d.get("created_by") or {}, schema_version=d["schema_version"],
             engines=d.get("engines") or {}, generation=d.get("generation") or {},
             costs=d.get("costs") or {},
-            audio=AudioEntry.from_json(d["audio"]) if d.get("audio") is not None else None)
+            audio=AudioEntry.from_json(d["audio"]) if d.get("audio") is not None else None,
+            max_batch=d.get("max_batch", 1))
 
 
 def _model(d: dict) -> ModelEntry:
@@ -271,9 +284,11 @@ def _model_json(m: ModelEntry) -> dict:
                        for name, g in m.graphs.items()}}
 
 
-def lowest_schema(draft: DraftEntry, audio: bool = False) -> int:
+def lowest_schema(draft: DraftEntry, audio: bool = False, max_batch: int = 1) -> int:
     """The oldest schema that describes a bundle with this draft (and of speech, with
-    `audio`): what a build writes."""
+    `audio`; with lanes graphs, with `max_batch` > 1): what a build writes."""
+    if max_batch > 1:
+        return BATCH_SINCE
     if audio or draft.options.get("shared_encoder"):
         return AUDIO_SINCE
     return VOCAB_SINCE if "vocab" in draft.options else VOCAB_SINCE - 1
