@@ -28,17 +28,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..bundle.contract import lane_kv_names
 from ..errors import CacheCapacityError
 from .kv_cache import HostCache
 
 log = logging.getLogger(__name__)
 
 FILLER = 0  # the token right padding feeds: any id reads the same stale slots
-
-
-def lane_name(name: str, lane: int) -> str:
-    """past_key.3 -> past_key.3.lane1: a lane's own cache input or output."""
-    return f"{name}.lane{lane}"
 
 
 @dataclass(frozen=True)
@@ -63,8 +59,10 @@ class LaneEngine:
         self.lanes = lanes
         self.vocab_size = solo.vocab_size
         self.max_len = solo.max_len
-        self._pasts = [[lane_name(p, b) for p in solo.past_names] for b in range(lanes)]
-        self._presents = [[lane_name(p, b) for p in solo.present_names] for b in range(lanes)]
+        n_layers = len(solo.past_names) // 2
+        # each lane's cache names, in the order of the batch-1 engine's (layer, key then value)
+        self._pasts = _by_lane(lane_kv_names("past", n_layers, lanes), lanes)
+        self._presents = _by_lane(lane_kv_names("present", n_layers, lanes), lanes)
         self._keys = list(solo.past_names)
         self._binding = session.io_binding()
         # a lane without a sequence still needs a cache to read and write
@@ -128,6 +126,12 @@ class LaneEngine:
                                       out.ctypes.data)
             self._bound_rows = k
         return out
+
+
+def _by_lane(names: list[str], lanes: int) -> list[list[str]]:
+    """contract.lane_kv_names' list (layer, lane, key then value) as one list per lane."""
+    pairs = [names[j : j + 2] for j in range(0, len(names), 2)]  # (layer, lane) in order
+    return [[n for pair in pairs[b::lanes] for n in pair] for b in range(lanes)]
 
 
 def _dtype_name(dtype) -> str:
