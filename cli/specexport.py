@@ -115,13 +115,18 @@ def main(ctx):
                    "frequencies (target's tokenizer; the file's first 64 MB) choose "
                    "--draft-vocab's ids [default: the "
                    "tokenizer's own statistics]")
+@click.option("--max-batch", type=int, default=1, show_default=True,
+              help="batched decoding: with N > 1, every fused decoder graph (the target's, and "
+                   "a fused draft model's) gets a batched graph of N lanes beside it, which the "
+                   "runtime's batched decoding uses to score up to N sequences in one call "
+                   "(about twice the graph files); 1..64, fused decoder-only targets only")
 @click.option("--quiet", is_flag=True,
               help="no progress bar on stderr; the summary is still printed [default: show "
                    "the bar]")
 @input_errors
 def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
           draft_precision, block_size, kernels, float_embedding, int4_weights, gguf_file,
-          draft_gguf_file, draft_vocab, draft_vocab_corpus, quiet):
+          draft_gguf_file, draft_vocab, draft_vocab_corpus, max_batch, quiet):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
     from spec_runtime.decode.gamma import parse_gamma
@@ -136,7 +141,7 @@ def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_g
                             kernels=kernels, float_embedding=float_embedding,
                             int4_weights=int4_weights, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
                             draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
-                            progress=not quiet)
+                            max_batch=max_batch, progress=not quiet)
     from spec_export.summary import build_summary
 
     click.echo(build_summary(path))

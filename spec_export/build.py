@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from spec_runtime.decode.gamma import AUTO
-from spec_runtime.bundle.contract import KERNELS, PRECISIONS
+from spec_runtime.bundle.contract import KERNELS, MAX_LANES, PRECISIONS
 from spec_runtime.bundle.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
                                    write_manifest)
 
@@ -235,6 +235,7 @@ def build_bundle(
     draft_gguf_file: str | None = None,
     draft_vocab: int | None = None,
     draft_vocab_corpus: str | None = None,
+    max_batch: int = 1,
     progress: bool = True,
 ) -> Path:
     """Build a bundle and return its directory (default: spec_runtime's default location).
@@ -260,7 +261,10 @@ def build_bundle(
     model.
     `draft_vocab` N trims the draft model's head to N of the target's token ids (exact, a
     cheaper draft step), chosen by frequency in the text file `draft_vocab_corpus` if given,
-    else by the tokenizer's own statistics (draft_vocab.py)."""
+    else by the tokenizer's own statistics (draft_vocab.py).
+    `max_batch` N > 1 gives every fused decoder graph (the target's, and a fused draft's) a
+    batched lanes graph of N lanes beside it (onnx_fused.py), for the runtime's batched
+    decoding; fused decoder-only targets only."""
     from spec_runtime.bundle.reader import default_bundle_dir
 
     from .draft_plan import plan_drafts
@@ -285,6 +289,7 @@ def build_bundle(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BuildError(f"{name} {'is missing' if value is None else f'{value!r} is invalid'}"
                              f": use an integer >= {low}{' or auto' if name == '--gamma' else ''}")
+    _check_max_batch(max_batch, kernels)
     if gamma != AUTO and gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
     if int4_weights in GGUF_WEIGHTS and precision == "int4" and not t_spec.gguf_file:
@@ -308,7 +313,7 @@ def build_bundle(
                               int4_weights=int4_weights, kernels=kernels, max_len=max_len,
                               max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
                               prefill_chunk=prefill_chunk, block_size=block_size,
-                              float_embedding=float_embedding)
+                              float_embedding=float_embedding, max_batch=max_batch)
             except Exception:
                 # an interrupt that a library turned into its own error on the way (onnxruntime
                 # interrupted while importing raises ImportError) is still the interrupt
@@ -324,7 +329,7 @@ def build_bundle(
 def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weights: str,
                   kernels: str, max_len: int | None, max_source_len: int, gamma: int | str,
                   max_gamma: int, prefill_chunk: int, block_size: int,
-                  float_embedding: bool) -> None:
+                  float_embedding: bool, max_batch: int = 1) -> None:
     """Load, export, check and describe the models into the directory `tmp`: the target first,
     then each draft (decoder_build.py says how no stage holds a model twice)."""
     from spec_runtime.bundle.reader import load_tokenizer, vocabulary_sha256
@@ -341,6 +346,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
                          "or generation_config.json, or the tokenizer's eos_token): set one, so "
                          "that generation can stop")
     encdec = is_encoder_decoder(t_model.config)
+    if max_batch > 1:  # before any export: what the loaded target turns out to be
+        _check_batching(max_batch, t_model.config, encdec)
     plan.settle(t_model.config, precision)  # what the loaded target allows (a fused graph?)
     d_config = plan.check_draft_model(t_model, t_tok, eos)  # refused before work: a mismatch
     if max_len is None:
@@ -353,7 +360,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
         _check_seq2seq_options(precision, plan, kernels)
     export = dict(max_len=max_len, parity_ids=parity_ids, stage=stage,
                   quant_prompts=quant_prompts, block_size=block_size, kernels=kernels,
-                  float_embedding=float_embedding)
+                  float_embedding=float_embedding, max_batch=max_batch, max_gamma=max_gamma)
     use_gguf = int4_weights != "quantize"
     # what the manifest records of the target, read before its weights are spent on the export
     generation = generation_defaults(t_model)
@@ -399,8 +406,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
             vocab_sha256=vocabulary_sha256(load_tokenizer(tmp / "tokenizer.json"))),
         max_source_len=max_source_len if encdec else None,
         decoder_start_token_id=start, generation=generation, audio=audio,
-        created_by={**library_versions(), "build": stage.record()},
-        schema_version=lowest_schema(d_entry, audio is not None))
+        created_by={**library_versions(), "build": stage.record()}, max_batch=max_batch,
+        schema_version=lowest_schema(d_entry, audio is not None, max_batch))
     for role, entry in manifest.models():
         for name, graph in entry.graphs.items():
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
@@ -411,6 +418,32 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     costs = measure_costs(tmp)
     will_write(tmp / (MANIFEST + ".tmp"), renamed_to=tmp / MANIFEST)
     write_manifest(tmp, replace(manifest, costs=costs))
+
+
+def _check_max_batch(max_batch, kernels: str) -> None:
+    """--max-batch as given: an integer 1..MAX_LANES; more than 1 needs fused graphs, which
+    --kernels portable rules out before anything is loaded."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
+            or not 1 <= max_batch <= MAX_LANES:
+        raise BuildError(f"--max-batch {max_batch!r} is invalid: use an integer from 1 (no "
+                         f"batched graphs) to {MAX_LANES}")
+    if max_batch > 1 and kernels == "portable":
+        raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, and --kernels "
+                         f"portable writes standard ONNX: use --kernels fused, or --max-batch 1")
+
+
+def _check_batching(max_batch: int, config, encdec: bool) -> None:
+    """--max-batch N > 1 for the loaded target: its batched graph is the fused decoder's
+    (onnx_fused.py), which encoder-decoders and the families without fused kernels lack."""
+    from .onnx_fused import fused_unsupported
+
+    if encdec:
+        raise BuildError(f"--max-batch {max_batch} batches fused decoder-only graphs, and the "
+                         f"target is an encoder-decoder ({config.model_type}): use --max-batch 1")
+    why = fused_unsupported(config)
+    if why:
+        raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, which the "
+                         f"target cannot have: {why}; use --max-batch 1")
 
 
 def _check_seq2seq_options(precision: str, plan, kernels: str) -> None:

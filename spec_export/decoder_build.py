@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_runtime.bundle.contract import graph_devices
-from spec_runtime.bundle.manifest import GraphEntry, ModelEntry
+from spec_runtime.bundle.contract import cache_dtype, decoder_lanes_io, graph_devices
+from spec_runtime.bundle.manifest import LANES_GRAPH, GraphEntry, ModelEntry
 
-from .quality import FP16_TOLERANCE, broken_quantization, fp32_tolerance, verify_thresholds
+from .quality import (FP16_TOLERANCE, broken_quantization, fp32_tolerance, lanes_tolerance,
+                      verify_thresholds)
 from .sources import BuildError
 
 PARITY = dict(prefill_chunk=16, steps=3, verify_len=5)  # the call sequence parity.plan_calls runs
@@ -46,20 +47,25 @@ class Exported:
     quant_reference: list | None  # the float model's rows on QUANT_PROMPTS
     tied: bool
     follow_reference: list | None = None  # its greedy continuations of them (parity.py)
+    lanes_fp32_path: Path | None = None  # the float32 lanes graph, kept with fp32_path
+    max_gamma: int = 8  # what the lanes parity's verify call spans
 
 
 def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, parity_ids,
                          stage, quant_prompts, block_size: int, kernels: str,
                          float_embedding: bool, gguf_path: Path | None = None,
                          keep_fp32: bool = False, only_4bit: bool = False,
-                         head_ids=None) -> Exported:
+                         head_ids=None, max_batch: int = 1, max_gamma: int = 8) -> Exported:
     """Export `hf_model` to `path` at `precision`, check it, and return its manifest entry
     (minus source). The HF model is spent: its weights are freed as they are copied. With
     `keep_fp32`, the float32 graph stays (as `path` itself at fp32, else `<stem>.fp32.onnx`)
     for derive_draft, which removes it. `only_4bit`: an int4 graph from a GGUF keeps only the
     file's 4-bit blocks and re-quantizes the wider ones to 4 bits (a draft model: draft_plan).
     `head_ids` (sorted token ids, a trimmed draft: draft_vocab.py): the lm_head keeps only those
-    rows, and every check compares the logits at those ids."""
+    rows, and every check compares the logits at those ids. With `max_batch` > 1 a fused
+    model also gets its lanes graph (`<stem>.lanes.onnx`, graph "decoder_lanes": onnx_fused.py)
+    at the same precision, written by the same quantizer, checked against its decoder graph
+    (lanes_parity.py); a portable one gets none, and its parity record says why."""
     from draftproof.models import for_hf_model
     from draftproof.models.common import consuming
 
@@ -95,6 +101,11 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     fp32_path = path if precision == "fp32" else path.with_suffix(".fp32.onnx")
     export = export_fused_llama if kernels == "fused" else export_decoder
     desc = export(module, fp32_path, max_len)
+    lanes_fp32 = None
+    if max_batch > 1 and kernels == "fused":  # from the same module, by the same writer
+        lanes_fp32 = lanes_file(fp32_path)
+        export_fused_llama(module, lanes_fp32, max_len, lanes=max_batch)
+    no_lanes = _no_lanes(module) if max_batch > 1 and lanes_fp32 is None else None
     del module  # the graph holds the weights now
     stage(f"parity {path.stem}")
     diff = _run_plan(fp32_path, plan)
@@ -106,12 +117,11 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
         )
     parity = {"max_abs_diff_fp32": diff, "tolerance_fp32": tolerance}
     quantization = None
+    lower = dict(block_size=block_size, tied=tied, float_embedding=float_embedding,
+                 gguf_path=gguf_path, only_4bit=only_4bit)
     if precision != "fp32":
         quantization, parity[precision] = _lower(fp32_path, path, precision, quant_prompts,
-                                                 quant_ref, block_size=block_size, tied=tied,
-                                                 float_embedding=float_embedding,
-                                                 gguf_path=gguf_path, only_4bit=only_4bit,
-                                                 follow_ref=follow_ref)
+                                                 quant_ref, follow_ref=follow_ref, **lower)
         if not keep_fp32:
             remove_graph(fp32_path)
     if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
@@ -121,9 +131,69 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
                        kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
                        opset=desc["opset"], devices=graph_devices(kernels, precision))
-    entry = ModelEntry(vocab_size=module_vocab, graphs={"decoder": graph}, precision=precision,
+    graphs = {"decoder": graph}
+    if lanes_fp32 is not None:
+        lanes_path = lanes_file(path)
+        if precision != "fp32":  # the decoder graph's quantizer, on the same weights
+            _write_precision(lanes_fp32, lanes_path, precision, **lower)
+            if not keep_fp32:
+                remove_graph(lanes_fp32)
+        graphs[LANES_GRAPH], parity["lanes"] = _lanes_graph(
+            path, lanes_path, graph, precision, max_batch, max_len, max_gamma, dims["n_layers"])
+    elif no_lanes:
+        parity["lanes"] = {"none": no_lanes}
+    entry = ModelEntry(vocab_size=module_vocab, graphs=graphs, precision=precision,
                        family=family, dims=dims, parity=parity, quantization=quantization)
-    return Exported(entry, fp32_path if keep_fp32 else None, quant_ref, tied, follow_ref)
+    return Exported(entry, fp32_path if keep_fp32 else None, quant_ref, tied, follow_ref,
+                    lanes_fp32 if keep_fp32 else None, max_gamma)
+
+
+def lanes_file(path: Path) -> Path:
+    """Where the lanes graph of the decoder graph `path` goes: target.onnx -> target.lanes.onnx
+    (target.fp32.onnx -> target.fp32.lanes.onnx)."""
+    return path.with_name(f"{path.stem}.lanes{path.suffix}")
+
+
+def _no_lanes(module) -> str:
+    """Why a model written as a portable graph has no lanes graph (a draft: the target's was
+    refused before the build began)."""
+    from .onnx_fused import fused_unsupported
+
+    why = fused_unsupported(module) or "its graph is portable (--kernels portable)"
+    return f"no lanes graph: batching needs a fused decoder graph, and {why}"
+
+
+def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, max_batch: int,
+                 max_len: int, max_gamma: int, n_layers: int) -> tuple[GraphEntry, dict]:
+    """The lanes graph at `lanes` (final precision) checked against the contract and against
+    the decoder graph at `solo`: its manifest entry and its parity record ({"lanes",
+    "max_abs_diff", "max_abs_diff_cache", "tolerance", "tolerance_cache", "calls"}). A lane
+    further from the solo graph than its precision's rounding allows is refused."""
+    from spec_runtime.bundle.contract import dims_of
+
+    from .lanes_parity import lanes_parity
+    from .onnx_export import check_contract, describe
+
+    desc = describe(lanes)
+    dims = dims_of(decoder.inputs, decoder.outputs)
+    check_contract(desc, *decoder_lanes_io(dims, max_len, max_batch, cache_dtype(precision)))
+    record = lanes_parity(solo, lanes, lanes=max_batch, n_layers=n_layers, max_len=max_len,
+                          max_gamma=max_gamma, vocab=dims.vocab_size)
+    limits = {key: lanes_tolerance(precision, record.pop(scale))
+              for key, scale in (("max_abs_diff", "scale"), ("max_abs_diff_cache", "scale_cache"))}
+    for key, limit in limits.items():
+        if not record[key] <= limit:
+            what = "logits" if key == "max_abs_diff" else "cache slots"
+            raise BuildError(
+                f"{solo.stem}: the lanes graph's {what} differ from the decoder graph's by "
+                f"{record[key]:.3g} > {limit:.3g} (--max-batch {max_batch}, {precision}): the "
+                f"export is wrong for this model; please report it, and build with "
+                f"--max-batch 1")
+    record.update(tolerance=limits["max_abs_diff"], tolerance_cache=limits["max_abs_diff_cache"])
+    graph = GraphEntry(file=lanes.name, inputs=desc["inputs"], outputs=desc["outputs"],
+                       kernels=decoder.kernels, kv_cache=decoder.kv_cache, opset=desc["opset"],
+                       devices=decoder.devices)
+    return graph, record
 
 
 def _at_ids(reference, ids):
@@ -139,18 +209,8 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
                  gguf_path: Path | None = None, only_4bit: bool = False) -> ModelEntry:
     """The target's own weights at `precision` (an int4 self draft), made from the target's
     float32 graph, which is then removed unless it is the target itself."""
-    import onnx
-    from onnx.external_data_helper import load_external_data_for_model
-
-    from .onnx_fused import untie_head
-
     src = target.fp32_path
-    # the graph without its weights: the GGUF repack reads them one at a time from the file
-    model = onnx.load(str(src), load_external_data=False)
-    if target.tied:
-        untie_head(model, src.parent)  # the quantizer reaches the head; the embedding reads it
-    if precision != "int4" or gguf_path is None:  # the other writers need every weight
-        load_external_data_for_model(model, str(src.parent))
+    model = _float_graph(src, target.tied, precision, gguf_path)
     parity = {k: target.entry.parity[k] for k in ("max_abs_diff_fp32", "tolerance_fp32")}
     quantization, parity[precision] = _lower(src, path, precision, quant_prompts,
                                              target.quant_reference, block_size=block_size,
@@ -173,8 +233,66 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
         desc = describe(path)
         graph = GraphEntry(**{**graph.__dict__, "inputs": desc["inputs"],
                               "outputs": desc["outputs"]})
-    return ModelEntry(vocab_size=t.vocab_size, graphs={"decoder": graph}, precision=precision,
+    graphs = {"decoder": graph}
+    lanes_src = target.lanes_fp32_path
+    if lanes_src is not None:  # the target's float32 lanes graph, lowered as the decoder was
+        lanes_path = lanes_file(path)
+        _write_precision(lanes_src, lanes_path, precision, block_size=block_size,
+                         tied=target.tied, float_embedding=float_embedding, gguf_path=gguf_path,
+                         model=_float_graph(lanes_src, target.tied, precision, gguf_path),
+                         only_4bit=only_4bit)
+        if lanes_src.name != t.graphs[LANES_GRAPH].file:
+            remove_graph(lanes_src)
+        lanes = t.graphs[LANES_GRAPH].inputs[0]["shape"][0]
+        graphs[LANES_GRAPH], parity["lanes"] = _lanes_graph(
+            path, lanes_path, graph, precision, lanes, _max_len(graph),
+            target.max_gamma, t.dims["n_layers"])
+    return ModelEntry(vocab_size=t.vocab_size, graphs=graphs, precision=precision,
                       family=t.family, dims=t.dims, parity=parity, quantization=quantization)
+
+
+def _float_graph(src: Path, tied: bool, precision: str, gguf_path: Path | None):
+    """The float32 graph `src` loaded to be lowered to `precision`: a tied head untied (the
+    quantizer reaches the head; the embedding reads it); its weights loaded, except where the
+    GGUF repack reads them one at a time from the file."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    from .onnx_fused import untie_head
+
+    model = onnx.load(str(src), load_external_data=False)
+    if tied:
+        untie_head(model, src.parent)
+    if precision != "int4" or gguf_path is None:  # the other writers need every weight
+        load_external_data_for_model(model, str(src.parent))
+    return model
+
+
+def _max_len(graph: GraphEntry) -> int:
+    """The cache capacity of an in-place decoder graph's description (one spare slot)."""
+    past = next(i for i in graph.inputs if i["name"] == "past_key.0")
+    return past["shape"][2] - 1
+
+
+def _write_precision(src: Path, dst: Path, precision: str, *, block_size: int, tied: bool,
+                     float_embedding: bool, gguf_path: Path | None, model=None,
+                     only_4bit: bool = False) -> dict:
+    """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
+    `precision` to `dst`: the one path every graph of a model takes to its precision (its
+    decoder graph and its lanes graph get the same weights). Returns the quantization record."""
+    from . import quantize
+
+    if precision == "int4" and gguf_path is not None:
+        from .gguf_blocks import repack_int4
+
+        return repack_int4(src, dst, gguf_path, tied, block_size, float_embedding,
+                           model=model, only_4bit=only_4bit)
+    if precision == "int4":
+        return quantize.quantize_int4(src, dst, block_size, tied=tied and not float_embedding,
+                                      model=model)
+    if precision == "fp16":
+        return quantize.convert_fp16(src, dst, model=model)
+    return quantize.quantize_int8(src, dst, block_size, model=model)
 
 
 def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, block_size: int,
@@ -183,21 +301,11 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
     """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
     `precision` to `dst` and measure it against the float model: (quantization record, parity
     record). Refuses a graph that no longer computes the model."""
-    from . import quantize
     from .parity import quantized_parity
 
-    if precision == "int4" and gguf_path is not None:
-        from .gguf_blocks import repack_int4
-
-        quantization = repack_int4(src, dst, gguf_path, tied, block_size, float_embedding,
-                                   model=model, only_4bit=only_4bit)
-    elif precision == "int4":
-        quantization = quantize.quantize_int4(src, dst, block_size,
-                                              tied=tied and not float_embedding, model=model)
-    elif precision == "fp16":
-        quantization = quantize.convert_fp16(src, dst, model=model)
-    else:
-        quantization = quantize.quantize_int8(src, dst, block_size, model=model)
+    quantization = _write_precision(src, dst, precision, block_size=block_size, tied=tied,
+                                    float_embedding=float_embedding, gguf_path=gguf_path,
+                                    model=model, only_4bit=only_4bit)
     agree = quantized_parity(quant_ref, dst, quant_prompts, follow=follow_ref)
     parity = dict(agree, verify_thresholds=verify_thresholds(agree))
     if precision == "fp16":
@@ -225,6 +333,12 @@ def _run_plan(path: Path, plan) -> float:
 
     # named as the bundle names its model: "target" for target.onnx and target.fp32.onnx
     return run_calls(open_decoder(path), plan, name=path.name.split(".")[0])
+
+
+def remove_graphs(directory: Path, entry: ModelEntry) -> None:
+    """Every graph of `entry` in `directory` (a draft that lost the build's measurement)."""
+    for graph in entry.graphs.values():
+        remove_graph(directory / graph.file)
 
 
 def remove_graph(path: Path) -> None:

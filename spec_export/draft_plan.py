@@ -236,11 +236,11 @@ class DraftPlan:
             self.why = (f"measured here on {len(AUTO_PROMPTS)} prompts: " + ", ".join(
                 f"{_label(c)} {measured[c.name]['speedup']:.2f}x" for c in self.candidates)
                 + f"; kept {_label(chosen)}")
-            from .decoder_build import remove_graph
+            from .decoder_build import remove_graphs
 
             for c in self.candidates:
                 if c is not chosen:  # graphs this build wrote into its own directory
-                    remove_graph(tmp / c.entry.graphs["decoder"].file)
+                    remove_graphs(tmp, c.entry)
         elif self.kind == "auto":
             one = f"{_label(chosen)} + prompt lookup: the one draft model available"
             self.why = f"{one} (no self draft: {self.why})" if self.why else one

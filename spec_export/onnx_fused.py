@@ -37,6 +37,20 @@ only for it. The MatMuls before and after attention see the call's own rows; whe
 1-row kernels agree with their multi-row ones depends on the CPU (MatMulNBits' do on AVX-512,
 not on AVX2), so the runtime measures it at load and pads 1-token calls where they do not
 (spec_runtime/engines/rows.py).
+
+The same writer writes the batched "lanes" graph (`specexport build --max-batch L`; its I/O is
+contract.decoder_lanes_io): L independent sequences in one call. Everything but attention
+sees all L·n rows at once (the MatMuls, norms and lm_head, which compute each row on its own);
+attention is L GroupQueryAttention nodes of batch 1, one per lane, each exactly the solo
+graph's node over that lane's own cache, padding row and lengths. One GroupQueryAttention over
+[L, n + 1] cannot do it: ONNX Runtime refuses batch >= 2 with a past and more than one query
+row ("batch_size must be 1 when sequence_length > 1 and past context is given"), and without
+the padding row it would take the 1-row kernel the padding exists to avoid. A lane with fewer
+tokens than the call is right-padded with filler tokens, which land in slots past its own
+tokens (stale anyway); `row_ends` says where each lane's logit rows end. On the CPU the
+prototype measured (AVX-512, onnxruntime 1.32), every lane's logits and cache slots are bit for
+bit the solo graph's call for that sequence, at fp32, int4 and int8; elsewhere the runtime
+measures it at load.
 """
 
 from __future__ import annotations
@@ -53,7 +67,8 @@ from onnx import TensorProto, helper, numpy_helper
 from draftproof.models.llama import rope_table
 
 from spec_runtime.engines import gqa_window
-from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, decoder_io
+from spec_runtime.bundle.contract import (DIM_N, DIM_NUM_LOGITS, ROW_ENDS, decoder_io,
+                                          decoder_lanes_io, lane_kv_names)
 
 from .journal import will_write
 from .onnx_export import (WeightFile, check_contract, check_max_len, describe, io_names,
@@ -82,14 +97,19 @@ def fused_unsupported(module) -> str | None:
     return None
 
 
-def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
+def export_fused_llama(module, path: str | os.PathLike, max_len: int,
+                       lanes: int | None = None) -> dict:
     """Write `module` (a models.llama.Llama or a family built on it) to `path`; returns
     describe() of the file plus {"exporter", "external_data", "export_s", "max_len"}, like
-    onnx_export.export_decoder."""
+    onnx_export.export_decoder. With `lanes` L, the batched lanes graph of L lanes (module
+    docstring) instead of the solo graph: one node sequence for both, so that a lane computes
+    what the solo graph computes."""
     why = fused_unsupported(module)
     if why:
         raise ValueError(why)
     check_max_len(module, max_len)
+    if lanes is not None and not 1 <= lanes:
+        raise ValueError(f"lanes={lanes}: a lanes graph has at least one lane")
     t0 = time.perf_counter()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,25 +118,41 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     weights = WeightFile(path) if weights_external(nbytes) else None
     g = _GraphWriter(weights)
     d = module.d
+    solo = lanes is None
+    rows_dim = 1 if solo else lanes  # the batch axis: one sequence, or one per lane
     in_names, out_names = io_names(d.n_layers)
+    if solo:
+        past, present = in_names[3:], out_names[1:]
+    else:
+        past = lane_kv_names("past", d.n_layers, lanes)
+        present = lane_kv_names("present", d.n_layers, lanes)
     cache = [1, d.n_kv_heads, max_len + 1, d.head_dim]  # + the padding row's slot
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, DIM_N]),
-              helper.make_tensor_value_info("position", TensorProto.INT64, []),
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [rows_dim, DIM_N]),
+              helper.make_tensor_value_info("position", TensorProto.INT64,
+                                            [] if solo else [lanes]),
               helper.make_tensor_value_info("num_logits", TensorProto.INT64, [])]
-    inputs += [helper.make_tensor_value_info(nm, TensorProto.FLOAT, cache) for nm in in_names[3:]]
+    if not solo:
+        inputs.append(helper.make_tensor_value_info(ROW_ENDS, TensorProto.INT64, [lanes]))
+    inputs += [helper.make_tensor_value_info(nm, TensorProto.FLOAT, cache) for nm in past]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                             [1, DIM_NUM_LOGITS, d.vocab_size])]
-    outputs += [helper.make_tensor_value_info(nm, TensorProto.FLOAT, cache) for nm in out_names[1:]]
+                                             [rows_dim, DIM_NUM_LOGITS, d.vocab_size])]
+    outputs += [helper.make_tensor_value_info(nm, TensorProto.FLOAT, cache) for nm in present]
 
     # GroupQueryAttention's lengths, counting the padding row: seqlens_k = position + n (int32
-    # [1]) is the last slot written, total_sequence_length = position + n + 1 (int32 scalar)
+    # [1]) is the last slot written, total_sequence_length = position + n + 1 (int32 scalar);
+    # a lanes graph's each lane its own, from its own position
     with g.scope("attn_lengths"):
         n = g.node("Shape", ["input_ids"], start=1, end=2)  # [1]
-        total = g.node("Add", [g.node("Reshape", ["position", g.const("shape1", [1])]), n])
-        seqlens_k = g.node("Cast", [total], to=TensorProto.INT32)  # [1]
-        total_len = g.node("Cast", [g.node("Reshape", [
-            g.node("Add", [total, g.const("one", [1])]), g.const("scalar", np.zeros(0, np.int64))])],
-            to=TensorProto.INT32)  # []
+        if solo:
+            total = g.node("Add", [g.node("Reshape", ["position", g.const("shape1", [1])]), n])
+            lengths = [_gqa_lengths(g, total)]
+        else:
+            totals = g.node("Add", ["position", n])  # [L]
+            lengths = []
+            for b in range(lanes):
+                with g.scope(f"lane{b}"):
+                    lengths.append(_gqa_lengths(g, g.node("Slice", [
+                        totals, g.const(f"at{b}", [b]), g.const(f"at{b + 1}", [b + 1])])))
     half = d.head_dim // 2
     ropes = []  # one (cos, sin) cache per RoPE table (Gemma 3: global and sliding layers)
     for j, inv_freq in enumerate(module.inv_freqs):
@@ -126,12 +162,16 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
                       g.init("rope_sin" + suffix, _np(angles.sin()))))
 
     with g.scope("embed_tokens"):
-        x = g.node("Gather", [g.init("embed", _np(module.embed)), "input_ids"])  # [1, n, C]
+        x = g.node("Gather", [g.init("embed", _np(module.embed)), "input_ids"])  # [L, n, C]
         if d.embed_scale is not None:  # Gemma: × sqrt(C) as a float32 scalar, as HF does
             x = g.node("Mul", [x, g.init("embed_scale", _np(module.embed_scale))])
     delta = None
+    per_lane = 1 if solo else lanes
     for i, layer in enumerate(module.layers):
         p = f"l{i}."
+        # this layer's (past key, past value, present key, present value), one per lane
+        at = [2 * (i * per_lane + b) for b in range(per_lane)]
+        caches = [(past[k], past[k + 1], present[k], present[k + 1]) for k in at]
         with g.scope(f"layers.{i}"):
             if delta is None:
                 with g.scope("input_layernorm"):
@@ -140,26 +180,16 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
                 h, x = g.skip_norm(x, delta, g.init(p + "attn_norm", _np(layer.attn_norm)),
                                    d.norm_eps, "input_layernorm")
             with g.scope("attn"):
-                qkv = g.linear(h, "qkv_proj", p + "qkv", layer.wqkv, layer.bqkv)  # [1, n, (H+2KVH)D]
+                qkv = g.linear(h, "qkv_proj", p + "qkv", layer.wqkv, layer.bqkv)  # [L, n, (H+2KVH)D]
                 # the padding row: a copy of the last token (module docstring)
                 last = g.node("Slice", [qkv, g.const("minus1", [-1]), g.const("end", [2**62]),
                                         g.const("axis1", [1])])
-                padded = g.node("Concat", [qkv, last], axis=1)  # [1, n + 1, ...]
-                q_k_v = [padded, "", ""] if not d.qk_norm else _qk_norms(g, padded, layer, d, p)
-                cos, sin = ropes[layer.rope]
-                # HF's window in the installed ONNX Runtime's reading (spec_runtime/engines/gqa_window.py)
-                window = {} if layer.window is None else {
-                    "local_window_size": gqa_window.window_attribute(layer.window)}
-                attn, _, _ = g.node(
-                    "GroupQueryAttention",
-                    [*q_k_v, in_names[3 + 2 * i], in_names[4 + 2 * i], seqlens_k, total_len,
-                     cos, sin],
-                    outputs=[g.name("GroupQueryAttention/output_0"), out_names[1 + 2 * i],
-                             out_names[2 + 2 * i]], domain=MS_DOMAIN,
-                    num_heads=d.n_heads, kv_num_heads=d.n_kv_heads, scale=float(d.scale),
-                    do_rotary=1, rotary_interleaved=0, **window)
+                padded = g.node("Concat", [qkv, last], axis=1)  # [L, n + 1, ...]
+                q_k_v = [padded, "", ""] if not d.qk_norm else _qk_norms(g, padded, layer, d, p,
+                                                                         rows_dim)
+                attn = _attention(g, q_k_v, caches, lengths, ropes[layer.rope], layer, d)
                 attn = g.node("Slice", [attn, g.const("zero", [0]), n, g.const("axis1", [1])])
-                o = g.linear(attn, "o_proj", p + "o", layer.wo, layer.bo)  # [1, n, C]
+                o = g.linear(attn, "o_proj", p + "o", layer.wo, layer.bo)  # [L, n, C]
             if d.sandwich_norms:  # Gemma: the attention output is normalised before the residual
                 with g.scope("post_attention_layernorm"):
                     o = g.norm(o, g.init(p + "post_attn_norm", _np(layer.post_attn_norm)),
@@ -185,19 +215,22 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
                                    d.norm_eps)
     h, _ = g.skip_norm(x, delta, g.init("norm", _np(module.norm)), d.norm_eps, "norm")
     with g.scope("lm_head"):
-        # only the last num_logits rows reach the lm_head
-        start = g.node("Sub", [n, g.node("Reshape", ["num_logits", g.const("shape1", [1])])])
-        rows = g.node("Slice", [h, start, n, g.const("axis1", [1])])  # [1, num_logits, C]
+        if solo:  # only the last num_logits rows reach the lm_head
+            start = g.node("Sub", [n, g.node("Reshape", ["num_logits", g.const("shape1", [1])])])
+            rows = g.node("Slice", [h, start, n, g.const("axis1", [1])])  # [1, num_logits, C]
+        else:
+            rows = _lane_rows(g, h)  # [L, num_logits, C]
         if module.lm_head is module.embed:  # tied: Gemm reads the embedding transposed, one copy
             flat = g.node("Reshape", [rows, g.const("rows_c", [-1, d.dim])])
             logits = g.node("Gemm", [flat, "embed"], transB=1)
-            g.node("Reshape", [logits, g.const("rows_v", [1, -1, d.vocab_size])],
+            g.node("Reshape", [logits, g.const("rows_v", [rows_dim, -1, d.vocab_size])],
                    outputs=["logits"])
         else:
             g.node("MatMul", [rows, g.init("lm_head", _np(module.lm_head).T)], outputs=["logits"])
 
     model = helper.make_model(
-        helper.make_graph(g.nodes, f"{module.model_type}_fused", inputs, outputs),
+        helper.make_graph(g.nodes, f"{module.model_type}_fused" + ("" if solo else "_lanes"),
+                          inputs, outputs),
         opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)],
         producer_name="draftproof")
     model.ir_version = 8
@@ -218,9 +251,70 @@ def export_fused_llama(module, path: str | os.PathLike, max_len: int) -> dict:
     desc = describe(path)
     desc.update(exporter="draftproof fused writer", external_data=external,
                 export_s=time.perf_counter() - t0, max_len=max_len)
-    ins, outs = fused_io(module, max_len)
+    ins, outs = fused_io(module, max_len) if solo else lanes_io(module, max_len, lanes)
     check_contract(desc, ins, outs)
     return desc
+
+
+def _gqa_lengths(g, total: str) -> tuple[str, str]:
+    """(seqlens_k int32 [1], total_sequence_length int32 []) of one GroupQueryAttention call
+    from `total` = position + n (int64 [1]): the padding row's slot is the last one written."""
+    seqlens_k = g.node("Cast", [total], to=TensorProto.INT32)  # [1]
+    total_len = g.node("Cast", [g.node("Reshape", [
+        g.node("Add", [total, g.const("one", [1])]), g.const("scalar", np.zeros(0, np.int64))])],
+        to=TensorProto.INT32)  # []
+    return seqlens_k, total_len
+
+
+def _attention(g, q_k_v: list[str], caches: list[tuple[str, str, str, str]],
+               lengths: list[tuple[str, str]], rope: tuple[str, str], layer, d) -> str:
+    """One layer's attention over the padded rows `q_k_v` ([packed qkv, "", ""], or q, k, v):
+    one GroupQueryAttention per entry of `caches` ((past key, past value, present key, present
+    value), one per lane) and `lengths` (its seqlens_k, total_sequence_length). The solo graph
+    has one; a lanes graph splits the rows by lane and runs each lane's through a batch-1 node,
+    the solo graph's node exactly (module docstring: why not one batched node), then joins
+    them again:
+
+        q_k_v ── Split (lanes) ─┬─ GroupQueryAttention (lane 0, its caches) ─┬─ Concat ── out
+                                └─ GroupQueryAttention (lane 1, its caches) ─┘
+    """
+    cos, sin = rope
+    # HF's window in the installed ONNX Runtime's reading (spec_runtime/engines/gqa_window.py)
+    window = {} if layer.window is None else {
+        "local_window_size": gqa_window.window_attribute(layer.window)}
+    lanes = len(caches)
+    if lanes == 1:
+        per_lane = [q_k_v]
+    else:
+        split = [[""] * lanes if not t else g.node(
+            "Split", [t, g.const("lane_split", [1] * lanes)], axis=0,
+            outputs=[g.name(f"Split/output_{b}") for b in range(lanes)]) for t in q_k_v]
+        per_lane = [[s[b] for s in split] for b in range(lanes)]
+    outs = []
+    for qkv_b, (past_k, past_v, present_k, present_v), (seqlens_k, total_len) in zip(
+            per_lane, caches, lengths):
+        out, _, _ = g.node(
+            "GroupQueryAttention",
+            [*qkv_b, past_k, past_v, seqlens_k, total_len, cos, sin],
+            outputs=[g.name("GroupQueryAttention/output_0"), present_k, present_v],
+            domain=MS_DOMAIN, num_heads=d.n_heads, kv_num_heads=d.n_kv_heads,
+            scale=float(d.scale), do_rotary=1, rotary_interleaved=0, **window)
+        outs.append(out)
+    return outs[0] if lanes == 1 else g.node("Concat", outs, axis=0)
+
+
+def _lane_rows(g, h: str) -> str:
+    """The rows of `h` [L, n, C] that reach a lanes graph's lm_head: lane b's rows
+    [row_ends[b] - num_logits, row_ends[b]) (a right-padded lane's real rows end before n),
+    gathered with GatherND over the lane axis. A lane with fewer rows than num_logits repeats
+    its row 0 in front of them (GatherND would wrap a negative index around to the lane's end,
+    which are filler rows)."""
+    offsets = g.node("Range", [g.const("zero_s", 0), "num_logits", g.const("one_s", 1)])
+    ends = g.node("Unsqueeze", [ROW_ENDS, g.const("axis1", [1])])  # [L, 1]
+    first = g.node("Sub", [ends, g.node("Reshape", ["num_logits", g.const("shape1", [1])])])
+    index = g.node("Max", [g.node("Add", [first, offsets]), g.const("zero_b", [[0]])])
+    index = g.node("Unsqueeze", [index, g.const("axis2", [2])])  # [L, num_logits, 1]
+    return g.node("GatherND", [h, index], batch_dims=1)  # [L, num_logits, C]
 
 
 def untie_head(model: onnx.ModelProto, base: Path | None = None) -> None:
@@ -311,12 +405,13 @@ def _transposed(table: onnx.TensorProto, name: str, base: Path | None) -> onnx.T
     return numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(table).T), name)
 
 
-def _qk_norms(g, padded: str, layer, d, p: str) -> list[str]:
-    """Query, key and value of the packed `padded` [1, n+1, (H+2KVH)·D], q and k normalised per
-    head (Qwen3, Gemma 3) before GroupQueryAttention applies RoPE:
+def _qk_norms(g, padded: str, layer, d, p: str, rows: int = 1) -> list[str]:
+    """Query, key and value of the packed `padded` [L, n+1, (H+2KVH)·D] (L = `rows`: 1, or a
+    lanes graph's lanes), q and k normalised per head (Qwen3, Gemma 3) before
+    GroupQueryAttention applies RoPE:
 
-        padded ─┬─ Slice q ─ Reshape [1, n+1, H, D] ─ RMSNorm · q_norm ─ Reshape ─ query
-                ├─ Slice k ─ Reshape [1, n+1, KVH, D] ─ RMSNorm · k_norm ─ Reshape ─ key
+        padded ─┬─ Slice q ─ Reshape [L, n+1, H, D] ─ RMSNorm · q_norm ─ Reshape ─ query
+                ├─ Slice k ─ Reshape [L, n+1, KVH, D] ─ RMSNorm · k_norm ─ Reshape ─ key
                 └─ Slice v ───────────────────────────────────────────────────── value
     """
     qd, kvd = d.n_heads * d.head_dim, d.n_kv_heads * d.head_dim
@@ -329,10 +424,10 @@ def _qk_norms(g, padded: str, layer, d, p: str) -> list[str]:
         if part != "v":
             weight = getattr(layer, f"{part}_norm")
             with g.scope(f"{part}_norm"):
-                heads = g.node("Reshape", [t, g.const(f"heads{part}", [1, -1, (hi - lo) // d.head_dim,
+                heads = g.node("Reshape", [t, g.const(f"heads{part}", [rows, -1, (hi - lo) // d.head_dim,
                                                                         d.head_dim])])
                 normed = g.norm(heads, g.init(p + f"{part}_norm", _np(weight)), d.norm_eps)
-                t = g.node("Reshape", [normed, g.const(f"flat{part}", [1, -1, hi - lo])])
+                t = g.node("Reshape", [normed, g.const(f"flat{part}", [rows, -1, hi - lo])])
         out.append(t)
     return out
 
@@ -341,6 +436,11 @@ def fused_io(module, max_len: int) -> tuple[list[dict], list[dict]]:
     """The in-place contract as describe() prints it: past and present are the whole cache, one
     spare slot included."""
     return decoder_io(module_dims(module), max_len, "in-place")
+
+
+def lanes_io(module, max_len: int, lanes: int) -> tuple[list[dict], list[dict]]:
+    """The lanes graph's contract (float32 caches, as the writer writes them)."""
+    return decoder_lanes_io(module_dims(module), max_len, lanes)
 
 
 def window_probe_model() -> onnx.ModelProto:

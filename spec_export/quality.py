@@ -30,6 +30,25 @@ def fp32_tolerance(scale: float, rounding: float = 0.0) -> float:
     scale = float(scale)
     return max(FP32_TOLERANCE, FP32_RELATIVE * scale,
                min(FP32_ROUNDING_FACTOR * float(rounding), FP32_MAX_RELATIVE * scale))
+# A lanes graph (`--max-batch`: onnx_fused.py) computes each lane as the solo graph of the same
+# precision computes that sequence, and differs from it only where a kernel takes another path
+# for another row count (the MatMuls see every lane's rows). In float32 that is rounding: the
+# rule above, at the solo logits' scale. With 8-bit activations (int8, int4) or float16 weights
+# one value rounded the other way moves the next layers by a quantization step, which a few
+# layers grow to tenths of a logit (onnx_fused.py's docstring: ~0.5 on SmolLM2 at int4, whose
+# logits reach 20-30): LANES_RELATIVE of the scale holds that. A lanes graph that is wrong
+# (a lane reading another lane's cache or position) moves a lane's logits by their own scale.
+LANES_RELATIVE = 0.1
+
+
+def lanes_tolerance(precision: str, scale: float) -> float:
+    """How far a lanes graph's logits (or cache slots) may be from the solo graph's of the
+    same `precision` where the solo graph's reach `scale` in magnitude."""
+    if precision == "fp32":
+        return fp32_tolerance(scale)
+    return max(FP32_TOLERANCE, LANES_RELATIVE * float(scale))
+
+
 # A quantized graph that both disagrees on the argmax almost everywhere and moves the
 # distribution by more than half a nat on average is broken (a wrong weight layout agrees by
 # chance, ~1/V), not merely approximate: a model re-quantized to int4 still agrees on about half

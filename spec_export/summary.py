@@ -91,6 +91,25 @@ def _draft(manifest: Manifest) -> str:
     return f"{d.kind}{auto}" + (f": {what}" if what else "")
 
 
+def _batching(manifest: Manifest) -> str:
+    """What `--max-batch` made: each model's lanes graph and how far its lanes were from its
+    decoder graph on this machine (lanes_parity.py), or why a draft has none."""
+    parts = []
+    for role, entry in manifest.models():
+        lanes = (entry.parity or {}).get("lanes")
+        if "decoder_lanes" in entry.graphs and isinstance(lanes, dict) \
+                and "max_abs_diff" in lanes:
+            parts.append(f"{role} lanes graph, max |Δlogit| vs its decoder graph "
+                         f"{lanes['max_abs_diff']:.2g} (tolerance {lanes.get('tolerance', 0):.2g})")
+        elif isinstance(lanes, dict) and lanes.get("none"):
+            parts.append(f"{role}: {lanes['none']}")
+        else:
+            parts.append(f"{role}: no lanes graph")
+    if manifest.draft.model is None:
+        parts.append(f"draft: {manifest.draft.kind}, no graph to batch")
+    return f"max_batch {manifest.max_batch}: " + "; ".join(parts)
+
+
 def _gb(mb) -> str:
     return "?" if mb is None else f"{mb / 1e3:.1f} GB"
 
@@ -121,6 +140,8 @@ def build_summary(bundle_dir) -> str:
     if m.encoder_decoder:
         cache += f", max_source_len {m.max_source_len}"
     rows.append(("cache", cache))
+    if m.max_batch > 1:
+        rows.append(("batching", _batching(m)))
     if m.costs:  # what auto γ prices a seeded sample's rounds at
         rows.append(("costs", f"auto γ's prices: a draft step {m.costs['draft_step']:.3g}, a "
                               f"verified row past the first {m.costs['verify_row']:.3g} target "
