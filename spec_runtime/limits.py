@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from .bundle.checks import LANES_GRAPH
 from .bundle.contract import DTYPES
 from .engines.devices import Device
 from .errors import FieldError, InputError
@@ -177,7 +178,9 @@ def slot_bytes(manifest, devices: dict[str, Device]) -> int:
     for role, model in manifest.models():
         if not _on_host(devices, role):
             continue
-        for graph in model.graphs.values():
+        for name, graph in model.graphs.items():
+            if name == LANES_GRAPH:  # its lanes are bound to the slots' own caches
+                continue
             for io in graph.inputs:
                 if io["name"].startswith(CACHE_INPUTS):
                     total += math.prod(io["shape"]) * DTYPES[io["dtype"]].itemsize
