@@ -37,6 +37,14 @@ def prompts(n: int) -> list[str]:
     return (every * (n // len(every) + 1))[:n]
 
 
+def made(manifest) -> str:
+    """What the bundle is, from its manifest: target, precision, draft, max_batch."""
+    t = manifest.target
+    source = str(t.gguf_file or t.source or "?").rsplit("/", 1)[-1]
+    return (f"{t.family} {manifest.precision} target from {source}, {manifest.draft.kind} "
+            f"draft, max_batch {manifest.max_batch}")
+
+
 def measure(gen, texts: list[str], options, batched: bool) -> tuple[dict, list]:
     t0 = time.perf_counter()
     results = gen.generate_batch(texts, options) if batched else \
@@ -76,8 +84,12 @@ def dated(run: dict, directory: Path | None, *, command: str | None = None,
           rebuilt_by: str | None = None) -> Path | None:
     if directory is None:
         return None
-    head = (f"Bundle `{run['bundle']}` ({run['lanes']} lanes; load-time check: "
-            f"{run['check']}); {run['prompts']} prompts of up to {run['tokens']} new tokens, "
+    check = run["check"] or {}
+    checked = ("lanes score as single calls, bit for bit" if check.get("identical") else
+               f"lanes differ from single calls by {check.get('largest_diff')}: not batched")
+    head = (f"Bundle `{run['bundle']}` ({run.get('made', 'its manifest not recorded')}; "
+            f"{run['lanes']} lanes; load-time check: {checked}); "
+            f"{run['prompts']} prompts of up to {run['tokens']} new tokens, "
             f"greedy; {len(run['passes'])} passes, each timing the single loop and the batch in "
             f"alternating order. Every batched output equalled its single one: "
             f"{run['equal']}.")
@@ -127,7 +139,8 @@ def main(argv=None) -> None:
         passes.append(row)
     load_after = os.getloadavg()[0]
     run = {"date": date, "command": command, "machine": machine.info(threads=0),
-           "bundle": a.bundle, "lanes": lanes, "check": check, "prompts": a.prompts,
+           "bundle": a.bundle, "made": made(gen.manifest), "lanes": lanes, "check": check,
+           "prompts": a.prompts,
            "tokens": a.tokens, "passes": passes, "equal": equal,
            "load": [load_before, load_after]}
     print(table(run))

@@ -366,3 +366,26 @@ def test_the_whisper_base_report_rebuilt_from_its_stored_run_has_its_numbers(tmp
     assert "| self (γ 4) | target-only | 22.0 | 767 | 510 |" in text
     assert "of which 487 ms is the draft's own encoder" in text
     assert md.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_batch_report_rebuilt_from_its_json_has_its_ratios(tmp_path):
+    """batch_bench.py's JSON, by hand: speculative 60 then 80 tok/s single, 90 and 100 batched
+    (ratios 1.5 and 1.25, median 1.375); target-only 40/100 and 50/150 (2.5, 3.0: 2.75)."""
+    import batch_bench
+
+    def mode(single, batched):
+        return {"single": {"tok_s": single}, "batched": {"tok_s": batched}}
+    run = {"bundle": "/b", "made": "llama fp32 target from m.gguf, hybrid draft, max_batch 4",
+           "lanes": 4, "check": {"identical": True, "largest_diff": 0.0}, "prompts": 32,
+           "tokens": 64, "equal": True,
+           "passes": [{"speculative": mode(60.0, 90.0), "target-only": mode(40.0, 100.0)},
+                      {"speculative": mode(80.0, 100.0), "target-only": mode(50.0, 150.0)}]}
+    stored = tmp_path / "batch.json"
+    stored.write_text(json.dumps(run))
+    batch_bench.main(["--from-json", str(stored), "--report", str(tmp_path), "--date",
+                      "2026-12-05", "--machine", "Intel Xeon, 2 cores", "--command",
+                      "python benchmarks/batch_bench.py --bundle /b"])
+    text = (tmp_path / "batch-2026-12-05.md").read_text()
+    assert "| speculative | 70.0 | 95.0 | 1.38× | 1.25–1.50 |" in text
+    assert "| target-only | 45.0 | 125.0 | 2.75× | 2.50–3.00 |" in text
+    assert "lanes score as single calls, bit for bit" in text
