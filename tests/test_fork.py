@@ -51,18 +51,25 @@ def test_requests_on_forks_in_parallel_equal_the_same_requests_in_turn(llama_pai
     assert not errors and got == alone
 
 
+class UnforkableEngine(ToyEngine):
+    """A toy engine kind that cannot fork its cache, as an engine of another kind may not."""
+
+    fork = property(lambda self: None)  # getattr(engine, "fork", None) is None
+
+
 def test_an_engine_without_fork_is_one_slot_and_says_so():
     """Every draft kind forks; an engine kind that cannot fork its cache (here a toy engine)
     refuses a second slot with the reason, for the target and for a draft's model alike."""
-    target = ToyEngine(max_len=64, seed=0)
+    target = UnforkableEngine(max_len=64, seed=0)
     ngram = NgramDraft(6, max_ngram=4, min_ngram=2)
     forked = ngram.fork()
     assert forked is not ngram and (forked.max_ngram, forked.min_ngram) == (4, 2)
-    model = ModelDraft(ToyEngine(max_len=64, seed=1, like=target, mix=0.5))
+    model = ModelDraft(UnforkableEngine(max_len=64, seed=1, like=target, mix=0.5))
     for draft in (model, HybridDraft(model, ngram)):
         with pytest.raises(spec_runtime.InputError, match="one request at a time"):
             draft.fork()
-    with pytest.raises(spec_runtime.InputError, match="ToyEngine holds one request at a time"):
+    with pytest.raises(spec_runtime.InputError,
+                       match="UnforkableEngine holds one request at a time"):
         Generator(target, ngram).fork()
 
 
