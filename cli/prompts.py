@@ -78,7 +78,11 @@ def _json_line(line: str, source: str, number: int, defaults):
         raise BadInput(f"{where}: {e}") from None
 
 
-def result_line(number: int, result) -> str:
-    """One result as a JSON line: the prompt's line number, then generate's --json fields."""
+def result_line(number: int, piece) -> str:
+    """One outcome (a batch.BatchPiece) as a JSON line: the prompt's line number, then
+    generate's --json fields, or the error the request ended with."""
+    if piece.error is not None:
+        return json.dumps({"line": number, "error": str(piece.error)})
+    result = piece.result
     return json.dumps({"line": number, "text": result.text, "tokens": result.tokens,
                        "finish_reason": result.finish_reason, "stats": result.stats})

@@ -130,8 +130,15 @@ def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **
         except (BadInput, InputError) as e:
             message = e.message if isinstance(e, BadInput) else str(e)
             raise BadInput(f"--prompts {prompts_file!r} line {number}: {message}") from None
-    for index, result in gen.batch(requests):
-        click.echo(result_line(lines[index][0], result))
+    failed = []
+    for piece in gen.batch(requests):
+        click.echo(result_line(lines[piece.index][0], piece))
+        if piece.error is not None:
+            failed.append(lines[piece.index][0])
+    if failed:  # each failed on its own (its line says why); the others were decoded
+        raise BadInput(f"--prompts {prompts_file!r}: the request of line {failed[0]} failed"
+                       + (f", and {len(failed) - 1} more" if len(failed) > 1 else "")
+                       + ": its JSON line says why")
 
 
 @main.command()

@@ -60,6 +60,7 @@ class Generator:
         row_check=None,
         costs: Costs | None = None,
         lanes=None,
+        draft_lanes=None,
         clock=time.perf_counter,
     ):
         self.target = target
@@ -94,27 +95,60 @@ class Generator:
         # target's lanes graph where the bundle has one and its lanes score as single calls do
         # on this machine; generate_batch decodes together only then
         self.lanes = lanes
+        # the same of the draft's model: its steps are made together too where it holds
+        self.draft_lanes = draft_lanes
         self._hold_nothing()
 
     def _hold_nothing(self) -> None:
         """A generator's own state, apart from the bundle's: who holds its engines."""
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
-        self._forks = None  # generate_batch's generators, one per lane
+        self._forks: list = []  # batch()'s generators, their calls made together
+        self._gate = None  # engines.gate.Gate its engines' calls go through, if any
         self._owner: int | None = None  # thread id of the request holding the lock
         # (features, seconds): the window language detection encoded in the target, which the
         # request made with it need not encode again, and what that took
         self._detected = None
 
-    def fork(self, target=None) -> "Generator":
+    def fork(self, target=None, draft_engine=None) -> "Generator":
         """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
         copy of the weights), tokenizer and settings, a KV cache and request state of its own,
         so that a second request decodes beside this one's (`specrun serve --slots N`).
-        `target`: a fork of this generator's target engine, made already, to use."""
+        `target`, `draft_engine`: forks of this generator's target engine and of its draft's
+        model engine, made already, to use."""
         forked = copy.copy(self)  # the bundle's settings, tokenizer and compiled grammar
         forked.target = target if target is not None else fork_engine(self.target)
-        forked.draft = self.draft.fork() if self.draft is not None else None
+        forked.draft = self.draft.fork(draft_engine) if self.draft is not None else None
         forked._hold_nothing()
         return forked
+
+    def together(self, n: int) -> list["Generator"]:
+        """`n` forks whose requests, each run on a thread of its own, share their calls: a
+        round verifies them all in one call of the target's lanes graph and steps their model
+        drafts in one of the draft's (engines/gate.py), up to the lanes at a time. Plain forks
+        (a call each) where the bundle has no lanes that score as single calls here."""
+        from .engines.gate import Gate, GatedEngine
+
+        if self.max_batch == 1:
+            return [self.fork() for _ in range(n)]
+        gate, longest = Gate(), self.max_gamma + 1
+        out = []
+        for i in range(n):
+            target = _checked(self.lanes, i, self.target)
+            draft = None
+            if self.draft_lanes is not None and self.draft_lanes[1].identical:
+                draft = GatedEngine(_checked(self.draft_lanes, i, draft_engines(self.draft)[0]),
+                                    self.draft_lanes[0], gate, longest)
+            # the drafts' steps run before the target's verification (Gate.call)
+            fork = self.fork(GatedEngine(target, self.lanes[0], gate, longest, order=1), draft)
+            fork._gate = gate
+            out.append(fork)
+        return out
+
+    @property
+    def gate(self):
+        """The engines.gate.Gate this generator's calls go through (a fork of `together`), or
+        None."""
+        return self._gate
 
     @property
     def max_batch(self) -> int:
@@ -124,41 +158,49 @@ class Generator:
             return 1
         return self.lanes[0].lanes
 
-    def generate_batch(self, prompts: Sequence, options: GenerationOptions | None = None,
-                       **values) -> list[GenerationResult]:
-        """Decode many prompts, up to `max_batch` at a time in one call of the target each
-        round (a bundle built with `specexport build --max-batch N`), the next starting as one
-        ends; returns their results in order. Each prompt is what `generate` takes (a Request
-        too, with options of its own), and each result is exactly what `generate` returns for
-        it alone, greedy or seeded."""
+    def generate_batch(self, prompts: Sequence, options: GenerationOptions | None = None, *,
+                       concurrency: int | None = None, return_exceptions: bool = False,
+                       **values) -> list:
+        """Decode many prompts, `concurrency` at a time (default `max_batch`: a bundle built
+        with `specexport build --max-batch N` scores N in one call of the target each round),
+        the next starting as one ends; returns their results in order. Each prompt is what
+        `generate` takes (a Request too, with options of its own), and each result is exactly
+        what `generate` returns for it alone, greedy or seeded. A request that fails does not
+        stop the others: its InputError is raised once they end, or put in its place with
+        `return_exceptions`."""
         out: list = [None] * len(prompts)
-        for index, result in self.batch(prompts, options, **values):
-            out[index] = result
+        for piece in self.batch(prompts, options, concurrency=concurrency, **values):
+            out[piece.index] = piece.result if piece.error is None else piece.error
+        if not return_exceptions:
+            for index, r in enumerate(out):
+                if isinstance(r, BaseException):
+                    raise type(r)(f"prompt {index}: {r}") from r
         return out
 
-    def batch(self, prompts: Sequence, options: GenerationOptions | None = None,
-              **values) -> Iterator[tuple[int, GenerationResult]]:
-        """generate_batch's results as each request ends: (its index in `prompts`, its
-        result). Every request is made, and checked, before the first is decoded."""
-        from .batch import decode_batch
+    def batch(self, prompts: Sequence, options: GenerationOptions | None = None, *,
+              concurrency: int | None = None, stream: bool = False,
+              **values) -> Iterator:
+        """generate_batch's outcomes as each request ends, a batch.BatchPiece each (its index
+        in `prompts`, its result or error); with `stream`, also each request's new text as it
+        comes, as `stream` gives it. A Request among `prompts` runs with its own options.
+        Closing the iterator cancels what is in flight."""
+        from .batch import run_batch
 
-        requests = [self._request_of(p, options, values) if not isinstance(p, Request) else p
-                    for p in prompts]
-        if self.max_batch == 1:
-            for index, request in enumerate(requests):
-                yield index, self.generate(request)
-            return
+        n = self.max_batch if concurrency is None else concurrency
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise FieldError("concurrency", f"concurrency {n!r} is invalid: use an integer >= 1")
+        requests = []
+        for p in prompts:
+            try:
+                requests.append(p if isinstance(p, Request) else
+                                self.request(p, options, **values))
+            except InputError as e:  # that request's outcome; the others go on
+                requests.append(e)
         self._not_streaming_here()
         with self._lock:
-            yield from decode_batch(self, self.lanes[0], self._batch_forks(), requests,
-                                    self.clock)
-
-    def _batch_forks(self) -> list["Generator"]:
-        """The generators a batch decodes on: one per lane, over the engines the lanes were
-        checked on (made once)."""
-        if self._forks is None:
-            self._forks = [self.fork(target=engine) for engine in self.lanes[2]]
-        return self._forks
+            if len(self._forks) != n:
+                self._forks = self.together(n)
+            yield from run_batch(self._forks, requests, stream)
 
     # -- text -------------------------------------------------------------------------------
 
@@ -413,6 +455,8 @@ class Generator:
         self._not_streaming_here()
         with self._lock:
             self._owner = threading.get_ident()
+            if self._gate is not None:
+                self._gate.join()
             try:
                 stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
                 recorder = Recorder(stats, self.clock)
@@ -429,6 +473,8 @@ class Generator:
                         return
             finally:
                 self._owner = None
+                if self._gate is not None:
+                    self._gate.leave()
 
     def generate(self, prompt: str | Sequence[int] | list[dict] | Request,
                  options: GenerationOptions | None = None, *, cancel=None,
@@ -504,6 +550,12 @@ def _result(tokens: list[int], text: str | None, stats: DecodeStats,
             token_logprobs: list | None) -> GenerationResult:
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
     return GenerationResult(list(tokens), text, stats.to_dict(), stats.finish_reason, logprobs)
+
+
+def _checked(lanes, i: int, engine):
+    """The i-th batch-1 engine `lanes` (LaneEngine, LaneCheck, engines) was checked on, or
+    another fork of `engine` past them."""
+    return lanes[2][i] if i < len(lanes[2]) else fork_engine(engine)
 
 
 def unmeasured_costs(draft) -> Costs:

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics: requests by endpoint and status, errors by type, tokens read
-and generated, draft tokens proposed and accepted, time to first token and request duration,
-and the slots' state (GET /metrics).
+and generated, draft tokens proposed and accepted (in all and by draft position), time to first
+token and request duration, the slots' state and, with lanes, the batch: requests decoding
+together and calls by the requests they carried (GET /metrics).
 
 Each metric is named `specedge_*` (the project's name before draftproof; dashboards and alerts
 query these names) and, for one release, also shown as `draftproof_*` with the same values, so
@@ -51,12 +52,23 @@ class Metrics:
         busy.set_function(lambda: slots.busy)
         total = Gauge("specedge_slots", "slots (requests decoded at once)", registry=r)
         total.set(len(slots.generators))
+        self.position_reached = Counter(
+            "specedge_draft_position_reached", "rounds whose drafts reached this position "
+            "(1 = the first draft token)", ["position"], registry=r)
+        self.position_accepted = Counter(
+            "specedge_draft_position_accepted", "rounds that accepted the draft token at this "
+            "position", ["position"], registry=r)
+        if slots.gate is not None:
+            r.register(_BatchCollector(slots.gate))
 
     def finished(self, stats: dict, started: float, first: float | None) -> None:
         self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
         self.generated.inc(stats.get("new_tokens", 0))
         self.proposed.inc(stats.get("proposed", 0))
         self.accepted.inc(stats.get("accepted", 0))
+        for j, (reached, accepted) in enumerate(stats.get("accepted_by_position") or ()):
+            self.position_reached.labels(str(j + 1)).inc(reached)
+            self.position_accepted.labels(str(j + 1)).inc(accepted)
         if stats.get("tokens_per_s"):
             self.tokens_per_s.observe(stats["tokens_per_s"])
         now = time.monotonic()
@@ -70,6 +82,28 @@ class Metrics:
         also = CollectorRegistry()
         also.register(_Renamed(self.registry, PREFIX, ALSO))
         return generate_latest(self.registry) + generate_latest(also)
+
+
+class _BatchCollector:
+    """The slots' shared calls (engines/gate.py), read when scraped: the sequences decoding
+    together now, and the calls made so far by how many sequences each carried."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        size = GaugeMetricFamily("specedge_batch_size", "requests decoding together now")
+        size.add_metric([], self.gate.members)
+        yield size
+        calls = CounterMetricFamily("specedge_batch_calls", "model calls by the requests they "
+                                    "carried (1: alone)", labels=["size"])
+        counts = self.gate.counts
+        alone = counts.alone + counts.by_size.get(1, 0)
+        for n, k in sorted({**counts.by_size, 1: alone}.items()):
+            calls.add_metric([str(n)], k)
+        yield calls
 
 
 class _Renamed:

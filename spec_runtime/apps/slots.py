@@ -1,8 +1,9 @@
 """The server's decode slots and the worker that runs a request on one.
 
 `Slots` holds `n` generators over one loaded bundle (Generator.fork: the same ONNX Runtime
-sessions, so one copy of the weights, and a KV cache and request state each) and a bounded
-queue of requests waiting for one. `Decode` runs one request's Request on a slot, on a worker
+sessions, so one copy of the weights, and a KV cache and request state each; with lanes,
+Generator.together: their calls made together, continuous batching) and a bounded queue of
+requests waiting for one. `Decode` runs one request's Request on a slot, on a worker
 thread: its pieces (with the log-probabilities decoded since the last one) and its end reach
 the event loop through an asyncio queue; `cancel()` stops it after the round it is in.
 """
@@ -30,7 +31,11 @@ class Slots:
     Used from one event loop; the generators themselves run on worker threads."""
 
     def __init__(self, gen, n: int, queue: int):
-        self.generators = [gen] + [gen.fork() for _ in range(n - 1)]
+        # with lanes (a bundle built with --max-batch), the slots' rounds share calls
+        # (Generator.together): a round verifies every slot decoding in one call
+        self.generators = gen.together(n) if gen.max_batch > 1 else \
+            [gen] + [gen.fork() for _ in range(n - 1)]
+        self.gate = self.generators[0].gate
         self.free = list(self.generators)
         self.queue = queue
         self.waiters: collections.deque[asyncio.Future] = collections.deque()

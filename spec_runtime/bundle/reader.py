@@ -26,7 +26,7 @@ from pathlib import Path
 from .. import renamed
 from ..engines import devices, rows
 from ..chat import compile_chat_template
-from ..decode.drafts import open_draft
+from ..decode.drafts import draft_engines, open_draft
 from ..engines.opener import open_engine, open_lanes
 from ..errors import BundleError, InputError
 from ..generator import Generator
@@ -191,6 +191,11 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         check_unchanged(before, snapshot(bundle_dir, [MANIFEST, *manifest.files]), bundle_dir)
     row_check = rows.choose_one_row(target, one_row)
     lanes = open_lanes(bundle_dir, manifest, "target", manifest.target, target, threads=threads)
+    draft_lanes = None
+    if lanes is not None and draft is not None and draft_engines(draft) \
+            and manifest.draft.model is not None:
+        draft_lanes = open_lanes(bundle_dir, manifest, "draft", manifest.draft.model,
+                                 draft_engines(draft)[0], threads=threads)
     return Generator(
         target,
         draft,
@@ -209,4 +214,5 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         audio=manifest.audio,
         costs=Costs(**manifest.costs) if manifest.costs else None,
         lanes=lanes,
+        draft_lanes=draft_lanes,
     )

@@ -62,9 +62,11 @@ class Draft(Protocol):
     def rewind(self, n_valid: int) -> None:
         """seq[:n_valid] survived verification; whatever the draft saw beyond is gone."""
 
-    def fork(self) -> "Draft":
+    def fork(self, engine: Engine | None = None) -> "Draft":
         """Another draft of the same kind over the same weights, with state of its own (its
-        engine's cache, its counters): for a second request beside this one's."""
+        engine's cache, its counters): for a second request beside this one's. `engine`: a
+        fork of its model's engine, made already, to use (a draft without a model ignores
+        it)."""
 
 
 class ModelDraft:
@@ -107,8 +109,9 @@ class ModelDraft:
         rows = entry.options["vocab"]["embedding_rows"] if kept is not None else None
         return cls(open_engine(entry.model), kept=kept, input_vocab=rows)
 
-    def fork(self) -> "ModelDraft":
-        return type(self)(fork_engine(self.engine), self.clock, self.kept, self.input_vocab)
+    def fork(self, engine: Engine | None = None) -> "ModelDraft":
+        engine = engine if engine is not None else fork_engine(self.engine)
+        return type(self)(engine, self.clock, self.kept, self.input_vocab)
 
     @property
     def engines(self) -> list[Engine]:
@@ -253,7 +256,7 @@ class NgramDraft:
             raise BundleError(f"manifest draft.max_ngram {max_ngram!r}, draft.min_ngram "
                               f"{min_ngram!r}: {e}; {REBUILD}") from None
 
-    def fork(self) -> "NgramDraft":
+    def fork(self, engine: Engine | None = None) -> "NgramDraft":
         return type(self)(self.vocab_size, self.max_ngram, self.min_ngram, self.clock)
 
     engines: tuple = ()  # no model, no cache
@@ -334,8 +337,8 @@ class HybridDraft:
         except InputError as e:
             raise BundleError(f"manifest draft.{e}; {REBUILD}") from None
 
-    def fork(self) -> "HybridDraft":
-        return type(self)(self.model.fork(), self.ngram.fork(), self.draft_cost)
+    def fork(self, engine: Engine | None = None) -> "HybridDraft":
+        return type(self)(self.model.fork(engine), self.ngram.fork(), self.draft_cost)
 
     @property
     def engines(self) -> list[Engine]:

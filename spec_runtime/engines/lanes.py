@@ -156,16 +156,24 @@ class LaneCheck:
         return asdict(self)
 
 
-def check_lanes(lanes: LaneEngine, engines: list, rows: int) -> LaneCheck:
+def call_shapes(longest: int, verify: bool) -> list[tuple[int, int]]:
+    """The (tokens, logit rows) a lane is checked at: a target's verification of `longest`
+    tokens (every row) and its step, or a draft's feeds of 1, 2 and `longest` tokens (the last
+    row). In each, lane 1 is fed one token fewer than the others (right-padded)."""
+    if verify:
+        return [(longest, longest), (1, 1)]
+    return sorted({(1, 1), (min(2, longest), 1), (longest, 1)})
+
+
+def check_lanes(lanes: LaneEngine, engines: list, shapes: list[tuple[int, int]]) -> LaneCheck:
     """Score the same positions through `lanes` and through each of `engines` (batch-1
-    engines of the same graph, one per lane, whose caches it may overwrite), in two call
-    shapes: every lane verifying `rows` tokens, one of them fewer (right-padded), and every
-    lane one token (batched target-only decoding). Host caches only: the check compares the
-    cache slots too."""
+    engines of the same graph, one per lane, whose caches it may overwrite), in each call
+    shape (tokens, logit rows) of `shapes` (call_shapes). Host caches only: the check compares
+    the cache slots too."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     worst = 0.0
-    for shape in ("verify", "step"):
+    for n_tokens, n_rows in shapes:
         calls = []
         for b, engine in enumerate(engines[: lanes.lanes]):
             if not isinstance(engine.cache, HostCache):
@@ -173,9 +181,9 @@ def check_lanes(lanes: LaneEngine, engines: list, rows: int) -> LaneCheck:
             engine.reset()
             prefix = rng.integers(0, engine.vocab_size, PROBE_PREFIX + 3 * b)
             engine.forward(prefix, 0, 1)
-            n = 1 if shape == "step" else (max(1, rows - 1) if b == 1 else rows)
+            n = max(1, n_tokens - 1) if b == 1 else n_tokens
             calls.append(LaneCall(engine, rng.integers(0, engine.vocab_size, n), len(prefix),
-                                  n))
+                                  min(n_rows, n)))
         solo, slots = [], []
         for c in calls:  # the reference: each sequence alone, its cache then put back
             before = {k: v.copy() for k, v in c.engine.cache.buffers.items()}

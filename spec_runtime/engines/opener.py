@@ -108,7 +108,7 @@ def open_lanes(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntr
     """(LaneEngine, LaneCheck, the batch-1 engines it was checked on) of the model's lanes
     graph (`specexport build --max-batch N`), or None where the bundle has none or the engine
     runs where lanes are not checked (ONNX Runtime on the CPU only, for now)."""
-    from .lanes import LaneEngine, check_lanes
+    from .lanes import LaneEngine, call_shapes, check_lanes
     from .ort import OrtEngine, open_session
 
     graph = model.graphs.get("decoder_lanes")
@@ -119,7 +119,8 @@ def open_lanes(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntr
                            device=solo.device, threads=threads, spinning=False)
     lanes = LaneEngine(session, manifest.max_batch, solo)
     engines = [solo.fork() for _ in range(lanes.lanes)]
-    return lanes, check_lanes(lanes, engines, manifest.max_gamma + 1), engines
+    shapes = call_shapes(manifest.max_gamma + 1, verify=role == "target")
+    return lanes, check_lanes(lanes, engines, shapes), engines
 
 
 def open_tensorrt_engine(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntry,

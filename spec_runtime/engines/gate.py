@@ -1,0 +1,174 @@
+"""Calls of many sequences, each decoded by its own thread, made together in lanes calls.
+
+Each sequence runs its own loop on its own engines (a Generator fork: decode/loop.py, as
+alone), whose forward goes through a `Gate`: the call waits there until every sequence the
+gate holds is waiting on a call too (or in a call of its own), and then the calls waiting for
+the same lanes graph run as one (engines/lanes.py), up to its lanes at a time. A round is thus
+one lanes call of the drafts' steps after another, and one of the target's verifications; a
+sequence joins or leaves between its calls, and whatever else it does (sampling, stop strings,
+streaming, a grammar) it does as alone, on its own thread.
+
+    thread 1:  draft ─► gate ───────► draft ─► gate ──► verify ─► gate ──► accept ...
+    thread 2:  draft ─► gate ───────► draft ─► gate ──► verify ─► gate ──► accept ...
+                        └ lanes call ┘          └ lanes ┘         └ lanes ┘
+
+A call runs alone where a lanes call would not be the engine's own call: a sequence's first
+(the prompt), a feed longer than the lanes were checked for, a call near the cache's end, and
+a call no other sequence waits beside. The rows a sequence gets are its own whatever shares
+the call: lanes.check_lanes proved it on this machine before any gate was made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .lanes import LaneCall, LaneEngine
+
+
+@dataclass
+class _Waiting:
+    lanes: LaneEngine
+    call: LaneCall
+    order: int
+    rows: np.ndarray | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class GateCounts:
+    """What a gate did: lanes calls by sequences in them, and calls run alone."""
+
+    by_size: dict = field(default_factory=dict)  # sequences in a call -> calls
+    alone: int = 0
+
+    def to_dict(self) -> dict:
+        return {"by_size": dict(sorted(self.by_size.items())), "alone": self.alone}
+
+
+class Gate:
+    """Where the calls of the sequences it holds wait to be made together. A sequence `join`s
+    before its first call and `leave`s after its last; between them it is either running (its
+    own work) or waiting in `call`. When none is running, the last one to stop runs every
+    waiting call (grouped by lanes graph, as many lanes a call as the graph has) and hands each
+    its rows."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._running = 0  # sequences held that are neither waiting here nor alone in a call
+        self._members = 0
+        self._waiting: list[_Waiting] = []
+        self._firing = False
+        self.counts = GateCounts()
+
+    @property
+    def members(self) -> int:
+        return self._members
+
+    def join(self) -> None:
+        with self._cond:
+            self._members += 1
+            self._running += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._members -= 1
+            self._running -= 1
+            self._lead()
+
+    @contextlib.contextmanager
+    def away(self):
+        """A call the sequence makes alone: the others need not wait for it."""
+        with self._cond:
+            self._running -= 1
+            self.counts.alone += 1
+            self._lead()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running += 1
+
+    def call(self, lanes: LaneEngine, call: LaneCall, order: int = 0) -> np.ndarray:
+        """`call`'s rows of logits, from a lanes call of `lanes` with whatever waits beside it
+        (its own copy: valid after the next call). Calls of the lowest `order` waiting run
+        first, the others wait on: the drafts' steps (0) before the target's verification (1),
+        so that a sequence still drafting joins the others' verification instead of missing
+        it."""
+        w = _Waiting(lanes, call, order)
+        with self._cond:
+            self._waiting.append(w)
+            self._running -= 1
+            self._lead()
+            while not w.done:
+                self._cond.wait()
+        if w.error is not None:
+            raise w.error
+        return w.rows
+
+    def _lead(self) -> None:
+        """With the lock held: run what waits, if nobody is running and nobody runs it yet."""
+        while not self._firing and self._running == 0 and self._waiting:
+            first = min(w.order for w in self._waiting)
+            waiting = [w for w in self._waiting if w.order == first]
+            self._waiting = [w for w in self._waiting if w.order != first]
+            self._firing = True
+            self._cond.release()
+            try:
+                _run(waiting, self.counts)
+            finally:
+                self._cond.acquire()
+                self._firing = False
+                for w in waiting:
+                    w.done = True
+                self._running += len(waiting)
+                self._cond.notify_all()
+
+
+def _run(waiting: list[_Waiting], counts: GateCounts) -> None:
+    groups: dict[int, list[_Waiting]] = {}
+    for w in waiting:
+        groups.setdefault(id(w.lanes), []).append(w)
+    for group in groups.values():
+        lanes = group[0].lanes
+        for start in range(0, len(group), lanes.lanes):
+            part = group[start : start + lanes.lanes]
+            counts.by_size[len(part)] = counts.by_size.get(len(part), 0) + 1
+            try:
+                if len(part) == 1:  # alone, the engine's own call is the cheaper one
+                    c = part[0].call
+                    part[0].rows = np.array(c.engine.forward(c.tokens, c.pos, c.rows))
+                    continue
+                for w, rows in zip(part, lanes.forward([w.call for w in part])):
+                    w.rows = np.array(rows)
+            except BaseException as e:  # every sequence of the call gets it
+                for w in part:
+                    w.error = e
+
+
+class GatedEngine:
+    """A sequence's batch-1 engine whose calls go through a gate: the engine's own attributes
+    and cache, its forward made in a lanes call where one is its call. `longest`: the most
+    tokens a call may feed through the lanes (what they were checked for)."""
+
+    def __init__(self, engine, lanes: LaneEngine, gate: Gate, longest: int, order: int = 0):
+        self.engine, self.lanes, self.gate, self.longest = engine, lanes, gate, longest
+        self.order = order  # Gate.call's
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, tokens, pos: int, num_logits: int = 1) -> np.ndarray:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        n = len(tokens)
+        # every lane of a call is fed as many tokens as its longest feed, up to `longest`
+        if pos == 0 or n > self.longest or pos + max(self.longest, num_logits) \
+                > self.lanes.max_len:
+            with self.gate.away():
+                return self.engine.forward(tokens, pos, num_logits)
+        return self.gate.call(self.lanes, LaneCall(self.engine, tokens, pos, num_logits),
+                              self.order)
