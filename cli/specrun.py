@@ -312,13 +312,17 @@ class _Progress:
 @click.option("--audio", "audio_files", multiple=True, type=click.Path(dir_okay=False),
               help="a speech bundle's input: an audio file to transcribe (repeat the option for "
                    "more); its language is detected once, before measuring")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="requests in flight at once: every prompt --repeats times, N at a time "
+                   "(batched in one call where the bundle was built with --max-batch), total "
+                   "tokens/s and ms per token by mode")
 @json_option("print the report as JSON")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of speedup vs γ (needs matplotlib) [default: no plot]")
 @device_options
 @input_errors
 def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeats, full,
-          audio_files, as_json, plot, device, draft_device, threads):
+          audio_files, concurrency, as_json, plot, device, draft_device, threads):
     """Speculative vs target-only tokens/s on the same engines, alternating, with α, c and the
     paper's predicted speedup."""
     import spec_runtime
@@ -347,6 +351,17 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
     gammas = gammas or [gen.default_gamma]
     for g in gammas:
         in_cli_words(gen.check_gamma, g)  # every γ before minutes of measuring
+    if concurrency > 1:
+        from spec_runtime.apps.bench import format_concurrent, run_concurrent
+
+        if audio_files or plot:
+            raise BadInput("--concurrency measures text requests in flight together: leave "
+                           "out --audio and --plot")
+        with _Progress(len(gammas) * 2 * len(prompts) * repeats, "bench") as progress:
+            report = run_concurrent(gen, prompts, gammas, options, concurrency,
+                                    repeats=repeats, progress=progress.update)
+        click.echo(json.dumps(report, indent=2) if as_json else format_concurrent(report))
+        return
     with _Progress(len(gammas) * len(prompts) * repeats, "bench") as progress:
         report = run_bench(gen, prompts, gammas, options, repeats=repeats,
                            progress=progress.update)

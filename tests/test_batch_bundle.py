@@ -155,3 +155,30 @@ def test_a_slots_memory_counts_each_cache_once_in_a_lanes_bundle(batch_bundle):
                   for io in model.graphs["decoder"].inputs if io["name"].startswith("past_"))
     cpu = DEVICES["cpu"]
     assert slot_bytes(manifest, {"target": cpu, "draft": cpu}) == by_hand
+
+
+def test_bench_concurrency_measures_both_modes_in_flight_together(batch_bundle, tmp_path):
+    """specrun bench --concurrency 3: each γ's speculative and target-only totals, greedy
+    outputs equal between the modes (the oracle: target-only decoding of the same prompts)."""
+    from draftproof.cli.specrun import main as specrun
+    from helpers import run
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS[:4]) + "\n")
+    r = run(specrun, "bench", "-b", batch_bundle, "--prompts", path, "--concurrency", 3,
+            "--max-new-tokens", 10, "--gamma", "2,4", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["concurrency"] == 3 and report["requests"] == 4
+    assert [row["gamma"] for row in report["rows"]] == [2, 4]
+    gen = spec_runtime.load(batch_bundle)
+    alone = sum(len(gen.generate(p, max_new_tokens=10, use_draft=False).tokens)
+                for p in PROMPTS[:4])
+    for row in report["rows"]:
+        assert row["identical"] is True
+        for mode in ("speculative", "target_only"):
+            m = row[mode]
+            assert m["new_tokens"] == alone and m["tokens_per_s"] > 0
+            assert 0 < m["ms_per_token_p50"] <= m["ms_per_token_p95"]
+    r = run(specrun, "bench", "-b", batch_bundle, "--concurrency", 0)
+    assert r.exit_code == 2 and "--concurrency" in r.output

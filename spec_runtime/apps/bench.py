@@ -188,6 +188,71 @@ def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions
     }
 
 
+def run_concurrent(gen, prompts: list[dict], gammas: list, options: GenerationOptions,
+                   concurrency: int, *, repeats: int = 1,
+                   progress: Callable[[int], None] | None = None) -> dict:
+    """`specrun bench --concurrency N`: every prompt `repeats` times, N requests in flight
+    (Generator.batch: one call of the target's lanes a round where the bundle has them),
+    speculative and target-only alternately. Per γ and mode: the total tokens/s (all new tokens
+    over the batch's wall time) and each request's ms per new token (p50, p95); greedy runs
+    check that both modes' tokens are equal."""
+    import time
+
+    options = replace(options, chat=bool(gen.chat_template) if options.chat is None
+                      else options.chat)
+    if options.temperature is None:
+        options = replace(options, temperature=0.0)
+    texts = [p["text"] for p in prompts] * repeats
+    warm = replace(options, max_new_tokens=8)
+    list(gen.batch(texts[: concurrency], warm, concurrency=concurrency))
+    rows = []
+    for i, gamma in enumerate(gammas):
+        measured, tokens = {}, {}
+        for use_draft in ((False, True) if i % 2 == 0 else (True, False)):
+            mode = replace(options, gamma=gamma, use_draft=use_draft)
+            t0 = time.perf_counter()
+            pieces = list(gen.batch(texts, mode, concurrency=concurrency))
+            wall = time.perf_counter() - t0
+            failed = [p.error for p in pieces if p.error is not None]
+            if failed:
+                raise failed[0]
+            results = [p.result for p in sorted(pieces, key=lambda p: p.index)]
+            new = sum(len(r.tokens) for r in results)
+            per_token = [1e3 * r.stats["wall_time_s"] / len(r.tokens) for r in results
+                         if r.tokens]
+            measured[use_draft] = {"tokens_per_s": new / wall, "new_tokens": new, "wall_s": wall,
+                                   "ms_per_token_p50": float(np.percentile(per_token, 50)),
+                                   "ms_per_token_p95": float(np.percentile(per_token, 95))}
+            tokens[use_draft] = [r.tokens for r in results]
+            if progress:
+                progress(len(texts))
+        spec, base = measured[True], measured[False]
+        rows.append({"gamma": gamma, "speculative": spec, "target_only": base,
+                     "speedup": spec["tokens_per_s"] / base["tokens_per_s"],
+                     "identical": tokens[True] == tokens[False]
+                     if options.temperature == 0 else None})
+    return {"bundle": str(getattr(gen, "bundle_dir", "")), "concurrency": concurrency,
+            "max_batch": gen.max_batch, "requests": len(texts),
+            "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
+            "rows": rows}
+
+
+def format_concurrent(report: dict) -> str:
+    head = (f"{'γ':>5} {'spec tok/s':>10} {'base tok/s':>10} {'speedup':>8} "
+            f"{'spec ms/tok p50/p95':>20} {'base ms/tok p50/p95':>20} {'= base':>6}")
+    lines = [f"{report['requests']} requests, {report['concurrency']} in flight "
+             f"(the bundle batches {report['max_batch']} a call)", head, "-" * len(head)]
+    for r in report["rows"]:
+        s, b = r["speculative"], r["target_only"]
+        same = "-" if r["identical"] is None else str(r["identical"])
+        lines.append(
+            f"{str(r['gamma']):>5} {s['tokens_per_s']:>10.1f} {b['tokens_per_s']:>10.1f} "
+            f"{r['speedup']:>7.2f}x "
+            f"{s['ms_per_token_p50']:>9.1f} / {s['ms_per_token_p95']:>7.1f} "
+            f"{b['ms_per_token_p50']:>9.1f} / {b['ms_per_token_p95']:>7.1f} {same:>6}")
+    return "\n".join(lines)
+
+
 def format_table(report: dict) -> str:
     head = (f"{'γ':>5} {'kind':>8} {'spec tok/s':>10} {'base tok/s':>10} {'speedup':>8} "
             f"{'pred':>6} {'α':>5} {'c':>6} {'verify/step':>11} {'tok/call':>8} {'overhead':>8} "
