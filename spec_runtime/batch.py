@@ -52,6 +52,9 @@ def run_batch(forks: list, requests: list, stream: bool) -> Iterator[BatchPiece]
     workers = [threading.Thread(target=_work, args=(fork, todo, events, stop, stream),
                                 name=WORKER_THREAD, daemon=True)
                for fork in forks[: max(1, min(len(forks), len(requests)))]]
+    gate = forks[0].gate
+    if gate is not None:  # none runs its calls alone while the others start
+        gate.expect(len(workers))
     for w in workers:
         w.start()
     try:
@@ -69,15 +72,24 @@ def run_batch(forks: list, requests: list, stream: bool) -> Iterator[BatchPiece]
 
 
 def _work(fork, todo, events: queue.Queue, stop: threading.Event, stream: bool) -> None:
+    first = fork.gate is not None  # this thread holds an expected place (Gate.expect)
     try:
         while not stop.is_set():
             try:
                 index, request = todo.get_nowait()
             except queue.Empty:
                 return
-            events.put(_one(fork, index, request, stop, stream, events))
+            try:
+                events.put(_one(fork, index, request, stop, stream, events))
+            finally:
+                if first:
+                    first = False
+                    fork.gate.started()
     except BaseException as e:  # reaches the caller's thread
         events.put(e)
+    finally:
+        if first:
+            fork.gate.started()
 
 
 def _one(fork, index: int, request, cancel: threading.Event, stream: bool, events) -> BatchPiece:

@@ -35,7 +35,7 @@ from .decode.loop import AUTO_START, RequestState, generate_tokens
 from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
 from .decode.sampling import SamplingParams, check_sampling
-from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
+from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder, batch_costs
 from .text import BYTES_PROMPT, check_text, texts, token_list
 
 
@@ -130,14 +130,20 @@ class Generator:
 
         if self.max_batch == 1:
             return [self.fork() for _ in range(n)]
-        gate, longest = Gate(), self.max_gamma + 1
+        gate, longest = Gate(self.clock), self.max_gamma + 1
+        # the load's check timed the lanes calls: the batch's first prices (Gate.call_times)
+        gate.seed(1, self.lanes[0].lanes, self.lanes[1].call_seconds)
+        draft_lanes = self.draft_lanes
+        if draft_lanes is not None and draft_lanes[1].identical:
+            step = {n: t for n, t in draft_lanes[1].call_seconds.items() if n == 1}
+            gate.seed(0, draft_lanes[0].lanes, step)
         out = []
         for i in range(n):
             target = _checked(self.lanes, i, self.target)
             draft = None
-            if self.draft_lanes is not None and self.draft_lanes[1].identical:
-                draft = GatedEngine(_checked(self.draft_lanes, i, draft_engines(self.draft)[0]),
-                                    self.draft_lanes[0], gate, longest)
+            if draft_lanes is not None and draft_lanes[1].identical:
+                draft = GatedEngine(_checked(draft_lanes, i, draft_engines(self.draft)[0]),
+                                    draft_lanes[0], gate, longest)
             # the drafts' steps run before the target's verification (Gate.call)
             fork = self.fork(GatedEngine(target, self.lanes[0], gate, longest, order=1), draft)
             fork._gate = gate
@@ -465,7 +471,11 @@ class Generator:
                     before = self._encode(request.prompt, draft)
                     stats.encode_time_s = self.clock() - t0 + before
                     recorder.t0 -= before  # the request's time includes language detection
-                state = RequestState(request, recorder, token_logprobs)
+                prices = None
+                if self._gate is not None:  # a batch's calls: priced at its occupancy
+                    gate = self._gate
+                    prices = lambda: batch_costs(gate.call_times())  # noqa: E731
+                state = RequestState(request, recorder, token_logprobs, prices)
                 for new in generate_tokens(self.target, draft, state):
                     yield new, stats
                     if cancel is not None and cancel.is_set() and not stats.finish_reason:

@@ -9,7 +9,7 @@ graph's check proves, tests/test_batch_bundle.py); the real lanes graph is teste
 import numpy as np
 import pytest
 from test_decode import PROMPT, SETTINGS, VOCAB, chi_square_p, make
-from toy_models import ToyEngine, exact_joint
+from toy_models import FakeClock, ToyEngine, exact_joint
 
 from spec_runtime import GenerationOptions, SamplingParams
 from spec_runtime.decode.drafts import draft_engines
@@ -180,3 +180,28 @@ def test_a_streamed_batch_ends_each_request_once_with_its_result():
     assert sorted(p.index for p in ends) == [0, 1, 2, 3]
     for p in ends:
         assert p.result.tokens == gen.generate(PROMPTS[p.index], max_new_tokens=9).tokens
+
+
+@pytest.mark.parametrize("row_delay, falls", [(1.0, True), (0.0, False)])
+def test_auto_gamma_falls_to_zero_where_a_batchs_rows_cost_as_much_as_steps(row_delay, falls):
+    """Toy costs on a fake clock, the lanes' call the sum of its lanes' (no gain from sharing):
+    where every verified row costs as much as a step, drafting cannot pay and greedy auto γ
+    falls to 0 (rounds without drafts); where rows are free it never does. The tokens are the
+    requests' alone either way (the oracle: each request decoded alone)."""
+    clock = FakeClock()
+    gen, toy = batched("model", lanes=3, clock=clock)
+    for engine in [gen.target, *gen.lanes[2]]:
+        engine.clock, engine.delay, engine.row_delay = clock, 1.0, row_delay
+    # what the load's check would have timed: 3 lanes of n tokens
+    timed = {n: 3 * (1.0 + (n - 1) * row_delay) for n in (1, gen.max_gamma + 1)}
+    gen.lanes = (toy, LaneCheck(True, 0.0, 0.0, timed), gen.lanes[2])
+    options = GenerationOptions(max_new_tokens=60, gamma="auto")
+    alone = [gen.generate(p, options).tokens for p in PROMPTS[:3]]
+    got = gen.generate_batch(PROMPTS[:3], options)
+    assert [r.tokens for r in got] == alone
+    # a request's last round may draft nothing anyway: one token was left to emit
+    zeros = [r.stats["gammas_used"][:-1].count(0) for r in got]
+    print(f"row_delay {row_delay}: rounds without drafts {zeros}")
+    assert all(z >= 10 for z in zeros) if falls else not any(zeros)
+    # alone (no batch prices), auto γ always drafts: its lowest γ is 1 there
+    assert 0 not in gen.generate(PROMPTS[0], options).stats["gammas_used"][:-1]

@@ -14,7 +14,7 @@ position, never a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -54,25 +54,36 @@ class GammaPolicy:
     reproducible only when its γ depends on nothing but counts (the β sums and acceptances,
     themselves functions of the draws) and on prices fixed before it starts
     (Generator.request gives a seeded request the bundle's, measured at build). Greedy output
-    does not depend on γ at all: its rounds keep the live prices."""
+    does not depend on γ at all: its rounds keep the live prices.
+
+    In a batch, whose calls carry every request in flight, a request's own timings include its
+    wait for the others; `prices` (engines.gate.Gate.prices) gives the calls' own, at the
+    batch's current occupancy, for a request without fixed costs, and there γ may fall to 0:
+    rounds without drafts (one token a call, batched decoding), where more rows cost the batch
+    more than they return."""
 
     def __init__(self, gamma: Gamma, start: int, max_gamma: int, greedy: bool = False,
-                 costs: Costs | None = None):
+                 costs: Costs | None = None, prices: Callable[[], Costs | None] | None = None):
         self.auto = gamma == AUTO  # also a plain "auto": AUTO is a str
         self.greedy = greedy
         self.gamma = start if self.auto else int(gamma)
         self.max_gamma = max_gamma
         self.costs = costs
+        self.prices = prices
         self.floor: float | None = None  # None: draft exactly γ
 
     def next(self, stats: DecodeStats) -> int:
         if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
-            if self.costs is None:
+            lowest = 1
+            batch = self.prices() if self.costs is None and self.prices is not None else None
+            if batch is not None:  # a batch's calls, priced at its occupancy: γ may fall to 0
+                c, row_cost, lowest = batch.draft_step, batch.verify_row, 0
+            elif self.costs is None:
                 c, row_cost = stats.c, stats.row_cost
             else:
                 c, row_cost = self.costs.draft_step, self.costs.verify_row
             self.gamma, speedup = best_gamma_and_speedup(stats.accepted_by_position, stats.alpha,
-                                                         c, self.max_gamma, row_cost)
+                                                         c, self.max_gamma, row_cost, lowest)
             if self.greedy:
                 self.floor = confidence_floor(speedup, stats.alpha, c, row_cost)
         return self.gamma
@@ -119,13 +130,14 @@ class RequestState:
     With `request.logprobs` (the number of most likely alternatives to report, 0 for none)
     every emitted token's TokenLogprob is appended to `token_logprobs`."""
 
-    def __init__(self, request: Request, recorder: Recorder, token_logprobs: list | None = None):
+    def __init__(self, request: Request, recorder: Recorder, token_logprobs: list | None = None,
+                 prices: Callable[[], Costs | None] | None = None):
         self.request = request
         self.params = request.params
         self.max_new_tokens = request.max_new_tokens
         self.logprobs = request.logprobs
         self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma,
-                                 request.params.greedy, request.costs)
+                                 request.params.greedy, request.costs, prices)
         self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
         self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder

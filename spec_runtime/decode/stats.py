@@ -65,11 +65,13 @@ def best_gamma_by_position(counts, alpha: float, c: float, max_gamma: int,
 
 
 def best_gamma_and_speedup(counts, alpha: float, c: float, max_gamma: int,
-                           row_cost: float = 0.0) -> tuple[int, float]:
-    """best_gamma_by_position's γ and the expected speedup at it (confidence_floor's price)."""
+                           row_cost: float = 0.0, lowest: int = 1) -> tuple[int, float]:
+    """best_gamma_by_position's γ and the expected speedup at it (confidence_floor's price),
+    among γ >= `lowest`: 0 is a round without drafts, one token for one step (speedup 1), which
+    wins where every draft length costs more than it returns."""
     rates = acceptance_by_position(counts, alpha, max_gamma)
     return max(((g, expected_tokens_by_position(rates, g) / (g * c + 1.0 + g * row_cost))
-                for g in range(1, max_gamma + 1)), key=lambda gs: gs[1])
+                for g in range(lowest, max_gamma + 1)), key=lambda gs: gs[1])
 
 
 def confidence_floor(speedup: float, alpha: float, c: float, row_cost: float = 0.0) -> float:
@@ -95,6 +97,27 @@ class Costs:
     verify_row: float = 0.0
 
 
+PRICED_CALLS = 8  # a batch's target calls at an occupancy before batch_costs prices a round
+
+
+def batch_costs(times) -> Costs | None:
+    """A batch's round prices from its shared calls' times (engines.gate.Gate.call_times: its
+    target calls by tokens a lane, its draft steps' seconds and count): a draft step and each
+    verified row past the first, in the batch's 1-token target calls; None without times or
+    until PRICED_CALLS target calls of two lengths were made."""
+    if times is None:
+        return None
+    target, drafts = times
+    if sum(calls for _, calls in target.values()) < PRICED_CALLS:
+        return None
+    fit = fit_rows(target)
+    if fit is None or fit[0] <= 0:
+        return None
+    a, b = fit
+    seconds, steps = drafts
+    return Costs(seconds / max(1, steps) / a, min(1.0, max(0.0, b / a)))
+
+
 # a draft step's price where nothing was measured (HybridDraft's default draft_cost too)
 UNMEASURED_DRAFT_STEP = 0.5
 
@@ -103,16 +126,25 @@ def row_cost(call_rows: dict[int, tuple[float, int]]) -> float:
     """Extra cost per scored row relative to a 1-row call, fitted as t(r) = a + b·(r − 1) by
     least squares over {rows: [total seconds, calls]} of the target calls after the prefill;
     b / a, clamped to [0, 1]. 0 (the paper's assumption) until two row counts were seen."""
+    fit = fit_rows(call_rows)
+    if fit is None:
+        return 0.0
+    a, b = fit
+    return min(1.0, max(0.0, b / a)) if a > 0 else 0.0
+
+
+def fit_rows(call_rows: dict[int, tuple[float, int]]) -> tuple[float, float] | None:
+    """(a, b) of t(r) = a + b·(r − 1), least squares over {rows: [total seconds, calls]};
+    None until two row counts were seen."""
     pts = [(r, t / n, n) for r, (t, n) in call_rows.items() if n]
     if len({r for r, _, _ in pts}) < 2:
-        return 0.0
+        return None
     w = sum(n for _, _, n in pts)
     mr = sum(r * n for r, _, n in pts) / w
     mt = sum(t * n for _, t, n in pts) / w
     var = sum(n * (r - mr) ** 2 for r, _, n in pts)
     b = sum(n * (r - mr) * (t - mt) for r, t, n in pts) / var
-    a = mt - b * (mr - 1)
-    return min(1.0, max(0.0, b / a)) if a > 0 else 0.0
+    return mt - b * (mr - 1), b
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,20 +58,52 @@ class Gate:
     waiting call (grouped by lanes graph, as many lanes a call as the graph has) and hands each
     its rows."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        # (order, sequences in the call, tokens a lane) -> [seconds, calls]: what calls cost
+        self.times: dict[tuple[int, int, int], list] = {}
         self._cond = threading.Condition()
         self._running = 0  # sequences held that are neither waiting here nor alone in a call
         self._members = 0
         self._waiting: list[_Waiting] = []
         self._firing = False
+        self._expected = 0  # sequences about to join (expect), counted as running already
+        self._took: set[int] = set()  # threads whose join took an expected place
         self.counts = GateCounts()
 
     @property
     def members(self) -> int:
         return self._members
 
+    def expect(self, n: int) -> None:
+        """`n` threads are about to start a sequence each: count them as running now, so
+        that the first to start does not run its calls alone before the others join. Each of
+        those threads calls `started` once its first sequence is done (or failed)."""
+        with self._cond:
+            self._expected += n
+            self._members += n
+            self._running += n
+
+    def started(self) -> None:
+        """An expected thread's first sequence is over: if it never joined (its request
+        failed before decoding, or there was none), its expected place goes."""
+        with self._cond:
+            me = threading.get_ident()
+            if me in self._took:
+                self._took.discard(me)
+            elif self._expected:
+                self._expected -= 1
+                self._members -= 1
+                self._running -= 1
+                self._lead()
+
     def join(self) -> None:
         with self._cond:
+            me = threading.get_ident()
+            if self._expected and me not in self._took:
+                self._expected -= 1  # counted already
+                self._took.add(me)
+                return
             self._members += 1
             self._running += 1
 
@@ -119,7 +152,7 @@ class Gate:
             self._firing = True
             self._cond.release()
             try:
-                _run(waiting, self.counts)
+                _run(waiting, self.counts, self.times, self.clock)
             finally:
                 self._cond.acquire()
                 self._firing = False
@@ -129,7 +162,40 @@ class Gate:
                 self._cond.notify_all()
 
 
-def _run(waiting: list[_Waiting], counts: GateCounts) -> None:
+    def seed(self, order: int, size: int, seconds: dict[int, float]) -> None:
+        """Times measured before any call of this gate (lanes.LaneCheck.call_seconds: a lanes
+        call of `size` sequences by tokens a lane), counted as one call each."""
+        with self._cond:
+            for n, t in seconds.items():
+                spent = self.times.setdefault((order, size, n), [0.0, 0])
+                spent[0] += t
+                spent[1] += 1
+
+    def call_times(self) -> tuple[dict, tuple[float, int]] | None:
+        """What the shared calls cost, for stats.batch_costs to price a round with: the
+        target's (order 1) as {tokens a lane: (seconds, calls)}, and the drafts' steps (order
+        0) as (seconds, calls). A lanes call computes every lane, filled or not, so its cost
+        depends on its tokens a lane and not on how many sequences it carries: the calls of
+        two or more are pooled. None while fewer than two sequences are held (a call then runs
+        alone: the request's own timings price it)."""
+        with self._cond:
+            if self._members < 2:
+                return None
+            target: dict[int, list] = {}
+            seconds = steps = 0
+            for (order, size, n), (t, calls) in self.times.items():
+                if size < 2:
+                    continue
+                if order == 1:
+                    pooled = target.setdefault(n, [0.0, 0])
+                    pooled[0] += t
+                    pooled[1] += calls
+                else:
+                    seconds, steps = seconds + t, steps + calls
+        return {n: tuple(v) for n, v in target.items()}, (seconds, steps)
+
+
+def _run(waiting: list[_Waiting], counts: GateCounts, times: dict, clock) -> None:
     groups: dict[int, list[_Waiting]] = {}
     for w in waiting:
         groups.setdefault(id(w.lanes), []).append(w)
@@ -138,16 +204,22 @@ def _run(waiting: list[_Waiting], counts: GateCounts) -> None:
         for start in range(0, len(group), lanes.lanes):
             part = group[start : start + lanes.lanes]
             counts.by_size[len(part)] = counts.by_size.get(len(part), 0) + 1
+            t0 = clock()
             try:
                 if len(part) == 1:  # alone, the engine's own call is the cheaper one
                     c = part[0].call
                     part[0].rows = np.array(c.engine.forward(c.tokens, c.pos, c.rows))
-                    continue
-                for w, rows in zip(part, lanes.forward([w.call for w in part])):
-                    w.rows = np.array(rows)
+                else:
+                    for w, rows in zip(part, lanes.forward([w.call for w in part])):
+                        w.rows = np.array(rows)
             except BaseException as e:  # every sequence of the call gets it
                 for w in part:
                     w.error = e
+                continue
+            key = (part[0].order, len(part), max(len(w.call.tokens) for w in part))
+            spent = times.setdefault(key, [0.0, 0])
+            spent[0] += clock() - t0
+            spent[1] += 1
 
 
 class GatedEngine:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -151,6 +151,9 @@ class LaneCheck:
     identical: bool
     largest_diff: float
     seconds: float = 0.0
+    # tokens a lane -> seconds of the check's lanes call at that length: a batch's first prices
+    # of its calls (engines.gate.Gate.seed), before its own calls are timed
+    call_seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,6 +176,7 @@ def check_lanes(lanes: LaneEngine, engines: list, shapes: list[tuple[int, int]])
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     worst = 0.0
+    timed = {}
     for n_tokens, n_rows in shapes:
         calls = []
         for b, engine in enumerate(engines[: lanes.lanes]):
@@ -185,14 +189,18 @@ def check_lanes(lanes: LaneEngine, engines: list, shapes: list[tuple[int, int]])
             calls.append(LaneCall(engine, rng.integers(0, engine.vocab_size, n), len(prefix),
                                   min(n_rows, n)))
         solo, slots = [], []
-        for c in calls:  # the reference: each sequence alone, its cache then put back
-            before = {k: v.copy() for k, v in c.engine.cache.buffers.items()}
+        for c in calls:  # the reference: each sequence alone, the slots it wrote then put back
+            # (a "padded" 1-row call writes the slot before its own too: rows.py)
+            lo, hi = max(0, c.pos - 1), c.pos + len(c.tokens)
+            before = {k: v[:, :, lo:hi].copy() for k, v in c.engine.cache.buffers.items()}
             solo.append(np.array(c.engine.forward(c.tokens, c.pos, c.rows)))
             slots.append({k: v[:, :, c.pos : c.pos + len(c.tokens)].copy()
                           for k, v in c.engine.cache.buffers.items()})
             for k, v in before.items():
-                c.engine.cache.buffers[k][...] = v
+                c.engine.cache.buffers[k][:, :, lo:hi] = v
+        t1 = time.perf_counter()
         batched = [np.array(rows_b) for rows_b in lanes.forward(calls)]
+        timed[n_tokens] = time.perf_counter() - t1
         for c, want, got, written in zip(calls, solo, batched, slots):
             worst = max(worst, _diff(want, got))
             for k, v in written.items():
@@ -200,7 +208,7 @@ def check_lanes(lanes: LaneEngine, engines: list, shapes: list[tuple[int, int]])
                                                                      + len(c.tokens)]))
     for engine in engines:
         engine.reset()
-    check = LaneCheck(worst == 0.0, worst, time.perf_counter() - t0)
+    check = LaneCheck(worst == 0.0, worst, time.perf_counter() - t0, timed)
     if not check.identical:
         log.warning("batched calls score positions differently from single ones on this "
                     "machine (largest logit difference %.3g): requests are decoded one at a "
