@@ -31,11 +31,11 @@ import numpy as np
 from .decode.drafts import draft_engines, fork_engine
 from .errors import FieldError, InputError
 from .decode.gamma import AUTO, Gamma, check_gamma_range, parse_gamma
-from .decode.loop import AUTO_START, RequestState, generate_tokens
+from .decode.loop import AUTO_START, BatchRounds, RequestState, generate_tokens
 from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
 from .decode.sampling import SamplingParams, check_sampling
-from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder, batch_costs
+from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, check_text, texts, token_list
 
 
@@ -104,6 +104,7 @@ class Generator:
         self._lock = threading.Lock()  # engines hold one request's cache: one request at a time
         self._forks: list = []  # batch()'s generators, their calls made together
         self._gate = None  # engines.gate.Gate its engines' calls go through, if any
+        self._batch_rounds = None  # loop.BatchRounds of the requests in flight at that gate
         self._owner: int | None = None  # thread id of the request holding the lock
         # (features, seconds): the window language detection encoded in the target, which the
         # request made with it need not encode again, and what that took
@@ -137,6 +138,7 @@ class Generator:
         if draft_lanes is not None and draft_lanes[1].identical:
             step = {n: t for n, t in draft_lanes[1].call_seconds.items() if n == 1}
             gate.seed(0, draft_lanes[0].lanes, step)
+        rounds = BatchRounds(gate.call_times)
         out = []
         for i in range(n):
             target = _checked(self.lanes, i, self.target)
@@ -146,7 +148,7 @@ class Generator:
                                     draft_lanes[0], gate, longest)
             # the drafts' steps run before the target's verification (Gate.call)
             fork = self.fork(GatedEngine(target, self.lanes[0], gate, longest, order=1), draft)
-            fork._gate = gate
+            fork._gate, fork._batch_rounds = gate, rounds
             out.append(fork)
         return out
 
@@ -461,21 +463,19 @@ class Generator:
         self._not_streaming_here()
         with self._lock:
             self._owner = threading.get_ident()
+            stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
             if self._gate is not None:
                 self._gate.join()
             try:
-                stats = DecodeStats(target_one_row=getattr(self.target, "one_row", None))
                 recorder = Recorder(stats, self.clock)
                 if self.encoder_decoder:
                     t0 = self.clock()
                     before = self._encode(request.prompt, draft)
                     stats.encode_time_s = self.clock() - t0 + before
                     recorder.t0 -= before  # the request's time includes language detection
-                prices = None
-                if self._gate is not None:  # a batch's calls: priced at its occupancy
-                    gate = self._gate
-                    prices = lambda: batch_costs(gate.call_times())  # noqa: E731
-                state = RequestState(request, recorder, token_logprobs, prices)
+                state = RequestState(request, recorder, token_logprobs, self._batch_rounds)
+                if self._batch_rounds is not None:
+                    self._batch_rounds.add(stats)
                 for new in generate_tokens(self.target, draft, state):
                     yield new, stats
                     if cancel is not None and cancel.is_set() and not stats.finish_reason:
@@ -484,6 +484,7 @@ class Generator:
             finally:
                 self._owner = None
                 if self._gate is not None:
+                    self._batch_rounds.remove(stats)
                     self._gate.leave()
 
     def generate(self, prompt: str | Sequence[int] | list[dict] | Request,

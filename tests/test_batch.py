@@ -203,5 +203,10 @@ def test_auto_gamma_falls_to_zero_where_a_batchs_rows_cost_as_much_as_steps(row_
     zeros = [r.stats["gammas_used"][:-1].count(0) for r in got]
     print(f"row_delay {row_delay}: rounds without drafts {zeros}")
     assert all(z >= 10 for z in zeros) if falls else not any(zeros)
+    # the next batch starts from what this one found: no draft from its first round on
+    again = gen.generate_batch(PROMPTS[3:6], options)
+    assert [r.tokens for r in again] == [gen.generate(p, options).tokens for p in PROMPTS[3:6]]
+    firsts = [r.stats["gammas_used"][0] for r in again]
+    assert all(g == 0 for g in firsts) if falls else all(g > 0 for g in firsts)
     # alone (no batch prices), auto γ always drafts: its lowest γ is 1 there
     assert 0 not in gen.generate(PROMPTS[0], options).stats["gammas_used"][:-1]

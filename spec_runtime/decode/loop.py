@@ -13,6 +13,7 @@ position, never a copy.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -23,7 +24,8 @@ from ..engines.protocol import Engine
 from ..request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
 from .gamma import AUTO, Gamma
-from .stats import Costs, DecodeStats, Recorder, best_gamma_and_speedup, confidence_floor
+from .stats import (Costs, DecodeStats, Recorder, batch_costs, best_gamma_and_speedup,
+                    confidence_floor)
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
 AUTO_START = 4  # the γ "auto" starts from where it is the bundle's default
@@ -57,36 +59,103 @@ class GammaPolicy:
     does not depend on γ at all: its rounds keep the live prices.
 
     In a batch, whose calls carry every request in flight, a request's own timings include its
-    wait for the others; `prices` (engines.gate.Gate.prices) gives the calls' own, at the
-    batch's current occupancy, for a request without fixed costs, and there γ may fall to 0:
-    rounds without drafts (one token a call, batched decoding), where more rows cost the batch
-    more than they return."""
+    wait for the others, and a draft step one request takes is a step every other waits for:
+    `batch` (BatchRounds) prices the batch's calls by their own times and decides for all its
+    requests without fixed costs whether their rounds draft at all, from their pooled
+    acceptance; where drafting cannot pay, their γ is 0 (one token a call: batched decoding)."""
 
     def __init__(self, gamma: Gamma, start: int, max_gamma: int, greedy: bool = False,
-                 costs: Costs | None = None, prices: Callable[[], Costs | None] | None = None):
+                 costs: Costs | None = None, batch: "BatchRounds | None" = None):
         self.auto = gamma == AUTO  # also a plain "auto": AUTO is a str
         self.greedy = greedy
         self.gamma = start if self.auto else int(gamma)
         self.max_gamma = max_gamma
         self.costs = costs
-        self.prices = prices
+        self.batch = batch if self.auto and costs is None else None
         self.floor: float | None = None  # None: draft exactly γ
 
     def next(self, stats: DecodeStats) -> int:
+        priced = self.batch.priced(self.max_gamma) if self.batch is not None else None
+        if priced is not None and priced[0] == 0:  # the batch does not draft now
+            self.gamma, self.floor = 0, None
+            return 0
         if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
-            lowest = 1
-            batch = self.prices() if self.costs is None and self.prices is not None else None
-            if batch is not None:  # a batch's calls, priced at its occupancy: γ may fall to 0
-                c, row_cost, lowest = batch.draft_step, batch.verify_row, 0
+            if priced is not None:  # a batch's calls, priced at its occupancy
+                c, row_cost = priced[1].draft_step, priced[1].verify_row
             elif self.costs is None:
                 c, row_cost = stats.c, stats.row_cost
             else:
                 c, row_cost = self.costs.draft_step, self.costs.verify_row
             self.gamma, speedup = best_gamma_and_speedup(stats.accepted_by_position, stats.alpha,
-                                                         c, self.max_gamma, row_cost, lowest)
+                                                         c, self.max_gamma, row_cost)
             if self.greedy:
                 self.floor = confidence_floor(speedup, stats.alpha, c, row_cost)
         return self.gamma
+
+
+class BatchRounds:
+    """The requests in flight together (a gate's, engines/gate.py) whose γ is auto and whose
+    prices are live: whether their rounds draft at all. `call_times` gives the batch's calls'
+    own times (Gate.call_times), which stats.batch_costs prices a round with; the acceptance
+    by draft position is pooled over the requests held (each one's stats, added as it starts)
+    and those that ended (kept, halved as they pass PAST_POSITIONS verified positions, so that
+    the next requests start from what the last ones found and the record follows the traffic).
+    Drafting stops for all of them where the best γ at the pooled acceptance is 0 (one token a
+    call returns more than any draft length at these prices), and resumes when that changes
+    (the requests held change, or the prices do)."""
+
+    PAST_POSITIONS = 4096
+
+    def __init__(self, call_times: Callable[[], object]):
+        self.call_times = call_times
+        self._held: list[DecodeStats] = []
+        self._past = ([], 0.0, 0.0)  # ended requests' (counts by position, Σβ, positions)
+        self._lock = threading.Lock()
+
+    def add(self, stats: DecodeStats) -> None:
+        with self._lock:
+            self._held.append(stats)
+
+    def remove(self, stats: DecodeStats) -> None:
+        with self._lock:
+            self._held = [s for s in self._held if s is not stats]
+            counts, beta, n = _pooled([self._past, _record(stats)])
+            if n > self.PAST_POSITIONS:
+                counts = [[r / 2, a / 2] for r, a in counts]
+                beta, n = beta / 2, n / 2
+            self._past = (counts, beta, n)
+
+    def priced(self, max_gamma: int) -> tuple[int, Costs] | None:
+        """(the best γ for the pooled acceptance, 0 included; the prices), or None before the
+        batch's calls are priced or its requests verified AUTO_WARMUP_POSITIONS positions."""
+        costs = batch_costs(self.call_times())
+        if costs is None:
+            return None
+        with self._lock:
+            counts, beta, n = _pooled([self._past] + [_record(s) for s in self._held])
+        if n < AUTO_WARMUP_POSITIONS:
+            return None
+        gamma, _ = best_gamma_and_speedup(counts, beta / n, costs.draft_step, max_gamma,
+                                          costs.verify_row, lowest=0)
+        return gamma, costs
+
+
+def _record(stats: DecodeStats) -> tuple[list, float, float]:
+    return [list(c) for c in list(stats.accepted_by_position)], stats.alpha_sum, stats.alpha_n
+
+
+def _pooled(records) -> tuple[list, float, float]:
+    """Acceptance records (counts by position, Σβ, positions) summed."""
+    counts: list[list[float]] = []
+    beta = n = 0.0
+    for by_position, b, k in records:
+        for j, (reached, accepted) in enumerate(by_position):
+            if j == len(counts):
+                counts.append([0, 0])
+            counts[j][0] += reached
+            counts[j][1] += accepted
+        beta, n = beta + b, n + k
+    return counts, beta, n
 
 
 @dataclass
@@ -131,13 +200,13 @@ class RequestState:
     every emitted token's TokenLogprob is appended to `token_logprobs`."""
 
     def __init__(self, request: Request, recorder: Recorder, token_logprobs: list | None = None,
-                 prices: Callable[[], Costs | None] | None = None):
+                 batch: BatchRounds | None = None):
         self.request = request
         self.params = request.params
         self.max_new_tokens = request.max_new_tokens
         self.logprobs = request.logprobs
         self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma,
-                                 request.params.greedy, request.costs, prices)
+                                 request.params.greedy, request.costs, batch)
         self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
         self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder

@@ -97,7 +97,7 @@ class Costs:
     verify_row: float = 0.0
 
 
-PRICED_CALLS = 8  # a batch's target calls at an occupancy before batch_costs prices a round
+PRICED_CALLS = 4  # a batch's target calls (the load check's timed ones too) before it is priced
 
 
 def batch_costs(times) -> Costs | None:
