@@ -62,7 +62,8 @@ class GammaPolicy:
     wait for the others, and a draft step one request takes is a step every other waits for:
     `batch` (BatchRounds) prices the batch's calls by their own times and decides for all its
     requests without fixed costs whether their rounds draft at all, from their pooled
-    acceptance; where drafting cannot pay, their γ is 0 (one token a call: batched decoding)."""
+    acceptance; where drafting cannot pay, their γ is 0 (one token a call: batched decoding).
+    A request that set its own γ keeps it (RequestState gives it no `batch`)."""
 
     def __init__(self, gamma: Gamma, start: int, max_gamma: int, greedy: bool = False,
                  costs: Costs | None = None, batch: "BatchRounds | None" = None):
@@ -71,13 +72,13 @@ class GammaPolicy:
         self.gamma = start if self.auto else int(gamma)
         self.max_gamma = max_gamma
         self.costs = costs
-        self.batch = batch if self.auto and costs is None else None
+        self.batch = batch if costs is None else None
         self.floor: float | None = None  # None: draft exactly γ
 
     def next(self, stats: DecodeStats) -> int:
         priced = self.batch.priced(self.max_gamma) if self.batch is not None else None
         if priced is not None and priced[0] == 0:  # the batch does not draft now
-            self.gamma, self.floor = 0, None
+            self.floor = None
             return 0
         if self.auto and stats.alpha_n >= AUTO_WARMUP_POSITIONS:
             if priced is not None:  # a batch's calls, priced at its occupancy
@@ -205,8 +206,11 @@ class RequestState:
         self.params = request.params
         self.max_new_tokens = request.max_new_tokens
         self.logprobs = request.logprobs
+        # the batch decides whether a request drafts unless the request set its own γ
+        chosen = request.options.gamma is not None and request.gamma != AUTO
         self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma,
-                                 request.params.greedy, request.costs, batch)
+                                 request.params.greedy, request.costs,
+                                 None if chosen else batch)
         self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
         self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder
