@@ -126,7 +126,10 @@ class Generator:
         """`n` forks whose requests, each run on a thread of its own, share their calls: a
         round verifies them all in one call of the target's lanes graph and steps their model
         drafts in one of the draft's (engines/gate.py), up to the lanes at a time. Plain forks
-        (a call each) where the bundle has no lanes that score as single calls here."""
+        (a call each) where the bundle has no lanes that score as single calls here. A call
+        waits for the other requests in flight: drive each fork's request on a thread that
+        does not pause between its rounds (consume a stream as it comes, as `batch` and the
+        server do), or the others wait for it."""
         from .engines.gate import Gate, GatedEngine
 
         if self.max_batch == 1:
