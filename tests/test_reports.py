@@ -395,15 +395,18 @@ def a_serve_batch_run() -> dict:
     """serve_batch.py's JSON, by hand. 1 client: per-slot (first) speculative 20 tok/s,
     target-only 25; batched 22 and 25 (1.10×, 1.00×). 2 clients: batched (first) 40 and 60,
     per-slot 25 and 30 (1.60×, 2.00×); the batched server's calls carried 1 request 10 times
-    and 2 requests 30 times (1.75 a call)."""
-    def mode(tps, ms):
+    and 2 requests 30 times (1.75 a call), its speculative requests at 2 clients drafted
+    nothing (1 token per target call)."""
+    def mode(tps, ms, per_call=1.0, proposed=0):
         return {"requests": 2, "errors": 0, "tokens": 128, "throughput_tok_s": tps,
-                "ttft_p50_s": 0.25, "per_token_p50_ms": ms, "per_token_p95_ms": ms + 5}
+                "ttft_p50_s": 0.25, "per_token_p50_ms": ms, "per_token_p95_ms": ms + 5,
+                "tokens_per_target_call": per_call, "proposed": proposed}
 
-    def run(server, k, order, spec, base, calls=None):
+    def run(server, k, order, spec, base, calls=None, per_call=3.0):
         return {"server": server, "clients": k, "slots": k, "order": order,
                 "batch_calls": calls, "exit_code": 0, "result": {
-                    "modes": {"spec": mode(spec, 1000 / spec), "base": mode(base, 1000 / base)},
+                    "modes": {"spec": mode(spec, 1000 / spec, per_call, 8),
+                              "base": mode(base, 1000 / base)},
                     "speedup": spec / base}}
 
     return {"date": "2026-12-05T04:00:00", "command": "python benchmarks/serve_batch.py -b /b",
@@ -414,7 +417,7 @@ def a_serve_batch_run() -> dict:
                        "requests_per_client": 2, "max_tokens": 64, "launch": "module"},
             "runs": [run("per-slot", 1, "first", 20.0, 25.0),
                      run("batched", 1, "second", 22.0, 25.0, {"1": 40}),
-                     run("batched", 2, "first", 40.0, 60.0, {"1": 10, "2": 30}),
+                     run("batched", 2, "first", 40.0, 60.0, {"1": 10, "2": 30}, 1.0),
                      run("per-slot", 2, "second", 25.0, 30.0)],
             "notes": ["a note"]}
 
@@ -431,9 +434,11 @@ def test_a_serve_batch_report_rebuilt_from_its_json_has_its_ratios(tmp_path):
     assert "| 1 | 1.10× | 1.00× | 0.88× | 0.80× |" in text
     assert "| 2 | 1.60× | 2.00× | 0.67× | 0.83× |" in text
     assert ("| 2 | batched | first | speculative | 2 | 0 | 40.0 | 1.60× | 0.25 | 25.0 | 30.0 | "
-            "1.75 |") in text
-    assert ("| 2 | per-slot | second | target-only | 2 | 0 | 30.0 |  | 0.25 | 33.3 | 38.3 |  |"
-            in text)
+            "1.00 | 1.75 |") in text
+    assert ("| 2 | per-slot | second | target-only | 2 | 0 | 30.0 |  | 0.25 | 33.3 | 38.3 | 1.00 "
+            "|  |") in text
+    assert ("- batched, 2 clients: the speculative requests proposed 8 draft tokens in all, 1.00 "
+            "tokens per target call: the server decoded them as target-only") in text
     assert "(4 lanes: beyond 4 slots a call carries 4 at most)" in text
     assert "per-slot: `/tmp/old` at 1105ac7 (the old one)" in text and "- a note" in text
     assert "    python benchmarks/serve_batch.py -b /b\n" in text  # the command that measured
