@@ -220,6 +220,18 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
                use_ray, replicas, ray_address, device, draft_device, threads)
 
 
+def batching(app, slots: int) -> str:
+    """How the slots share their calls, for the line that says the server is up."""
+    gen = app.state.server.gen
+    if slots == 1:
+        return ""
+    if gen.max_batch > 1:
+        return f", batched: up to {gen.max_batch} requests a call"
+    reason = "the bundle has no lanes: build it with --max-batch" if gen.lanes is None else \
+        "its lanes do not score as single calls on this machine"
+    return f", not batched: {reason}"
+
+
 def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
            use_ray, replicas, ray_address, device, draft_device, threads):
     pid = os.getpid()
@@ -256,7 +268,7 @@ def _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds,
                     shown = f"[{address}]" if ":" in address else address
                     click.echo(f"serving {app.state.model_name} on http://{shown}:{bound}/v1 "
                                f"(pid {pid}, {slots} slot{'s' if slots > 1 else ''}, queue "
-                               f"{queue})", err=True)
+                               f"{queue}{batching(app, slots)})", err=True)
 
         with library_messages("spec_runtime", "specrun"):
             in_cli_words(run_uvicorn, app, host, port, drain_seconds=drain_seconds,

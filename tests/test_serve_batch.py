@@ -27,7 +27,7 @@ def batch_server(tmp_path_factory):
     print(f"lanes check: {gen.lanes[1]}; draft lanes check: "
           f"{gen.draft_lanes and gen.draft_lanes[1]}")
     with server(bundle, "--slots", "4", "--queue", "16") as (url, proc):
-        yield url, gen
+        yield url, gen, proc
 
 
 def jobs(gen):
@@ -74,7 +74,9 @@ def ask(c, kind, prompt, kw, stream):
 
 
 def test_concurrent_requests_share_calls_and_each_answer_is_its_alone(batch_server):
-    url, gen = batch_server
+    url, gen, proc = batch_server
+    said = "".join(proc.lines)
+    assert ("batched: up to 4 requests a call" in said) == (gen.max_batch == 4), said
     c = client(url)
     todo = jobs(gen)
     got, errors = {}, []
@@ -106,7 +108,7 @@ def test_concurrent_requests_share_calls_and_each_answer_is_its_alone(batch_serv
 
 
 def test_a_client_that_leaves_mid_stream_does_not_disturb_the_others(batch_server):
-    url, gen = batch_server
+    url, gen, _ = batch_server
     c = client(url)
     alone = gen.generate(HELLO, max_new_tokens=40)
     got = {}
