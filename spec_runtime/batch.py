@@ -19,6 +19,9 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+from .decode.drafts import draft_engines, fork_engine
+from .decode.loop import BatchRounds
+from .engines.gate import Gate, GatedEngine
 from .errors import InputError
 
 WORKER_THREAD = "draftproof-batch"
@@ -37,6 +40,41 @@ class BatchPiece:
     @property
     def done(self) -> bool:
         return self.result is not None or self.error is not None
+
+
+def together(gen, n: int) -> list:
+    """Generator.together: `n` forks of `gen` whose engines' calls go through one gate."""
+    if gen.max_batch == 1:
+        return [gen.fork() for _ in range(n)]
+    gate, longest = Gate(gen.clock), gen.max_gamma + 1
+    # the load's check timed the lanes calls: the batch's first prices (Gate.call_times)
+    gate.seed(1, gen.lanes[0].lanes, gen.lanes[1].call_seconds)
+    draft_lanes = gen.draft_lanes
+    if draft_lanes is not None and not draft_lanes[1].identical:
+        draft_lanes = None  # the drafts' steps are made alone
+    if draft_lanes is not None:
+        step = {n: t for n, t in draft_lanes[1].call_seconds.items() if n == 1}
+        gate.seed(0, draft_lanes[0].lanes, step)
+    rounds = BatchRounds(gate.call_times)
+    out = []
+    for i in range(n):
+        draft = None
+        if draft_lanes is not None:
+            draft = GatedEngine(_checked(draft_lanes, i, draft_engines(gen.draft)[0]),
+                                draft_lanes[0], gate, longest)
+        # the drafts' steps run before the target's verification (Gate.call)
+        target = GatedEngine(_checked(gen.lanes, i, gen.target), gen.lanes[0], gate, longest,
+                             order=1)
+        fork = gen.fork(target, draft)
+        fork._gate, fork._batch_rounds = gate, rounds
+        out.append(fork)
+    return out
+
+
+def _checked(lanes, i: int, engine):
+    """The i-th batch-1 engine `lanes` (LaneEngine, LaneCheck, engines) was checked on, or
+    another fork of `engine` past them."""
+    return lanes[2][i] if i < len(lanes[2]) else fork_engine(engine)
 
 
 def run_batch(forks: list, requests: list, stream: bool) -> Iterator[BatchPiece]:

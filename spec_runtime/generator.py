@@ -31,7 +31,7 @@ import numpy as np
 from .decode.drafts import draft_engines, fork_engine
 from .errors import FieldError, InputError
 from .decode.gamma import AUTO, Gamma, check_gamma_range, parse_gamma
-from .decode.loop import AUTO_START, BatchRounds, RequestState, generate_tokens
+from .decode.loop import AUTO_START, RequestState, generate_tokens
 from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
 from .decode.sampling import SamplingParams, check_sampling
@@ -130,30 +130,9 @@ class Generator:
         waits for the other requests in flight: drive each fork's request on a thread that
         does not pause between its rounds (consume a stream as it comes, as `batch` and the
         server do), or the others wait for it."""
-        from .engines.gate import Gate, GatedEngine
+        from .batch import together
 
-        if self.max_batch == 1:
-            return [self.fork() for _ in range(n)]
-        gate, longest = Gate(self.clock), self.max_gamma + 1
-        # the load's check timed the lanes calls: the batch's first prices (Gate.call_times)
-        gate.seed(1, self.lanes[0].lanes, self.lanes[1].call_seconds)
-        draft_lanes = self.draft_lanes
-        if draft_lanes is not None and draft_lanes[1].identical:
-            step = {n: t for n, t in draft_lanes[1].call_seconds.items() if n == 1}
-            gate.seed(0, draft_lanes[0].lanes, step)
-        rounds = BatchRounds(gate.call_times)
-        out = []
-        for i in range(n):
-            target = _checked(self.lanes, i, self.target)
-            draft = None
-            if draft_lanes is not None and draft_lanes[1].identical:
-                draft = GatedEngine(_checked(draft_lanes, i, draft_engines(self.draft)[0]),
-                                    draft_lanes[0], gate, longest)
-            # the drafts' steps run before the target's verification (Gate.call)
-            fork = self.fork(GatedEngine(target, self.lanes[0], gate, longest, order=1), draft)
-            fork._gate, fork._batch_rounds = gate, rounds
-            out.append(fork)
-        return out
+        return together(self, n)
 
     @property
     def gate(self):
@@ -564,12 +543,6 @@ def _result(tokens: list[int], text: str | None, stats: DecodeStats,
             token_logprobs: list | None) -> GenerationResult:
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
     return GenerationResult(list(tokens), text, stats.to_dict(), stats.finish_reason, logprobs)
-
-
-def _checked(lanes, i: int, engine):
-    """The i-th batch-1 engine `lanes` (LaneEngine, LaneCheck, engines) was checked on, or
-    another fork of `engine` past them."""
-    return lanes[2][i] if i < len(lanes[2]) else fork_engine(engine)
 
 
 def unmeasured_costs(draft) -> Costs:
