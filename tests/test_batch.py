@@ -216,3 +216,12 @@ def test_auto_gamma_falls_to_zero_where_a_batchs_rows_cost_as_much_as_steps(row_
         assert all((0 not in r.stats["gammas_used"][:-1]) == stays for r in kept), own
     # alone (no batch prices), auto γ always drafts: its lowest γ is 1 there
     assert 0 not in gen.generate(PROMPTS[0], options).stats["gammas_used"][:-1]
+
+
+def test_a_batch_forks_engine_called_outside_a_request_runs_alone():
+    """A call from outside a held request's loop (here `target_logits`) does not wait at the
+    gate for requests that will never come: it is the engine's own call."""
+    gen, toy = batched("model")
+    fork = gen.together(2)[0]
+    assert np.array_equal(fork.target_logits([1, 2, 3], [4]), gen.target_logits([1, 2, 3], [4]))
+    assert toy.carried == []

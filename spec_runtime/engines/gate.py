@@ -69,6 +69,7 @@ class Gate:
         self._firing = False
         self._expected = 0  # sequences about to join (expect), counted as running already
         self._took: set[int] = set()  # threads whose join took an expected place
+        self._threads: set[int] = set()  # the threads of the sequences held
         self.counts = GateCounts()
 
     @property
@@ -97,9 +98,14 @@ class Gate:
                 self._running -= 1
                 self._lead()
 
+    def holds(self) -> bool:
+        """Whether the calling thread's sequence is held (between its join and leave)."""
+        return threading.get_ident() in self._threads
+
     def join(self) -> None:
         with self._cond:
             me = threading.get_ident()
+            self._threads.add(me)
             if self._expected and me not in self._took:
                 self._expected -= 1  # counted already
                 self._took.add(me)
@@ -109,6 +115,7 @@ class Gate:
 
     def leave(self) -> None:
         with self._cond:
+            self._threads.discard(threading.get_ident())
             self._members -= 1
             self._running -= 1
             self._lead()
@@ -153,6 +160,11 @@ class Gate:
             self._cond.release()
             try:
                 _run(waiting, self.counts, self.times, self.clock)
+            except BaseException as e:  # not one call's: every waiting sequence gets it
+                for w in waiting:
+                    if w.rows is None and w.error is None:
+                        w.error = e
+                raise
             finally:
                 self._cond.acquire()
                 self._firing = False
@@ -237,6 +249,8 @@ class GatedEngine:
     def forward(self, tokens, pos: int, num_logits: int = 1) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         n = len(tokens)
+        if not self.gate.holds():  # a call outside a held sequence's loop: alone
+            return self.engine.forward(tokens, pos, num_logits)
         # every lane of a call is fed as many tokens as its longest feed, up to `longest`
         if pos == 0 or n > self.longest or pos + max(self.longest, num_logits) \
                 > self.lanes.max_len:
