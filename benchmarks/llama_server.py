@@ -53,12 +53,15 @@ def _free_port() -> int:
 
 def server_command(binary: Path, gguf: Path, threads: int, n_ctx: int, port: int,
                    draft: Path | None = None, n_max: int | None = None,
-                   p_min: float | None = None, spec_type: str | None = None) -> list[str]:
-    """The server's command line: the target on `threads` threads for generation and batches;
-    with `draft`, its draft-model mode on the same threads (llama.cpp runs the two models one
-    after the other, as we do); with `spec_type`, one of its draft-free modes (ngram-*)."""
+                   p_min: float | None = None, spec_type: str | None = None,
+                   parallel: int = 1) -> list[str]:
+    """The server's command line: the target on `threads` threads for generation and batches,
+    `parallel` slots (-np; the race's servers have one, serve_race.py's as many as its
+    clients); with `draft`, its draft-model mode on the same threads (llama.cpp runs the two
+    models one after the other, as we do); with `spec_type`, one of its draft-free modes
+    (ngram-*)."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-           "-c", str(n_ctx), "-np", "1", "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(n_ctx), "-np", str(parallel), "--host", "127.0.0.1", "--port", str(port),
            "--no-webui"]
     if draft is not None:  # this build infers no type from a plain model's GGUF: name it
         cmd += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]

@@ -290,29 +290,63 @@ def dated(report: dict, directory: Path | None, **given) -> Path | None:
 
 # -- the run ------------------------------------------------------------------------------------
 
+def finish(report: dict, args, render) -> None:
+    """Write the run's JSON to --out and its dated report (`render`: the script's `dated`);
+    exit 1 where a server failed or did not exit with 0."""
+    if args.out is not None:  # only when asked: never over the committed results by default
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"\nwrote {args.out}")
+    reports.done(render(report, reports.directory(args, args.out.parent if args.out else None)))
+    if any(r.get("failed") or r.get("exit_code") != 0 for r in report["runs"]):
+        sys.exit(1)
+
+
+
+def load_options(ap: argparse.ArgumentParser, *, requests: int, startup: int) -> None:
+    """The load's options (serve_load.py's), shared with serve_race.py."""
+    ap.add_argument("--clients", default="1,2,4,8",
+                    help="client counts, comma-separated; each runs against --slots as many")
+    ap.add_argument("--requests", type=int, default=requests,
+                    help="requests per client (rounds; even, so that both modes get as many)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    ap.add_argument("--queue", type=int, default=16, help="our servers' --queue")
+    ap.add_argument("--gamma", default=None,
+                    help="the requests' gamma (an integer or auto) [default: the bundle's]")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="prompt file, as serve_load.py [default: the built-in chat prompts]")
+    ap.add_argument("--launch", choices=("auto", "module", "tree", "app"), default="auto",
+                    help="which code this tree's server runs (as serve_load.py)")
+    for name, seconds, what in (("startup", startup, "to wait for a server's /health"),
+                                ("request", 600, "of one request (its socket's timeout)"),
+                                ("stop", 90, "a server may take to exit after SIGTERM")):
+        ap.add_argument(f"--{name}-timeout", type=float, default=float(seconds),
+                        help=f"seconds {what} [default: {seconds}]")
+
+
+def starting(args) -> tuple[dict, list[str], str, dict]:
+    """The load average before the run (a warning above machine.BUSY_LOAD), the prompts, and
+    the launch mode of this tree's server with where its code resolves."""
+    load_before = serve_load.load_average()
+    print(f"uptime: {load_before['uptime']}")
+    if load_before["load_1m"] > machine.BUSY_LOAD:
+        print(f"warning: the 1-minute load average is {load_before['load_1m']:.2f}: other work "
+              "shares the cores; run it on a quiet machine", file=sys.stderr)
+    from spec_runtime.apps import bench
+
+    kind = "all" if args.prompts is not None and args.prompts.suffix != ".json" else "chat"
+    prompts = [p["text"] for p in bench.load_prompts(args.prompts, kind=kind)]
+    launch, where = resolve_launch(args.launch)
+    return load_before, prompts, launch, where
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-b", "--bundle", help="a bundle built with specexport build --max-batch N")
     ap.add_argument("--baseline-tree", type=Path,
                     help="the per-slot server's checkout (a git worktree of an older commit)")
-    ap.add_argument("--clients", default="1,2,4,8",
-                    help="client counts, comma-separated; each runs against --slots as many")
-    ap.add_argument("--requests", type=int, default=4,
-                    help="requests per client (rounds; even, so that both modes get as many)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
-    ap.add_argument("--queue", type=int, default=16, help="the servers' --queue")
-    ap.add_argument("--gamma", default=None,
-                    help="the requests' gamma (an integer or auto) [default: the bundle's]")
-    ap.add_argument("--prompts", type=Path, default=None,
-                    help="prompt file, as serve_load.py [default: the built-in chat prompts]")
-    ap.add_argument("--launch", choices=("auto", "module", "tree", "app"), default="auto",
-                    help="which code the batched server runs (as serve_load.py)")
-    for name, seconds, what in (("startup", 180, "to wait for a server's /health"),
-                                ("request", 600, "of one request (its socket's timeout)"),
-                                ("stop", 90, "a server may take to exit after SIGTERM")):
-        ap.add_argument(f"--{name}-timeout", type=float, default=float(seconds),
-                        help=f"seconds {what} [default: {seconds}]")
+    load_options(ap, requests=4, startup=180)
     ap.add_argument("--out", type=Path, default=None,
                     help="write the run's JSON here (the committed one: benchmarks/results/"
                          "serve-batch.json) [default: print the tables, write nothing]")
@@ -339,16 +373,7 @@ def main(argv=None) -> None:
         print(f"warning: {bundle} was built without --max-batch: the batched server has no "
               "lanes to share calls in", file=sys.stderr)
 
-    load_before = serve_load.load_average()
-    print(f"uptime: {load_before['uptime']}")
-    if load_before["load_1m"] > machine.BUSY_LOAD:
-        print(f"warning: the 1-minute load average is {load_before['load_1m']:.2f}: other work "
-              "shares the cores; run it on a quiet machine", file=sys.stderr)
-    from spec_runtime.apps import bench
-
-    kind = "all" if args.prompts is not None and args.prompts.suffix != ".json" else "chat"
-    prompts = [p["text"] for p in bench.load_prompts(args.prompts, kind=kind)]
-    launch, where = resolve_launch(args.launch)
+    load_before, prompts, launch, where = starting(args)
     baseline = code_state(tree)
     print(f"batched: --launch {launch} {where or ''}\nper-slot: {baseline}")
 
@@ -400,13 +425,7 @@ def main(argv=None) -> None:
                            "from its /metrics, averaged")
     print("\n" + head(report) + "\n\n" + ratio_table(report) + "\n\n" + table(report) + "\n\n"
           + notes(report))
-    if args.out is not None:  # only when asked: never over the committed results by default
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-        print(f"\nwrote {args.out}")
-    reports.done(dated(report, reports.directory(args, args.out.parent if args.out else None)))
-    if any(r.get("failed") or r.get("exit_code") != 0 for r in report["runs"]):
-        sys.exit(1)
+    finish(report, args, dated)
 
 
 if __name__ == "__main__":

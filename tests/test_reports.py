@@ -444,3 +444,57 @@ def test_a_serve_batch_report_rebuilt_from_its_json_has_its_ratios(tmp_path):
     assert "    python benchmarks/serve_batch.py -b /b\n" in text  # the command that measured
     assert "Machine: Test CPU 9000" in text
     assert md.with_suffix(".png").stat().st_size > 0
+
+
+def a_serve_race_run() -> dict:
+    """serve_race.py's JSON, by hand. 1 client: ours speculative 30 tok/s, target-only 20;
+    llama-server 24, -md 20 (best: plain, 1.25× and 0.83×). 2 clients: ours 40 and 50,
+    llama-server 30, -md 40 (best: -md, 1.00× and 1.25×); -md failed to start at 4."""
+    def summary(tps, per_call=None):
+        return {"requests": 2, "errors": 0, "tokens": 128, "throughput_tok_s": tps,
+                "ttft_p50_s": 0.25, "per_token_p50_ms": 1000 / tps,
+                "per_token_p95_ms": 1000 / tps + 5, "tokens_per_target_call": per_call,
+                "proposed": 8 if per_call else 0}
+
+    def ours(k, order, spec, base):
+        return {"server": "ours", "clients": k, "order": order, "exit_code": 0,
+                "result": {"modes": {"spec": summary(spec, 2.5), "base": summary(base, 1.0)}}}
+
+    def llama(name, k, order, tps):
+        return {"server": name, "clients": k, "order": order, "exit_code": 0,
+                "result": {"all": summary(tps)}}
+
+    return {"date": "2026-12-05T05:00:00", "command": "python benchmarks/serve_race.py -b /b",
+            "machine": INFO, "load_before": {"load_1m": 0.2}, "seconds": 900,
+            "git": {"commit": "b0daaac0", "changed": []},
+            "config": {"bundle": "/b", "max_batch": 4, "clients": [1, 2, 4],
+                       "requests_per_client": 2, "max_tokens": 64, "queue": 16,
+                       "llama_server": "/l/llama-server", "llama_build": "version: 1 (abc)",
+                       "threads": 2, "target_gguf": "/m/t.gguf", "draft_gguf": "/m/d.gguf",
+                       "n_max": 12, "p_min": 0.75},
+            "runs": [ours(1, 1, 30.0, 20.0), llama("llama-server", 1, 2, 24.0),
+                     llama("llama-server -md", 1, 3, 20.0),
+                     llama("llama-server", 2, 1, 30.0), llama("llama-server -md", 2, 2, 40.0),
+                     ours(2, 3, 40.0, 50.0),
+                     {"server": "llama-server -md", "clients": 4, "order": 1,
+                      "failed": "the server exited with code 1 before answering /health"}],
+            "notes": ["a note"]}
+
+
+def test_a_serve_race_report_rebuilt_from_its_json_has_its_ratios(tmp_path):
+    import serve_race
+
+    stored = tmp_path / "serve-race.json"
+    stored.write_text(json.dumps(a_serve_race_run()))
+    serve_race.main(["--from-json", str(stored), "--report", str(tmp_path)])
+    md = tmp_path / "serve-race-2026-12-05.md"
+    text = md.read_text()
+    # ours speculative and target-only / llama-server's faster mode at each client count
+    assert "| 1 | llama-server | 24.0 | 1.25× | 0.83× |" in text
+    assert "| 2 | llama-server -md | 40.0 | 1.00× | 1.25× |" in text
+    assert "| 2 | ours, target-only | 3 | 2 | 0 | 50.0 | 0.25 | 20.0 | 25.0 | 1.00 |" in text
+    assert "| 2 | llama-server -md | 2 | 2 | 0 | 40.0 | 0.25 | 25.0 | 30.0 |  |" in text
+    assert "| 4 | llama-server -md | 1 | failed: the server exited with code 1" in text
+    assert "--spec-draft-n-max 12 --spec-draft-p-min 0.75" in text and "- a note" in text
+    assert "    python benchmarks/serve_race.py -b /b\n" in text
+    assert md.with_suffix(".png").stat().st_size > 0
