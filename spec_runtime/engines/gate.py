@@ -135,7 +135,7 @@ class Gate:
 
     def call(self, lanes: LaneEngine, call: LaneCall, order: int = 0) -> np.ndarray:
         """`call`'s rows of logits, from a lanes call of `lanes` with whatever waits beside it
-        (its own copy: valid after the next call). Calls of the lowest `order` waiting run
+        (valid until this sequence's next call). Calls of the lowest `order` waiting run
         first, the others wait on: the drafts' steps (0) before the target's verification (1),
         so that a sequence still drafting joins the others' verification instead of missing
         it."""
@@ -213,6 +213,10 @@ def _run(waiting: list[_Waiting], counts: GateCounts, times: dict, clock) -> Non
         groups.setdefault(id(w.lanes), []).append(w)
     for group in groups.values():
         lanes = group[0].lanes
+        # a sequence reads its rows before it waits here again, so they are handed on in the
+        # engines' own buffers; but a second call of the same lanes in this run writes over
+        # the first's: then they are copied
+        keep = np.array if len(group) > lanes.lanes else (lambda rows: rows)
         for start in range(0, len(group), lanes.lanes):
             part = group[start : start + lanes.lanes]
             counts.by_size[len(part)] = counts.by_size.get(len(part), 0) + 1
@@ -220,10 +224,10 @@ def _run(waiting: list[_Waiting], counts: GateCounts, times: dict, clock) -> Non
             try:
                 if len(part) == 1:  # alone, the engine's own call is the cheaper one
                     c = part[0].call
-                    part[0].rows = np.array(c.engine.forward(c.tokens, c.pos, c.rows))
+                    part[0].rows = c.engine.forward(c.tokens, c.pos, c.rows)
                 else:
                     for w, rows in zip(part, lanes.forward([w.call for w in part])):
-                        w.rows = np.array(rows)
+                        w.rows = keep(rows)
             except BaseException as e:  # every sequence of the call gets it
                 for w in part:
                     w.error = e
