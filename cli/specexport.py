@@ -117,9 +117,10 @@ def main(ctx):
                    "tokenizer's own statistics]")
 @click.option("--max-batch", type=int, default=1, show_default=True,
               help="batched decoding: with N > 1, every fused decoder graph (the target's, and "
-                   "a fused draft model's) gets a batched graph of N lanes beside it, which the "
+                   "a fused draft model's), and every float32 encoder-decoder's decoder graph "
+                   "(T5, Whisper), gets a batched graph of N lanes beside it, which the "
                    "runtime's batched decoding uses to score up to N sequences in one call "
-                   "(about twice the graph files); 1..64, fused decoder-only targets only")
+                   "(about twice the graph files); 1..64")
 @click.option("--quiet", is_flag=True,
               help="no progress bar on stderr; the summary is still printed [default: show "
                    "the bar]")

@@ -71,9 +71,61 @@ def step_masks(n: int, position: torch.Tensor, max_len: int):
     past_len = position.item()
     torch._check(past_len >= 0)
     torch._check(past_len <= max_len)
-    t = torch.arange(n, device=position.device)
-    causal = t[None, :] <= t[:, None]  # [n, n]
-    return past_len, causal
+    return past_len, causal_mask(n, position.device)
+
+
+def causal_mask(n: int, device=None) -> torch.Tensor:
+    """[n, n] bool: key t' <= query t."""
+    t = torch.arange(n, device=device)
+    return t[None, :] <= t[:, None]
+
+
+# -- lanes: L sequences in one call (spec_runtime/bundle/contract.py, decoder_lanes) ---------
+#
+# A lanes forward reads input_ids [L, n], position [L] (each lane's own), num_logits and
+# row_ends [L] (where each lane's logit rows end: lanes are right-padded), and each lane's own
+# caches. Everything but attention sees all L·n rows at once; attention runs once per lane,
+# exactly as the batch-1 forward runs it over that lane's cache. A decoder block takes one
+# context per lane and, with one lane, runs exactly the batch-1 forward (no slicing), so the
+# batch-1 graph is what it was.
+
+def lane_lengths(position: torch.Tensor, lanes: int, max_len: int) -> list:
+    """position int64 [L] -> each lane's valid cache prefix (step_masks' past_len), symbolic."""
+    out = []
+    for b in range(lanes):
+        past_len = position[b].item()
+        torch._check(past_len >= 0)
+        torch._check(past_len <= max_len)
+        out.append(past_len)
+    return out
+
+
+def lane(t: torch.Tensor, b: int, lanes: int) -> torch.Tensor:
+    """Lane b's rows [1, ...] of t [L, ...] (t itself when there is one lane)."""
+    return t if lanes == 1 else t[b : b + 1]
+
+
+def lanes_cat(parts: list) -> torch.Tensor:
+    """The lanes' rows [1, ...] back as one [L, ...] (the one part itself for one lane)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+
+def lane_kv(args, n_layers: int, lanes: int, layer: int, b: int) -> tuple:
+    """(key, value) of `layer`, lane b, from a flat list in contract.lane_kv_names' order
+    (layer, lane, key then value)."""
+    j = 2 * (layer * lanes + b)
+    return args[j], args[j + 1]
+
+
+def lane_rows(x: torch.Tensor, row_ends: torch.Tensor, num_logits) -> torch.Tensor:
+    """x [L, n, C] -> [L, K, C], K = num_logits: lane b's rows [row_ends[b] - K, row_ends[b]).
+    Each lane's rows are first rotated so that its row_ends[b] - 1 is the last row (a gather
+    of computed indices), then the last K rows are taken as the batch-1 forward takes them."""
+    L, n, C = x.shape
+    shift = row_ends[:, None] - n + torch.arange(n)  # [L, n]: row t <- row t + row_ends - n
+    idx = torch.where(shift < 0, shift + n, shift)  # row_ends <= n: at most one turn
+    x = torch.gather(x, 1, idx[:, :, None].expand(L, n, C))
+    return x[:, n - num_logits :]
 
 
 def cached_attention(

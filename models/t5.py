@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import (CachedDecoder, UnsupportedModel, WeightMap, cached_attention, param, rms_norm,
+from .common import (CachedDecoder, UnsupportedModel, WeightMap, cached_attention, causal_mask,
+                     lane, lane_kv, lane_lengths, lane_rows, lanes_cat, param, rms_norm,
                      step_masks)
 
 # HF activation name (config.dense_act_fn) -> our function
@@ -221,23 +222,35 @@ class DecoderBlock(nn.Module):
         self.d = d
         self.ff = FeedForward(d)
 
-    def forward(self, x, bias, past_k, past_v, past_len, causal, cross_k, cross_v, src_ok):
-        d = self.d
+    def forward(self, x, causal, lanes: list):
+        """x [L, n, C]; `lanes`: one (bias, past_k, past_v, past_len, cross_k, cross_v, src_ok)
+        per lane (common.py, lanes) -> (x, [(k, v) of each lane's new slots])."""
+        d, L = self.d, len(lanes)
         h = rms_norm(x, self.self_norm, d.norm_eps)
-        qkv = F.linear(h, self.wqkv)  # [1, n, 3*H*D]
-        q = qkv[..., : d.inner].reshape(1, -1, d.n_heads, 1, d.head_dim).permute(0, 2, 3, 1, 4)  # [1, H, 1, n, D]
-        k, v = _heads(qkv[..., d.inner : 2 * d.inner], d), _heads(qkv[..., 2 * d.inner :], d)  # [1, H, n, D]
-        a = cached_attention(q, k, v, past_k, past_v, past_len, causal, bias)  # [1, H, 1, n, D]
-        x = x + F.linear(a.squeeze(2).transpose(1, 2).reshape(1, -1, d.inner), self.wo)
+        qkv = F.linear(h, self.wqkv)  # [L, n, 3*H*D]
+        outs, new = [], []
+        for b, (bias, past_k, past_v, past_len, *_) in enumerate(lanes):
+            row = lane(qkv, b, L)
+            q = row[..., : d.inner].reshape(1, -1, d.n_heads, 1, d.head_dim)
+            q = q.permute(0, 2, 3, 1, 4)  # [1, H, 1, n, D]
+            k = _heads(row[..., d.inner : 2 * d.inner], d)  # [1, H, n, D]
+            v = _heads(row[..., 2 * d.inner :], d)
+            a = cached_attention(q, k, v, past_k, past_v, past_len, causal, bias)  # [1, H, 1, n, D]
+            outs.append(a.squeeze(2).transpose(1, 2).reshape(1, -1, d.inner))
+            new.append((k, v))
+        x = x + F.linear(lanes_cat(outs), self.wo)
         h = rms_norm(x, self.cross_norm, d.norm_eps)
-        q = _heads(F.linear(h, self.wq_cross), d)  # [1, H, n, D]
-        x = x + F.linear(_merge(_masked_attention(q, cross_k, cross_v, src_ok), d), self.wo_cross)
-        return x + self.ff(rms_norm(x, self.ff.norm, d.norm_eps)), k, v
+        q = F.linear(h, self.wq_cross)  # [L, n, H*D]
+        outs = [_merge(_masked_attention(_heads(lane(q, b, L), d), cross_k, cross_v, src_ok), d)
+                for b, (*_, cross_k, cross_v, src_ok) in enumerate(lanes)]
+        x = x + F.linear(lanes_cat(outs), self.wo_cross)
+        return x + self.ff(rms_norm(x, self.ff.norm, d.norm_eps)), new
 
 
 class T5Decoder(CachedDecoder):
     """forward(input_ids, position, num_logits, *past, *cross, source_mask) -> (logits, *present),
-    past/present/cross flattened as (key.0, value.0, key.1, ...)."""
+    past/present/cross flattened as (key.0, value.0, key.1, ...); forward_lanes, the same for
+    several sequences (common.py, lanes)."""
 
     model_type = "t5"
 
@@ -248,27 +261,54 @@ class T5Decoder(CachedDecoder):
         self.max_len, self.max_source_len, self.vocab_size = max_len, max_source_len, d.vocab_size
         self.layers = nn.ModuleList(DecoderBlock(d) for _ in range(d.n_dec_layers))
 
+    def _bias(self, q_pos, past_len):
+        # bias for the cache block (keys at slots 0..P-1) and the new block (keys at q_pos);
+        # G = 1 (every head has its own K/V), so this is already cached_attention's folded layout
+        return (self.rel_bias(q_pos, torch.arange(past_len)), self.rel_bias(q_pos, q_pos))
+
     def forward(self, input_ids, position, num_logits, *args):
-        d, nl = self.d, self.n_layers
+        nl = self.n_layers
         past, cross, source_mask = args[: 2 * nl], args[2 * nl : 4 * nl], args[4 * nl]
         n = input_ids.shape[1]
         x = F.embedding(input_ids, self.embed)  # [1, n, C]
         q_pos = position + torch.arange(n)  # [n] absolute
         past_len, causal = step_masks(n, position, self.max_len)
-        # bias for the cache block (keys at slots 0..P-1) and the new block (keys at q_pos);
-        # G = 1 (every head has its own K/V), so this is already cached_attention's folded layout
-        bias = (self.rel_bias(q_pos, torch.arange(past_len)), self.rel_bias(q_pos, q_pos))
+        bias = self._bias(q_pos, past_len)
         src_ok = (source_mask != 0)[:, None, None, :]  # [1, 1, 1, S]
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, bias, past[2 * i], past[2 * i + 1], past_len, causal,
-                            cross[2 * i], cross[2 * i + 1], src_ok)
+            x, [(k, v)] = layer(x, causal, [(bias, past[2 * i], past[2 * i + 1], past_len,
+                                             cross[2 * i], cross[2 * i + 1], src_ok)])
             present += [k, v]
         x = x[:, n - num_logits :]  # [1, num_logits, C]: lm_head only for the rows asked for
-        x = rms_norm(x, self.norm, d.norm_eps)
-        if d.scale_output:
-            x = x * (d.dim**-0.5)
-        return (F.linear(x, self.lm_head), *present)
+        return (self._head(x), *present)
+
+    def _head(self, x):
+        x = rms_norm(x, self.norm, self.d.norm_eps)
+        if self.d.scale_output:
+            x = x * (self.d.dim**-0.5)
+        return F.linear(x, self.lm_head)
+
+    def forward_lanes(self, lanes: int, input_ids, position, num_logits, row_ends, *args):
+        """input_ids [L, n], position and row_ends [L], each lane's past, each lane's cross K/V
+        (contract.lane_kv_names' order), source_mask [L, S] -> (logits [L, K, V], each lane's
+        new slots in that order)."""
+        nl = self.n_layers
+        past, cross = args[: 2 * nl * lanes], args[2 * nl * lanes : 4 * nl * lanes]
+        source_mask = args[4 * nl * lanes]
+        n = input_ids.shape[1]
+        x = F.embedding(input_ids, self.embed)  # [L, n, C]
+        lengths = lane_lengths(position, lanes, self.max_len)
+        causal = causal_mask(n)
+        context = [(self._bias(position[b] + torch.arange(n), lengths[b]), lengths[b],
+                    (lane(source_mask, b, lanes) != 0)[:, None, None, :]) for b in range(lanes)]
+        present = []
+        for i, layer in enumerate(self.layers):
+            x, new = layer(x, causal, [(bias, *lane_kv(past, nl, lanes, i, b), past_len,
+                                        *lane_kv(cross, nl, lanes, i, b), src_ok)
+                                       for b, (bias, past_len, src_ok) in enumerate(context)])
+            present += [t for kv in new for t in kv]
+        return (self._head(lane_rows(x, row_ends, num_logits)), *present)
 
 
 class T5(nn.Module):

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import CachedDecoder, UnsupportedModel, WeightMap, cached_attention, param, step_masks
+from .common import (CachedDecoder, UnsupportedModel, WeightMap, cached_attention, causal_mask,
+                     lane, lane_kv, lane_lengths, lane_rows, lanes_cat, param, step_masks)
 
 
 @dataclass(frozen=True)
@@ -126,25 +127,37 @@ class DecoderBlock(nn.Module):
         self.d = d
         self.ff = FeedForward()
 
-    def forward(self, x, past_k, past_v, past_len, causal, cross_k, cross_v):
-        d = self.d
+    def forward(self, x, causal, lanes: list):
+        """x [L, n, C]; `lanes`: one (past_k, past_v, past_len, cross_k, cross_v) per lane
+        (common.py, lanes) -> (x, [(k, v) of each lane's new slots])."""
+        d, L = self.d, len(lanes)
         h = _norm(x, self.self_norm)
-        qkv = F.linear(h, self.wqkv, self.bqkv)  # [1, n, 3C]
-        q = (qkv[..., : d.dim] * d.head_dim**-0.5).reshape(1, -1, d.n_heads, 1, d.head_dim)
-        q = q.permute(0, 2, 3, 1, 4)  # [1, H, 1, n, D]
-        k, v = _heads(qkv[..., d.dim : 2 * d.dim], d), _heads(qkv[..., 2 * d.dim :], d)
-        a = cached_attention(q, k, v, past_k, past_v, past_len, causal)  # [1, H, 1, n, D]
-        x = x + F.linear(a.squeeze(2).transpose(1, 2).reshape(1, -1, d.dim), self.wo, self.bo)
+        qkv = F.linear(h, self.wqkv, self.bqkv)  # [L, n, 3C]
+        outs, new = [], []
+        for b, (past_k, past_v, past_len, _, _) in enumerate(lanes):
+            row = lane(qkv, b, L)  # [1, n, 3C]
+            q = (row[..., : d.dim] * d.head_dim**-0.5).reshape(1, -1, d.n_heads, 1, d.head_dim)
+            q = q.permute(0, 2, 3, 1, 4)  # [1, H, 1, n, D]
+            k, v = _heads(row[..., d.dim : 2 * d.dim], d), _heads(row[..., 2 * d.dim :], d)
+            a = cached_attention(q, k, v, past_k, past_v, past_len, causal)  # [1, H, 1, n, D]
+            outs.append(a.squeeze(2).transpose(1, 2).reshape(1, -1, d.dim))
+            new.append((k, v))
+        x = x + F.linear(lanes_cat(outs), self.wo, self.bo)
         h = _norm(x, self.cross_norm)
-        q = _heads(F.linear(h, self.wq_cross, self.bq_cross) * d.head_dim**-0.5, d)
-        a = torch.softmax(q @ cross_k.transpose(-1, -2), dim=-1) @ cross_v
-        x = x + F.linear(_merge(a, d), self.wo_cross, self.bo_cross)
-        return x + self.ff(_norm(x, self.ff_norm)), k, v
+        q = F.linear(h, self.wq_cross, self.bq_cross) * d.head_dim**-0.5
+        outs = []
+        for b, (_, _, _, cross_k, cross_v) in enumerate(lanes):
+            qb = _heads(lane(q, b, L), d)
+            outs.append(_merge(torch.softmax(qb @ cross_k.transpose(-1, -2), dim=-1) @ cross_v,
+                               d))
+        x = x + F.linear(lanes_cat(outs), self.wo_cross, self.bo_cross)
+        return x + self.ff(_norm(x, self.ff_norm)), new
 
 
 class WhisperDecoder(CachedDecoder):
     """forward(input_ids, position, num_logits, *past, *cross) -> (logits, *present), past,
-    present and cross flattened as (key.0, value.0, key.1, ...)."""
+    present and cross flattened as (key.0, value.0, key.1, ...); forward_lanes, the same for
+    several sequences (common.py, lanes)."""
 
     model_type = "whisper"
 
@@ -167,10 +180,30 @@ class WhisperDecoder(CachedDecoder):
         past_len, causal = step_masks(n, position, self.max_len)
         present = []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, past[2 * i], past[2 * i + 1], past_len, causal, cross[2 * i],
-                            cross[2 * i + 1])
+            x, [(k, v)] = layer(x, causal, [(past[2 * i], past[2 * i + 1], past_len,
+                                             cross[2 * i], cross[2 * i + 1])])
             present += [k, v]
         x = _norm(x[:, n - num_logits :], self.norm)  # lm_head only for the rows asked for
+        return (F.linear(x, self.lm_head), *present)
+
+    def forward_lanes(self, lanes: int, input_ids, position, num_logits, row_ends, *args):
+        """input_ids [L, n], position and row_ends [L], then each lane's past, then each
+        lane's cross K/V (contract.lane_kv_names' order) -> (logits [L, K, V], each lane's
+        new slots in that order)."""
+        nl = self.n_layers
+        past, cross = args[: 2 * nl * lanes], args[2 * nl * lanes : 4 * nl * lanes]
+        n = input_ids.shape[1]
+        q_pos = position[:, None] + torch.arange(n)  # [L, n] absolute
+        x = F.embedding(input_ids, self.embed) + F.embedding(q_pos, self.positions)
+        lengths = lane_lengths(position, lanes, self.max_len)
+        causal = causal_mask(n)
+        present = []
+        for i, layer in enumerate(self.layers):
+            x, new = layer(x, causal, [(*lane_kv(past, nl, lanes, i, b), lengths[b],
+                                        *lane_kv(cross, nl, lanes, i, b))
+                                       for b in range(lanes)])
+            present += [t for kv in new for t in kv]
+        x = _norm(lane_rows(x, row_ends, num_logits), self.norm)
         return (F.linear(x, self.lm_head), *present)
 
 

@@ -264,7 +264,8 @@ def build_bundle(
     else by the tokenizer's own statistics (draft_vocab.py).
     `max_batch` N > 1 gives every fused decoder graph (the target's, and a fused draft's) a
     batched lanes graph of N lanes beside it (onnx_fused.py), for the runtime's batched
-    decoding; fused decoder-only targets only."""
+    decoding, and so it does a float32 encoder-decoder's decoder graph (models/common.py,
+    lanes)."""
     from spec_runtime.bundle.reader import default_bundle_dir
 
     from .draft_plan import plan_drafts
@@ -289,7 +290,7 @@ def build_bundle(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BuildError(f"{name} {'is missing' if value is None else f'{value!r} is invalid'}"
                              f": use an integer >= {low}{' or auto' if name == '--gamma' else ''}")
-    _check_max_batch(max_batch, kernels)
+    _check_max_batch(max_batch)
     if gamma != AUTO and gamma > max_gamma:
         raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
     if int4_weights in GGUF_WEIGHTS and precision == "int4" and not t_spec.gguf_file:
@@ -347,7 +348,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
                          "that generation can stop")
     encdec = is_encoder_decoder(t_model.config)
     if max_batch > 1:  # before any export: what the loaded target turns out to be
-        _check_batching(max_batch, t_model.config, encdec)
+        _check_batching(max_batch, t_model.config, encdec, kernels, precision)
     plan.settle(t_model.config, precision)  # what the loaded target allows (a fused graph?)
     d_config = plan.check_draft_model(t_model, t_tok, eos)  # refused before work: a mismatch
     if max_len is None:
@@ -374,7 +375,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
 
         t_entry = export_model(t_model, tmp, "target", max_len=max_len,
                                max_source_len=max_source_len, precision=precision,
-                               parity_ids=parity_ids, stage=stage)
+                               parity_ids=parity_ids, stage=stage, max_batch=max_batch,
+                               max_gamma=max_gamma)
         t_exported = None
     else:
         from .decoder_build import check_blocks, export_decoder_model
@@ -420,26 +422,31 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     write_manifest(tmp, replace(manifest, costs=costs))
 
 
-def _check_max_batch(max_batch, kernels: str) -> None:
-    """--max-batch as given: an integer 1..MAX_LANES; more than 1 needs fused graphs, which
-    --kernels portable rules out before anything is loaded."""
+def _check_max_batch(max_batch) -> None:
+    """--max-batch as given: an integer 1..MAX_LANES."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
             or not 1 <= max_batch <= MAX_LANES:
         raise BuildError(f"--max-batch {max_batch!r} is invalid: use an integer from 1 (no "
                          f"batched graphs) to {MAX_LANES}")
-    if max_batch > 1 and kernels == "portable":
-        raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, and --kernels "
-                         f"portable writes standard ONNX: use --kernels fused, or --max-batch 1")
 
 
-def _check_batching(max_batch: int, config, encdec: bool) -> None:
-    """--max-batch N > 1 for the loaded target: its batched graph is the fused decoder's
-    (onnx_fused.py), which encoder-decoders and the families without fused kernels lack."""
+def _check_batching(max_batch: int, config, encdec: bool, kernels: str,
+                    precision: str) -> None:
+    """--max-batch N > 1 for the loaded target: a decoder-only target's batched graph is the
+    fused decoder's (onnx_fused.py), which --kernels portable and the families without fused
+    kernels lack; an encoder-decoder's is its float32 decoder's (models/common.py, lanes)."""
     from .onnx_fused import fused_unsupported
 
     if encdec:
-        raise BuildError(f"--max-batch {max_batch} batches fused decoder-only graphs, and the "
-                         f"target is an encoder-decoder ({config.model_type}): use --max-batch 1")
+        if precision != "fp32":
+            raise BuildError(f"--max-batch {max_batch} batches an encoder-decoder's float32 "
+                             f"graphs, and --precision {precision} quantizes each call's "
+                             f"activations as one tensor (a sequence's rows would depend on "
+                             f"the others'): use --precision fp32, or --max-batch 1")
+        return
+    if kernels == "portable":
+        raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, and --kernels "
+                         f"portable writes standard ONNX: use --kernels fused, or --max-batch 1")
     why = fused_unsupported(config)
     if why:
         raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, which the "

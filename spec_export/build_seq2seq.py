@@ -76,12 +76,14 @@ def is_audio(config) -> bool:
 
 
 def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_source_len: int,
-                 precision: str, parity_ids: list[int], stage,
-                 share_encoder: bool = False) -> ModelEntry:
+                 precision: str, parity_ids: list[int], stage, share_encoder: bool = False,
+                 max_batch: int = 1, max_gamma: int = 8) -> ModelEntry:
     """Export `role`.encoder.onnx and `role`.decoder.onnx, check them against PyTorch; returns
     the model's manifest entry (its source is added by the caller). With `share_encoder` (a
     self draft at a lower precision) only the decoder is kept: it reads the target's encoder
-    output, which its own float encoder, exported for the parity runs only, equals."""
+    output, which its own float encoder, exported for the parity runs only, equals. With
+    `max_batch` > 1 a float32 model also gets `role`.lanes.onnx, its decoder's lanes graph
+    (models/common.py, lanes), checked against the decoder graph."""
     from draftproof.models import for_hf_seq2seq
 
     from .export_seq2seq import export_seq2seq
@@ -132,8 +134,38 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
                             kernels="portable", kv_cache="new-slots", opset=d["opset"],
                             devices=graph_devices("portable", precision))
               for g, d in descs.items() if g in final}
+    if max_batch > 1 and precision != "fp32":
+        parity["lanes"] = {"none": f"no lanes graph: its {precision} MatMuls quantize a call's "
+                                   f"activations as one tensor, so a lane's rows would depend "
+                                   f"on the other lanes' (its steps run alone)"}
+    elif max_batch > 1:
+        stage(f"lanes {role}")
+        graphs["decoder_lanes"], parity["lanes"] = _lanes_graph(
+            model, final["decoder"], bundle_dir / f"{role}.lanes.onnx", graphs["decoder"],
+            max_len=max_len, max_batch=max_batch, max_gamma=max_gamma)
     return ModelEntry(vocab_size=dec.vocab_size, graphs=graphs, precision=precision,
                       family=model.model_type, dims=dims, parity=parity)
+
+
+def _lanes_graph(model, solo: Path, path: Path, decoder: GraphEntry, *, max_len: int,
+                 max_batch: int, max_gamma: int) -> tuple[GraphEntry, dict]:
+    """The float32 lanes graph of `model`'s decoder at `path`, checked against the decoder
+    graph at `solo` (lanes_parity.seq2seq_lanes_parity): its manifest entry and parity record.
+    A lane further from the decoder graph than float32 rounding allows is refused."""
+    from .export_seq2seq import export_decoder_lanes
+    from .lanes_parity import judged, seq2seq_lanes_parity
+
+    desc = export_decoder_lanes(model, path, max_len, max_batch)
+    dec = model.decoder
+    record = judged(seq2seq_lanes_parity(solo, path, lanes=max_batch, n_layers=dec.n_layers,
+                                         max_len=max_len, max_gamma=max_gamma,
+                                         vocab=dec.vocab_size,
+                                         audio=getattr(model, "audio", False)),
+                    precision="fp32", name=solo.stem, max_batch=max_batch)
+    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
+                       kernels="portable", kv_cache="new-slots", opset=desc["opset"],
+                       devices=decoder.devices)
+    return graph, record
 
 
 def audio_entry(hf_model) -> AudioEntry | None:

@@ -20,7 +20,7 @@ import numpy as np
 from spec_runtime.bundle.contract import cache_dtype, decoder_lanes_io, graph_devices
 from spec_runtime.bundle.manifest import LANES_GRAPH, GraphEntry, ModelEntry
 
-from .quality import (FP16_TOLERANCE, broken_quantization, fp32_tolerance, lanes_tolerance,
+from .quality import (FP16_TOLERANCE, broken_quantization, fp32_tolerance,
                       verify_thresholds)
 from .sources import BuildError
 
@@ -171,25 +171,15 @@ def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, m
     further from the solo graph than its precision's rounding allows is refused."""
     from spec_runtime.bundle.contract import dims_of
 
-    from .lanes_parity import lanes_parity
+    from .lanes_parity import judged, lanes_parity
     from .onnx_export import check_contract, describe
 
     desc = describe(lanes)
     dims = dims_of(decoder.inputs, decoder.outputs)
     check_contract(desc, *decoder_lanes_io(dims, max_len, max_batch, cache_dtype(precision)))
-    record = lanes_parity(solo, lanes, lanes=max_batch, n_layers=n_layers, max_len=max_len,
-                          max_gamma=max_gamma, vocab=dims.vocab_size)
-    limits = {key: lanes_tolerance(precision, record.pop(scale))
-              for key, scale in (("max_abs_diff", "scale"), ("max_abs_diff_cache", "scale_cache"))}
-    for key, limit in limits.items():
-        if not record[key] <= limit:
-            what = "logits" if key == "max_abs_diff" else "cache slots"
-            raise BuildError(
-                f"{solo.stem}: the lanes graph's {what} differ from the decoder graph's by "
-                f"{record[key]:.3g} > {limit:.3g} (--max-batch {max_batch}, {precision}): the "
-                f"export is wrong for this model; please report it, and build with "
-                f"--max-batch 1")
-    record.update(tolerance=limits["max_abs_diff"], tolerance_cache=limits["max_abs_diff_cache"])
+    record = judged(lanes_parity(solo, lanes, lanes=max_batch, n_layers=n_layers,
+                                 max_len=max_len, max_gamma=max_gamma, vocab=dims.vocab_size),
+                    precision=precision, name=solo.stem, max_batch=max_batch)
     graph = GraphEntry(file=lanes.name, inputs=desc["inputs"], outputs=desc["outputs"],
                        kernels=decoder.kernels, kv_cache=decoder.kv_cache, opset=desc["opset"],
                        devices=decoder.devices)

@@ -206,7 +206,9 @@ class DraftPlan:
                     c.entry = export_model(d_model, tmp, "draft", max_len=export["max_len"],
                                            max_source_len=max_source_len, precision=c.precision,
                                            parity_ids=export["parity_ids"], stage=stage,
-                                           share_encoder=c.shares_encoder)
+                                           share_encoder=c.shares_encoder,
+                                           max_batch=export["max_batch"],
+                                           max_gamma=export["max_gamma"])
                 else:
                     from .decoder_build import export_decoder_model
 

@@ -148,3 +148,78 @@ def _worse(worst: dict, scale: dict, key: str, got: np.ndarray, want: np.ndarray
         return
     worst[key] = max(worst[key], float(np.abs(got - want).max()))
     scale[key] = max(scale[key], float(np.abs(want).max()))
+
+
+def seq2seq_lanes_parity(solo_path, lanes_path, *, lanes: int, n_layers: int, max_len: int,
+                         max_gamma: int, vocab: int, audio: bool, seed: int = 0,
+                         threads: int | None = None) -> dict:
+    """lanes_parity for an encoder-decoder's lanes graph (new slots: a call returns each
+    lane's new slots, and the runtime writes them at the lane's position): each lane also reads
+    cross K/V of its own (finite garbage, another per lane) and, for a token source, a source
+    mask of its own length. The record is lanes_parity's."""
+    solo, batched = _session(Path(solo_path), threads), _session(Path(lanes_path), threads)
+    dtype = _cache_dtype(solo, "past_key.0")
+    inputs = {i.name: i.shape for i in solo.get_inputs()}
+    past_names, cross_names = kv_names("past", n_layers), kv_names("cross", n_layers)
+    shapes = [inputs[n] for n in past_names] + [inputs[n] for n in cross_names]
+    source_len = inputs[cross_names[0]][2]
+    lane_names = lane_kv_names("past", n_layers, lanes) + lane_kv_names("cross", n_layers, lanes)
+    worst = {"logits": 0.0, "cache": 0.0}
+    scale = {"logits": 0.0, "cache": 0.0}
+    calls = lane_calls(lanes, max_len, max_gamma, vocab, np.random.default_rng(seed))
+    for c, call in enumerate(calls):
+        # lane b: its caches then its cross K/V, garbage of a seed of its own; a source of
+        # its own length
+        own = [_garbage(shapes, dtype, seed * 1000 + c * 100 + b) for b in range(lanes)]
+        masks = [(np.arange(source_len) < 1 + (3 * b + c) % source_len).astype(np.int64)
+                 for b in range(lanes)]
+        feeds = {"input_ids": call.ids, "position": call.positions,
+                 "num_logits": np.array(call.num_logits, np.int64), ROW_ENDS: call.real}
+        per_kind = 2 * n_layers
+        for j, name in enumerate(lane_names):  # (kind, layer, lane, key then value)
+            kind, rest = divmod(j, per_kind * lanes)
+            i, b, kv = rest // (2 * lanes), (rest // 2) % lanes, rest % 2
+            feeds[name] = own[b][kind * per_kind + 2 * i + kv]
+        if not audio:
+            feeds["source_mask"] = np.stack(masks)
+        logits, *presents = batched.run(None, feeds)
+        for b in range(lanes):
+            real, pos = int(call.real[b]), int(call.positions[b])
+            rows = min(real, call.num_logits)  # a padded lane's real rows are its last ones
+            solo_feeds = {"input_ids": call.ids[b:b + 1, :real],
+                          "position": np.array(pos, np.int64),
+                          "num_logits": np.array(rows, np.int64),
+                          **dict(zip(past_names + cross_names, own[b]))}
+            if not audio:
+                solo_feeds["source_mask"] = masks[b][None]
+            want, *new = solo.run(None, solo_feeds)
+            _worse(worst, scale, "logits", logits[b, call.num_logits - rows:], want[0])
+            for i in range(n_layers):
+                for kv in range(2):
+                    got = presents[2 * (i * lanes + b) + kv][:, :, :real]
+                    _worse(worst, scale, "cache", got, new[2 * i + kv])
+    return {"lanes": lanes, "max_abs_diff": worst["logits"], "max_abs_diff_cache": worst["cache"],
+            "scale": scale["logits"], "scale_cache": scale["cache"],
+            "calls": [f"{c.what}: n={c.ids.shape[1]}, num_logits={c.num_logits}, positions "
+                      f"{c.positions.tolist()}, real tokens {c.real.tolist()}" for c in calls]}
+
+
+def judged(record: dict, *, precision: str, name: str, max_batch: int) -> dict:
+    """A parity record (lanes_parity, seq2seq_lanes_parity) with its tolerances in place of
+    its scales; a lanes graph further from its decoder graph than `precision`'s rounding allows
+    is refused (BuildError naming the graph `name`)."""
+    from .quality import lanes_tolerance
+    from .sources import BuildError
+
+    limits = {key: lanes_tolerance(precision, record.pop(scale))
+              for key, scale in (("max_abs_diff", "scale"), ("max_abs_diff_cache", "scale_cache"))}
+    for key, limit in limits.items():
+        if not record[key] <= limit:
+            what = "logits" if key == "max_abs_diff" else "cache slots"
+            raise BuildError(
+                f"{name}: the lanes graph's {what} differ from the decoder graph's by "
+                f"{record[key]:.3g} > {limit:.3g} (--max-batch {max_batch}, {precision}): the "
+                f"export is wrong for this model; please report it, and build with "
+                f"--max-batch 1")
+    record.update(tolerance=limits["max_abs_diff"], tolerance_cache=limits["max_abs_diff_cache"])
+    return record

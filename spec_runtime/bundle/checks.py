@@ -26,7 +26,7 @@ GRAPHS = {"decoder-only": ("decoder",), "encoder-decoder": ("encoder", "decoder"
 # the batched decoder (contract.decoder_lanes_io) a decoder-only model may hold beside its
 # fused decoder when the bundle's max_batch > 1
 LANES_GRAPH = "decoder_lanes"
-OPTIONAL_GRAPHS = {"decoder-only": (LANES_GRAPH,), "encoder-decoder": ()}
+OPTIONAL_GRAPHS = {"decoder-only": (LANES_GRAPH,), "encoder-decoder": (LANES_GRAPH,)}
 SCHEMA_1_DEFAULTS = {"kernels": "portable", "kv_cache": "new-slots"}  # what schema 1 graphs are
 AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
 VOCAB_SINCE = 4  # the first schema whose draft may have a trimmed head (draft.vocab)
@@ -350,9 +350,10 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
                                    audio=n_mels is not None)}
     if max_source_len is not None and not shared:
         wants["encoder"] = encoder_io(dims, max_source_len, dtype, n_mels)
-    if _check_lanes(model, where, graphs, kv_cache, max_batch):
+    if _check_lanes(model, where, graphs, kv_cache, max_batch, max_source_len is not None):
         wants[LANES_GRAPH] = decoder_lanes_io(replace(dims, vocab_size=vocab), m["max_len"],
-                                              max_batch, dtype)
+                                              max_batch, dtype, kv_cache, max_source_len,
+                                              audio=n_mels is not None)
     for name, want in wants.items():
         why = mismatch(described[name], want)
         if why:
@@ -366,11 +367,14 @@ def _check_model(model: dict, where: str, m: dict, files: dict, max_source_len,
                               f"numbers ({numbers}): {why}; {REBUILD}")
 
 
-def _check_lanes(model: dict, where: str, graphs: dict, kv_cache: str, max_batch: int) -> bool:
-    """Whether `model` holds a lanes graph, and that it may: only with max_batch > 1, beside an
-    in-place (fused) decoder graph, itself fused and in place; the target always has one when
-    max_batch > 1 (a draft may have none: a portable draft model, whose steps are not
-    batched). Its description is compared with the contract by the caller."""
+def _check_lanes(model: dict, where: str, graphs: dict, kv_cache: str, max_batch: int,
+                 encdec: bool) -> bool:
+    """Whether `model` holds a lanes graph, and that it may: only with max_batch > 1, in the
+    kernels and cache layout of the decoder graph it batches: a fused, in-place decoder's, or
+    an encoder-decoder's portable one (new slots); the target always has one when max_batch >
+    1 (a draft may have none: a portable decoder-only draft, or a quantized encoder-decoder
+    draft, whose steps are not batched). Its description is compared with the contract by the
+    caller."""
     at = f"{where}.graphs.{LANES_GRAPH}"
     if LANES_GRAPH not in graphs:
         if where == "target" and max_batch > 1:
@@ -381,11 +385,17 @@ def _check_lanes(model: dict, where: str, graphs: dict, kv_cache: str, max_batch
         raise BundleError(f"manifest {at} is present, and max_batch is 1 (a lanes graph batches "
                           f"max_batch > 1 sequences); {REBUILD}")
     lanes = graphs[LANES_GRAPH]
-    for field, want, value in ((f"{at}.kernels", "fused", lanes.get("kernels")),
-                               (f"{at}.kv_cache", "in-place", lanes.get("kv_cache")),
-                               (f"{where}.graphs.decoder.kv_cache", "in-place", kv_cache)):
-        if value != want:
-            raise _bad(field, value, f"a lanes graph and the decoder it batches are {want}")
+    kernels = graphs["decoder"].get("kernels", SCHEMA_1_DEFAULTS["kernels"])
+    want = ("portable", "new-slots") if encdec else ("fused", "in-place")
+    kind = "an encoder-decoder" if encdec else "a decoder-only model"
+    for field, value in ((f"{at}.kernels", lanes.get("kernels")),
+                         (f"{at}.kv_cache", lanes.get("kv_cache")),
+                         (f"{where}.graphs.decoder.kernels", kernels),
+                         (f"{where}.graphs.decoder.kv_cache", kv_cache)):
+        expected = want[0] if field.endswith("kernels") else want[1]
+        if value != expected:
+            raise _bad(field, value, f"a lanes graph and the decoder it batches are "
+                                     f"{expected} for {kind}")
     return True
 
 

@@ -17,18 +17,23 @@ description of it, and what ONNX Runtime itself reports).
                                     graphs: the whole cache, written where it lies; the spare
                                     slot holds the attention padding row, see
                                     spec_export/onnx_fused.py)
-    decoder_lanes  (a fused decoder's batched form, `specexport build --max-batch L`: L
+    decoder_lanes  (a decoder's batched form, `specexport build --max-batch L`: L
              independent sequences, "lanes", in one call; the MatMuls see all L·n rows, each
-             lane's attention is the solo graph's, over the lane's own cache)
+             lane's attention is the solo graph's, over the lane's own cache; a fused
+             decoder's or an encoder-decoder's, in the layout of the decoder it batches)
              inputs   input_ids int64 [L, n] · position int64 [L] (each lane's first slot) ·
                       num_logits int64 [] · row_ends int64 [L] (lane b's logits are its rows
                       [row_ends[b] - num_logits, row_ends[b]); a lane with fewer tokens is
                       right-padded with filler tokens, whose slots are stale anyway)
-                      past_key.{i}.lane{b} / past_value.{i}.lane{b} CACHE
-                        [1, kv_heads, max_len + 1, head_dim]   (lane_kv_names: for each layer
+                      past_key.{i}.lane{b} / past_value.{i}.lane{b} CACHE, the decoder's
+                        past shape   (lane_kv_names: for each layer
                         i, for each lane b, key then value)
+                      encoder-decoder only: cross_key.{i}.lane{b} / cross_value.{i}.lane{b}
+                        as the decoder's cross inputs · source_mask int64 [L, max_source_len]
+                        (a token source only)
              outputs  logits float32 [L, num_logits, vocab_size]
-                      present_key.{i}.lane{b} / present_value.{i}.lane{b}, as past (in place)
+                      present_key.{i}.lane{b} / present_value.{i}.lane{b}: as past (in place),
+                        or the lane's n new slots (new-slots, as the decoder's present)
     encoder  inputs   input_ids int64 [1, max_source_len] · attention_mask int64
                       [1, max_source_len]   (the source right-padded, padding masked)
                       or, for speech (Whisper), input_features float32 [1, n_mels, frames]
@@ -201,17 +206,29 @@ def decoder_io(dims: Dims, max_len: int, kv_cache: str, max_source_len: int | No
 MAX_LANES = 64  # the most lanes a batched graph may have (`--max-batch`)
 
 
-def decoder_lanes_io(dims: Dims, max_len: int, lanes: int,
-                     dtype: str = "float32") -> tuple[list[dict], list[dict]]:
-    """The lanes graph's description (module docstring): `lanes` lanes of the in-place fused
-    decoder, each with its own caches [1, kv_heads, max_len + 1, head_dim]; `dtype` is the
-    caches'."""
-    cache = [1, dims.kv_heads, max_len + 1, dims.head_dim]
+def decoder_lanes_io(dims: Dims, max_len: int, lanes: int, dtype: str = "float32",
+                     kv_cache: str = "in-place", max_source_len: int | None = None,
+                     audio: bool = False) -> tuple[list[dict], list[dict]]:
+    """The lanes graph's description (module docstring): `lanes` lanes of the decoder, each
+    with its own caches, in the decoder's `kv_cache` layout: in place [1, kv_heads, max_len + 1,
+    head_dim] (a fused decoder), or the portable new slots (an encoder-decoder's, whose lanes
+    also read their own cross K/V and, for a token source, their row of source_mask [L, S]);
+    `dtype` is the caches'."""
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        raise ValueError(f"kv_cache {kv_cache!r} is not one of {KV_CACHE_LAYOUTS}")
+    in_place = kv_cache == "in-place"
+    cache = [1, dims.kv_heads, max_len + in_place, dims.head_dim]
+    present = cache if in_place else [1, dims.kv_heads, DIM_N, dims.head_dim]
     ins = [_io("input_ids", "int64", [lanes, DIM_N]), _io("position", "int64", [lanes]),
            _io("num_logits", "int64", []), _io(ROW_ENDS, "int64", [lanes])]
     ins += [_io(n, dtype, cache) for n in lane_kv_names("past", dims.n_layers, lanes)]
+    if max_source_len is not None:
+        cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
+        ins += [_io(n, dtype, cross) for n in lane_kv_names("cross", dims.n_layers, lanes)]
+        if not audio:
+            ins += [_io("source_mask", "int64", [lanes, max_source_len])]
     outs = [_io(LOGITS, "float32", [lanes, DIM_NUM_LOGITS, dims.vocab_size])]
-    outs += [_io(n, dtype, cache) for n in lane_kv_names("present", dims.n_layers, lanes)]
+    outs += [_io(n, dtype, present) for n in lane_kv_names("present", dims.n_layers, lanes)]
     return ins, outs
 
 

@@ -193,7 +193,11 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     lanes = open_lanes(bundle_dir, manifest, "target", manifest.target, target, threads=threads)
     draft_lanes = None
     if lanes is not None and draft is not None and draft_engines(draft) \
-            and manifest.draft.model is not None:
+            and manifest.draft.model is not None \
+            and "decoder_lanes" in manifest.draft.model.graphs:
+        # its steps share lanes calls: a step must score alike in a 1-row call and in a
+        # longer one, as the target's do (rows.py)
+        rows.probe(draft_engines(draft)[0], role="draft")
         draft_lanes = open_lanes(bundle_dir, manifest, "draft", manifest.draft.model,
                                  draft_engines(draft)[0], threads=threads)
     return Generator(

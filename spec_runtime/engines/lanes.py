@@ -50,27 +50,48 @@ class LaneCall:
 
 class LaneEngine:
     """A lanes graph's session, run over the caches of the batch-1 engines it is given.
-    `open` it from the batch-1 engine whose graph it batches."""
+    `open` it from the batch-1 engine whose graph it batches.
+
+    A fused decoder's lanes write each lane's cache in place. An encoder-decoder's (portable:
+    new slots) return each lane's new slots, which are written into the lane's cache at its
+    position, as its batch-1 engine writes them; each lane also reads its sequence's encoding
+    (the cross K/V its engine bound after encoding the source) and source mask."""
 
     def __init__(self, session, lanes: int, solo):
-        if not solo.in_place:
-            raise ValueError("a lanes graph writes its caches in place")
         self.session = session
         self.lanes = lanes
         self.vocab_size = solo.vocab_size
         self.max_len = solo.max_len
+        self.in_place = solo.in_place
         n_layers = len(solo.past_names) // 2
         # each lane's cache names, in the order of the batch-1 engine's (layer, key then value)
         self._pasts = _by_lane(lane_kv_names("past", n_layers, lanes), lanes)
         self._presents = _by_lane(lane_kv_names("present", n_layers, lanes), lanes)
         self._keys = list(solo.past_names)
+        inputs = {i.name: i for i in session.get_inputs()}
+        # an encoder-decoder's: each lane's cross K/V, in the batch-1 engine's order
+        self._cross_keys = list(getattr(solo, "cross_names", ()))
+        self._cross = _by_lane(lane_kv_names("cross", n_layers, lanes), lanes) \
+            if self._cross_keys else [[] for _ in range(lanes)]
+        self._mask = None
+        if "source_mask" in inputs:
+            self._mask = np.zeros((lanes, inputs["source_mask"].shape[1]), np.int64)
         self._binding = session.io_binding()
-        # a lane without a sequence still needs a cache to read and write
+        # a lane without a sequence still needs a cache to read and write, and an encoding
         self._spare = solo._store(solo.cache._ort, self._keys, solo.cache.shape,
                                   _dtype_name(solo.cache.dtype), solo.device)
+        self._spare_cross = None
+        if self._cross_keys:
+            shape = inputs[self._cross[0][0]].shape
+            zeros = solo.cache._ort.OrtValue.ortvalue_from_numpy(
+                np.zeros(shape, solo.cache.dtype))
+            self._spare_cross = {key: zeros for key in self._cross_keys}
         self._bound: list[object] = [None] * lanes  # the cache store each lane is bound to
+        self._bound_cross: list[object] = [None] * lanes  # and the encoding
         self._outs: dict[int, np.ndarray] = {}  # logits buffers, by rows a lane
         self._bound_rows = None
+        self._new: dict[int, list[list[np.ndarray]]] = {}  # new slots by tokens: lane, key
+        self._bound_tokens = None
         self._inputs: dict = {}
 
     def forward(self, calls: list[LaneCall]) -> list[np.ndarray]:
@@ -79,8 +100,10 @@ class LaneEngine:
         afterwards, as its own engine's forward would have written them."""
         if not 0 < len(calls) <= self.lanes:
             raise ValueError(f"{len(calls)} sequences for {self.lanes} lanes")
+        asked = calls
+        calls, shortest = zip(*(_in_form(c) for c in calls))
         k = max(c.rows for c in calls)
-        n = max(max(len(c.tokens) for c in calls), k)
+        n = max(max(len(c.tokens) for c in calls), k, *shortest)
         for c in calls:
             if c.pos + n > self.max_len:
                 raise CacheCapacityError(
@@ -96,25 +119,66 @@ class LaneEngine:
             row_ends[b] = max(len(c.tokens), k)
             c.engine.fed(c.tokens, c.pos)
         for b in range(self.lanes):
-            self._bind_lane(b, calls[b].engine.cache if b < len(calls) else self._spare)
+            engine = calls[b].engine if b < len(calls) else None
+            self._bind_lane(b, engine.cache if engine is not None else self._spare)
+            if self._cross_keys:
+                self._bind_encoding(b, engine)
         out = self._bind_logits(k)
+        if not self.in_place:
+            self._bind_new_slots(n)
         # the inputs' host arrays stay referenced until the run is done (ort.py binds so too)
         self._inputs = {"input_ids": ids, "position": position,
                         "num_logits": np.asarray(k, np.int64), "row_ends": row_ends}
+        if self._mask is not None:
+            self._inputs["source_mask"] = self._mask
         for name, value in self._inputs.items():
             self._binding.bind_cpu_input(name, value)
         self.session.run_with_iobinding(self._binding)
+        if not self.in_place:  # each lane's new slots for its own tokens, where they belong
+            for c, new in zip(calls, self._new[n]):
+                m = len(c.tokens)
+                for key, slots in zip(self._keys, new):
+                    c.engine.cache.buffers[key][:, :, c.pos : c.pos + m] = slots[:, :, :m]
         # lane b's rows end at row_ends[b]; its call's own are the last `rows` of its tokens
         return [out[b, k - (row_ends[b] - len(c.tokens)) - c.rows:
                     k - (row_ends[b] - len(c.tokens))]
-                for b, c in enumerate(calls)]
+                for b, c in enumerate(calls)][: len(asked)]
 
     def _bind_lane(self, b: int, cache) -> None:
         if self._bound[b] is cache:
             return  # the same sequence as the last call: its buffers are bound already
         for key, past, present in zip(self._keys, self._pasts[b], self._presents[b]):
-            cache.bind(self._binding, past, present, key=key)
+            cache.bind(self._binding, past, present if self.in_place else None, key=key)
         self._bound[b] = cache
+
+    def _bind_encoding(self, b: int, engine) -> None:
+        """Lane b reads `engine`'s encoding of its source (the spare one without an engine)."""
+        cross = engine.cross if engine is not None else self._spare_cross
+        if self._mask is not None:
+            if engine is not None:
+                self._mask[b] = engine.source_mask[0]
+            else:
+                self._mask[b] = 0
+                self._mask[b, 0] = 1  # one visible key: the spare lane's rows stay finite
+        if self._bound_cross[b] is cross:
+            return
+        for key, name in zip(self._cross_keys, self._cross[b]):
+            self._binding.bind_ortvalue_input(name, cross[key])
+        self._bound_cross[b] = cross
+
+    def _bind_new_slots(self, n: int) -> None:
+        """Each lane's present outputs bound to buffers of n slots (one set per n)."""
+        if n not in self._new:
+            shape = self._spare.shape[:2] + (n,) + self._spare.shape[3:]
+            self._new[n] = [[np.empty(shape, self._spare.dtype) for _ in self._keys]
+                            for _ in range(self.lanes)]
+        if self._bound_tokens == n:
+            return
+        for names, bufs in zip(self._presents, self._new[n]):
+            for name, buf in zip(names, bufs):
+                self._binding.bind_output(name, "cpu", 0, buf.dtype, list(buf.shape),
+                                          buf.ctypes.data)
+        self._bound_tokens = n
 
     def _bind_logits(self, k: int) -> np.ndarray:
         """The logits buffer [lanes, k, V] for k rows a lane (one per k, allocated once)."""
@@ -126,6 +190,21 @@ class LaneEngine:
                                       out.ctypes.data)
             self._bound_rows = k
         return out
+
+
+def _in_form(c: LaneCall) -> tuple[LaneCall, int]:
+    """`c` as its engine makes it (protocol.ChunkedEngine._call), and the fewest tokens the
+    lanes call must feed a lane for it: a 1-token call of an engine whose 1-row form is
+    "padded" is the 2-token call [the token at pos - 1, the token] at pos - 1, its last row,
+    so that the row comes from the kernels of a multi-row call, as alone; at position 0 it is
+    the first row of a call of 2 (the engine's [token, token]: the second row, a filler here,
+    is stale either way)."""
+    if len(c.tokens) != 1 or getattr(c.engine, "one_row", "as-is") != "padded":
+        return c, 1
+    if c.pos == 0:
+        return c, 2
+    prev = c.engine.fed_token(c.pos - 1)
+    return LaneCall(c.engine, np.array([prev, c.tokens[0]], np.int64), c.pos - 1, 1), 2
 
 
 def _by_lane(names: list[str], lanes: int) -> list[list[str]]:

@@ -110,15 +110,21 @@ def open_lanes(bundle_dir: Path, manifest: Manifest, role: str, model: ModelEntr
     runs where lanes are not checked (ONNX Runtime on the CPU only, for now)."""
     from .lanes import LaneEngine, call_shapes, check_lanes
     from .ort import OrtEngine, open_session
+    from .ort_encdec import OrtEncDecEngine
 
     graph = model.graphs.get("decoder_lanes")
-    if graph is None or type(solo) is not OrtEngine or solo.device.memory != "cpu":
+    if graph is None or type(solo) not in (OrtEngine, OrtEncDecEngine) \
+            or solo.device.memory != "cpu":
         return None
     session = open_session(bundle_dir / graph.file, graph, where=f"{role}.graphs.decoder_lanes",
                            metadata=graph_metadata(role, "decoder_lanes", model.precision),
                            device=solo.device, threads=threads, spinning=False)
     lanes = LaneEngine(session, manifest.max_batch, solo)
     engines = [solo.fork() for _ in range(lanes.lanes)]
+    if isinstance(solo, OrtEncDecEngine):  # the check's calls read one source's encoding
+        engines[0].encode_source(solo.example_source(np.random.default_rng(0)))
+        for engine in engines[1:]:
+            engine.use_encoding_of(engines[0])
     shapes = call_shapes(manifest.max_gamma + 1, verify=role == "target")
     return lanes, check_lanes(lanes, engines, shapes), engines
 

@@ -109,6 +109,22 @@ class OrtEncDecEngine(OrtEngine):
             self._binding.bind_ortvalue_input(name, value)
         self.encoded = True
 
+    @property
+    def source_mask(self) -> np.ndarray:
+        """[1, max_source_len]: this request's source positions (1) and padding (0)."""
+        return self._source_mask
+
+    def use_encoding_of(self, other: "OrtEncDecEngine") -> None:
+        """Read `other`'s encoding of its source, as if this engine had encoded it (nothing is
+        copied but the mask): engines checked over one source (lanes.check_lanes)."""
+        self._source_mask[:] = other._source_mask
+        if not self.audio:
+            self._binding.bind_cpu_input("source_mask", self._source_mask)
+        self.cross = other.cross
+        for name, value in self.cross.items():
+            self._binding.bind_ortvalue_input(name, value)
+        self.encoded = True
+
     def _encode_ids(self, source_ids) -> None:
         ids = np.asarray(source_ids, dtype=np.int64).reshape(-1)
         n = len(ids)

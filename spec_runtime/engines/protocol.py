@@ -92,6 +92,10 @@ class ChunkedEngine:
             self._fed = np.zeros(self.max_len, np.int64)
         self._fed[pos : pos + len(tokens)] = tokens
 
+    def fed_token(self, pos: int) -> int:
+        """The token last written at slot `pos` (what a "padded" 1-token call feeds again)."""
+        return 0 if self._fed is None else int(self._fed[pos])
+
     def _call(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
         """One graph call; a 1-token one in the engine's form. "padded" runs it as the 2-row
         call [token at pos - 1, token] at pos - 1 (slot pos - 1 is valid and gets the values it

@@ -20,7 +20,10 @@ positions in the call shapes decoding makes, on the engine itself:
 and keeps the first step form whose rows equal the multi-row ones bit for bit ("as-is" costs
 nothing; "padded" costs a second row per step: README, Performance). The engine then runs every
 1-token call in that form (engine.ChunkedEngine). The draft is not checked: the acceptance test
-uses the q its own calls computed, whatever shape they had, so its rows change the speed only.
+uses the q its own calls computed, whatever shape they had, so its rows change the speed only;
+but a draft whose steps share lanes calls (engines/lanes.py) takes the form too (`role`
+"draft"), so that a step scores alike alone and beside other sequences' longer feeds, and a
+seeded sample is the same whatever the batch.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def probe(engine, rows: int = PROBE_ROWS, prefix: int = PROBE_PREFIX,
-          seed: int = 0) -> RowCheck:
+          seed: int = 0, role: str = "target") -> RowCheck:
     """Score `rows` positions in every call shape (module docstring) on `engine`, choose its
     step form and set it (engine.set_one_row). The cache's slots are stale afterwards, as after
     any request; an encoder-decoder engine encodes a source of its own first."""
@@ -120,7 +123,7 @@ def probe(engine, rows: int = PROBE_ROWS, prefix: int = PROBE_PREFIX,
         form = "padded" if identical or padded < as_is else "as-is"
     engine.set_one_row(form)
     check = RowCheck(form, "probe", identical, as_is, padded, multi, time.perf_counter() - t0)
-    if not identical:
+    if not identical and role == "target":
         log.warning("target rows: %s", check.describe())
     return check
 

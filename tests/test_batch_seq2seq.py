@@ -1,0 +1,200 @@
+"""Encoder-decoder bundles (T5, Whisper) built with --max-batch: their decoder's lanes graph, and
+requests decoded together through it, each result the request's alone.
+
+Oracles: the decoder graph of the same bundle run with plain ONNX Runtime (`session.run`, over
+a cache the decoder graph itself wrote) for each lane; Hugging Face `generate` on the saved
+weights for greedy output; the request decoded alone for everything else (seeded samples, the
+draft, target-only). Where this machine's load check finds the lanes' rows differ from single
+calls, batching is off and the equalities hold one request at a time (the tests print which).
+"""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+
+import spec_runtime  # noqa: E402
+from helpers import run  # noqa: E402
+from spec_export.build import build_bundle  # noqa: E402
+from spec_runtime import GenerationOptions  # noqa: E402
+from spec_runtime.bundle.contract import kv_names, lane_kv_names  # noqa: E402
+from draftproof.cli.specexport import main as specexport  # noqa: E402
+
+LANES = 3
+T5_TEXTS = ["translate: hello", "abc", "the quick brown fox", "x y",
+            "more text here", "q"]
+
+
+@pytest.fixture(scope="module")
+def t5_pair(tmp_path_factory):
+    """(target dir, bundle): a 3-layer T5 and its 1-layer truncation, both float32, 3 lanes."""
+    from tiny_models import save, t5, t5_tokenizer, truncated_t5
+
+    root = tmp_path_factory.mktemp("t5_lanes")
+    target = t5(0, layers=3)
+    t = save(target, root / "t", t5_tokenizer())
+    d = save(truncated_t5(target, 1), root / "d", t5_tokenizer())
+    return t, build_bundle(str(t), str(d), root / "bundle", max_len=48, max_source_len=24,
+                           gamma=3, max_batch=LANES, progress=False)
+
+
+@pytest.fixture(scope="module")
+def whisper_pair(tmp_path_factory):
+    """(target dir, bundle): a 2-layer multilingual Whisper and its first decoder layer."""
+    from test_whisper import SPECIALS
+    from tiny_models import save, truncated_whisper, whisper, whisper_tokenizer
+
+    root = tmp_path_factory.mktemp("whisper_lanes")
+    target = whisper(0, suppress=SPECIALS)
+    t = save(target, root / "t", whisper_tokenizer())
+    d = save(truncated_whisper(target, 1), root / "d", whisper_tokenizer())
+    return t, build_bundle(str(t), str(d), root / "bundle", max_batch=LANES, progress=False)
+
+
+def _counting(lanes):
+    """Record the sequences of every call of `lanes` (a LaneEngine) in a list."""
+    calls = []
+    forward = lanes.forward
+    lanes.forward = lambda c: calls.append(len(c)) or forward(c)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["t5", "whisper"])
+def test_the_manifest_records_each_models_lanes_graph(kind, t5_pair, whisper_pair):
+    _, bundle = t5_pair if kind == "t5" else whisper_pair
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["max_batch"] == LANES and m["schema_version"] == 6
+    for role in ("target", "draft"):
+        graphs = m[role]["graphs"]
+        lanes = graphs["decoder_lanes"]
+        assert lanes["file"] == f"{role}.lanes.onnx"
+        assert (lanes["kernels"], lanes["kv_cache"]) == ("portable", "new-slots")
+        names = [i["name"] for i in lanes["inputs"]]
+        assert "cross_key.0.lane2" in names and ("source_mask" in names) == (kind == "t5")
+        record = m[role]["parity"]["lanes"]
+        assert 0 <= record["max_abs_diff"] <= record["tolerance"], record
+        print(f"{kind} {role}: lanes vs decoder max |Δlogit| {record['max_abs_diff']}")
+    spec_runtime.bundle.manifest.read_manifest(bundle)  # the runtime's reader takes it
+
+
+def test_each_t5_lane_is_the_decoder_graphs_call_over_its_own_history(t5_pair):
+    """Three sequences, each with its own source mask, cross K/V and a history the decoder
+    graph wrote at its own length, then one lanes call (one lane right-padded) against the
+    decoder graph's call for each sequence: logits and new slots within float32 rounding."""
+    _, bundle = t5_pair
+    m = json.loads((bundle / "manifest.json").read_text())
+    solo = ort.InferenceSession(str(bundle / m["target"]["graphs"]["decoder"]["file"]))
+    lanes = ort.InferenceSession(str(bundle / m["target"]["graphs"]["decoder_lanes"]["file"]))
+    dec = {i.name: i.shape for i in solo.get_inputs()}
+    nl = sum(1 for k in dec if k.startswith("past_key."))
+    cache_shape, cross_shape = dec["past_key.0"], dec["cross_key.0"]
+    S, V = cross_shape[2], m["target"]["vocab_size"]
+    rng = np.random.default_rng(5)
+    caches, crosses, masks, positions = [], [], [], [7, 2, 12]
+    for b, pos in enumerate(positions):
+        cache = [np.zeros(cache_shape, np.float32) for _ in range(2 * nl)]
+        cross = [rng.standard_normal(cross_shape).astype(np.float32) for _ in range(2 * nl)]
+        mask = (np.arange(S) < 4 + 5 * b).astype(np.int64)[None]
+        history = rng.integers(0, V, (1, pos))
+        out = solo.run(None, {"input_ids": history, "position": np.array(0),
+                              "num_logits": np.array(1), **dict(zip(kv_names("past", nl), cache)),
+                              **dict(zip(kv_names("cross", nl), cross)), "source_mask": mask})
+        for buf, new in zip(cache, out[1:]):
+            buf[:, :, :pos] = new
+        caches.append(cache), crosses.append(cross), masks.append(mask)
+    n, k, real = 4, 4, [4, 2, 4]
+    ids = rng.integers(0, V, (LANES, n))
+    feed = {"input_ids": ids, "position": np.array(positions), "num_logits": np.array(k),
+            "row_ends": np.array([max(r, k) for r in real]), "source_mask": np.concatenate(masks)}
+    for prefix, per in (("past", caches), ("cross", crosses)):
+        for j, name in enumerate(lane_kv_names(prefix, nl, LANES)):  # (layer, lane, k then v)
+            feed[name] = per[(j // 2) % LANES][2 * (j // (2 * LANES)) + j % 2]
+    logits, *presents = lanes.run(None, feed)
+    for b in range(LANES):
+        rows = min(k, real[b])
+        want, *new = solo.run(None, {
+            "input_ids": ids[b:b + 1, :real[b]], "position": np.array(positions[b]),
+            "num_logits": np.array(rows), **dict(zip(kv_names("past", nl), caches[b])),
+            **dict(zip(kv_names("cross", nl), crosses[b])), "source_mask": masks[b]})
+        # lane b's rows end at row_ends[b] = k: a padded lane's own are before its fillers'
+        end = k - (max(real[b], k) - real[b])
+        np.testing.assert_allclose(logits[b, end - rows:end], want[0], atol=1e-5, rtol=1e-5)
+        for i in range(2 * nl):
+            got = presents[2 * ((i // 2) * LANES + b) + i % 2][:, :, :real[b]]
+            np.testing.assert_allclose(got, new[i], atol=1e-5, rtol=1e-5)
+
+
+def test_t5_requests_together_are_each_the_requests_alone(t5_pair):
+    target_dir, bundle = t5_pair
+    gen = spec_runtime.load(bundle)
+    lanes, check, _ = gen.lanes
+    print(f"target lanes: {check}; draft lanes: {gen.draft_lanes and gen.draft_lanes[1]}")
+    options = [GenerationOptions(max_new_tokens=20),
+               GenerationOptions(max_new_tokens=18, temperature=0.9, seed=4),
+               GenerationOptions(max_new_tokens=12, gamma=1),
+               GenerationOptions(max_new_tokens=16, use_draft=False),
+               GenerationOptions(max_new_tokens=22, temperature=1.2, top_k=20, seed=9),
+               GenerationOptions(max_new_tokens=9, logprobs=2)]
+    requests = [gen.request(p, o) for p, o in zip(T5_TEXTS, options)]
+    alone = [gen.generate(r) for r in requests]
+    calls = _counting(lanes)
+    together = gen.generate_batch(requests)
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
+    assert [t.logprob for t in together[-1].logprobs] == [t.logprob for t in alone[-1].logprobs]
+    if check.identical:
+        assert gen.max_batch == LANES and max(calls) == LANES, calls
+    else:
+        assert gen.max_batch == 1 and not calls
+    # greedy: Hugging Face's own generate on the saved weights
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(target_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(target_dir)
+    greedy = gen.generate_batch(T5_TEXTS, GenerationOptions(max_new_tokens=20))
+    for text, result in zip(T5_TEXTS, greedy):
+        with torch.no_grad():
+            want = hf.generate(**tok(text, return_tensors="pt"), max_new_tokens=20,
+                               do_sample=False)[0].tolist()[1:]
+        assert result.tokens == want[: len(result.tokens)] and (
+            len(result.tokens) == 20 or want[len(result.tokens) - 1] == tok.eos_token_id)
+
+
+def test_whisper_transcriptions_together_are_each_alone_and_hugging_faces(whisper_pair):
+    from test_whisper import N, hf_transcribe, signal
+
+    target_dir, bundle = whisper_pair
+    gen = spec_runtime.load(bundle, threads=1)
+    lanes, check, _ = gen.lanes
+    print(f"target lanes: {check}; draft lanes: {gen.draft_lanes and gen.draft_lanes[1]}")
+    clips = [signal(seed) for seed in range(5)]
+    languages = ["en", "fr", None, "de", "en"]
+    options = [GenerationOptions(max_new_tokens=N), GenerationOptions(max_new_tokens=N),
+               GenerationOptions(max_new_tokens=N, use_draft=False),
+               GenerationOptions(max_new_tokens=N, temperature=0.8, seed=3),
+               GenerationOptions(max_new_tokens=N, gamma=2)]
+    requests = [gen.transcription(x, o, language=lang)
+                for x, o, lang in zip(clips, options, languages)]
+    alone = [gen.generate(r) for r in requests]
+    calls = _counting(lanes)
+    together = gen.generate_batch(requests)
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens and b.text == a.text
+    if check.identical:
+        assert max(calls) == LANES, calls
+    for i in (0, 1, 4):  # greedy with a given language: Hugging Face's transcript
+        assert together[i].tokens == hf_transcribe(target_dir, clips[i], languages[i]), i
+
+
+def test_int8_encoder_decoder_with_max_batch_is_refused(tmp_path):
+    from tiny_models import save, t5, t5_tokenizer
+
+    target = save(t5(0, layers=1), tmp_path / "t", t5_tokenizer())
+    r = run(specexport, "build", "--target", target, "--draft", "ngram", "--precision", "int8",
+            "--max-batch", "2", "--out", tmp_path / "b", "--quiet")
+    assert r.exit_code == 2, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert "--max-batch 2" in line and "--precision int8" in line and "--precision fp32" in line
+    assert "Traceback" not in r.output and not (tmp_path / "b").exists()
