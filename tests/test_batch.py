@@ -225,3 +225,41 @@ def test_a_batch_forks_engine_called_outside_a_request_runs_alone():
     fork = gen.together(2)[0]
     assert np.array_equal(fork.target_logits([1, 2, 3], [4]), gen.target_logits([1, 2, 3], [4]))
     assert toy.carried == []
+
+
+def test_no_call_runs_beside_another_in_a_batch(monkeypatch):
+    """A request's prompt (and any call made alone) waits at the gate like a lanes call and
+    runs first, with nothing beside it: two calls at once would share the cores. Every engine
+    call and lanes call here takes 2 ms (a window in which another call starting would show);
+    at most one is ever in progress, and every result is still its request's alone."""
+    import threading
+    import time
+
+    gen, toy = batched("model", lanes=3)
+    options = GenerationOptions(max_new_tokens=12, gamma=2)
+    want = [gen.generate(p, options).tokens for p in PROMPTS]
+    state = {"active": 0, "most": 0}
+    lock, inside = threading.Lock(), threading.local()
+
+    def counted(call):
+        def wrapped(*args, **kwargs):
+            if getattr(inside, "depth", 0):  # a lanes call's own engine calls
+                return call(*args, **kwargs)
+            with lock:
+                state["active"] += 1
+                state["most"] = max(state["most"], state["active"])
+            inside.depth = 1
+            try:
+                time.sleep(0.002)
+                return call(*args, **kwargs)
+            finally:
+                inside.depth = 0
+                with lock:
+                    state["active"] -= 1
+        return wrapped
+
+    monkeypatch.setattr(ToyEngine, "forward", counted(ToyEngine.forward))
+    monkeypatch.setattr(ToyLanes, "forward", counted(ToyLanes.forward))
+    got = gen.generate_batch(PROMPTS, options)
+    assert [r.tokens for r in got] == want
+    assert max(toy.carried) >= 2 and state["most"] == 1, (toy.carried, state)

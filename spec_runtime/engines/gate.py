@@ -14,13 +14,13 @@ streaming, a grammar) it does as alone, on its own thread.
 
 A call runs alone where a lanes call would not be the engine's own call: a sequence's first
 (the prompt), a feed longer than the lanes were checked for, a call near the cache's end, and
-a call no other sequence waits beside. The rows a sequence gets are its own whatever shares
+a call no other sequence waits beside. It too waits at the gate and runs there, first, with
+no other call beside it: two calls at once would share the cores. The rows a sequence gets are its own whatever shares
 the call: lanes.check_lanes proved it on this machine before any gate was made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,10 +30,13 @@ import numpy as np
 from .lanes import LaneCall, LaneEngine
 
 
+ALONE = -1  # Gate.alone's order: before the drafts' steps (0) and the verifications (1)
+
+
 @dataclass
 class _Waiting:
-    lanes: LaneEngine
-    call: LaneCall
+    lanes: LaneEngine | None  # None: `call` is a callable, run alone (Gate.alone)
+    call: object  # LaneCall, or that callable
     order: int
     rows: np.ndarray | None = None
     error: BaseException | None = None
@@ -120,18 +123,12 @@ class Gate:
             self._running -= 1
             self._lead()
 
-    @contextlib.contextmanager
-    def away(self):
-        """A call the sequence makes alone: the others need not wait for it."""
-        with self._cond:
-            self._running -= 1
-            self.counts.alone += 1
-            self._lead()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._running += 1
+    def alone(self, run, order: int = ALONE):
+        """`run()` (a call the sequence makes alone: its prompt, a feed longer than the lanes)
+        made at the gate like a lanes call, before the lanes calls waiting beside it: no call
+        of another sequence runs meanwhile, so the two never share the cores (on a CPU, two
+        calls at once each take about twice as long)."""
+        return self.call(None, run, order)
 
     def call(self, lanes: LaneEngine, call: LaneCall, order: int = 0) -> np.ndarray:
         """`call`'s rows of logits, from a lanes call of `lanes` with whatever waits beside it
@@ -210,6 +207,13 @@ class Gate:
 def _run(waiting: list[_Waiting], counts: GateCounts, times: dict, clock) -> None:
     groups: dict[int, list[_Waiting]] = {}
     for w in waiting:
+        if w.lanes is None:  # Gate.alone's: one after another, each its own call
+            counts.alone += 1
+            try:
+                w.rows = w.call()
+            except BaseException as e:  # that sequence's own
+                w.error = e
+            continue
         groups.setdefault(id(w.lanes), []).append(w)
     for group in groups.values():
         lanes = group[0].lanes
@@ -258,7 +262,6 @@ class GatedEngine:
         # every lane of a call is fed as many tokens as its longest feed, up to `longest`
         if pos == 0 or n > self.longest or pos + max(self.longest, num_logits) \
                 > self.lanes.max_len:
-            with self.gate.away():
-                return self.engine.forward(tokens, pos, num_logits)
+            return self.gate.alone(lambda: self.engine.forward(tokens, pos, num_logits))
         return self.gate.call(self.lanes, LaneCall(self.engine, tokens, pos, num_logits),
                               self.order)
