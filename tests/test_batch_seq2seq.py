@@ -198,3 +198,93 @@ def test_int8_encoder_decoder_with_max_batch_is_refused(tmp_path):
     line = r.output.strip().splitlines()[-1]
     assert "--max-batch 2" in line and "--precision int8" in line and "--precision fp32" in line
     assert "Traceback" not in r.output and not (tmp_path / "b").exists()
+
+
+def test_the_server_transcribes_uploads_together(whisper_pair, tmp_path):
+    """`specrun serve --slots 3` on the lanes bundle: concurrent uploads (their languages given
+    or detected) each get the transcript the Python API gives it alone, and /metrics shows calls
+    that carried several."""
+    pytest.importorskip("multipart", reason="the serve extra installs python-multipart")
+    import re
+    import threading
+
+    import httpx
+    from test_serve import server
+    from test_whisper import signal, write_wav
+
+    _, bundle = whisper_pair
+    gen = spec_runtime.load(bundle, threads=1)
+    jobs = []
+    for i in range(6):
+        wav = write_wav(tmp_path / f"{i}.wav", signal(10 + i))
+        language = [None, "fr", "en"][i % 3]
+        alone = gen.transcribe(spec_runtime.read_audio(wav), language=language,
+                               max_new_tokens=16)
+        jobs.append((wav, language, alone.text.strip()))
+    got, errors = {}, []
+
+    def one(i, url, model):
+        wav, language, _ = jobs[i]
+        data = {"model": model, "max_tokens": "16", **({"language": language} if language
+                                                        else {})}
+        try:
+            r = httpx.post(f"{url}/v1/audio/transcriptions", data=data, timeout=300,
+                           files={"file": (wav.name, wav.read_bytes())})
+            r.raise_for_status()
+            got[i] = r.json()["text"]
+        except Exception as e:  # reported below, with the others
+            errors.append((i, repr(e)))
+
+    with server(bundle, "--slots", "3", "--queue", "8") as (url, _):
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        threads = [threading.Thread(target=one, args=(i, url, model))
+                   for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        metrics = httpx.get(url + "/metrics").text
+    assert not errors, errors
+    for i, (_, _, want) in enumerate(jobs):
+        assert got[i] == want, (i, got[i], want)
+    sizes = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r'^specedge_batch_calls_total\{size="(\d+)"\} (\S+)$', metrics, re.M)}
+    print("calls by requests carried:", sizes)
+    if gen.max_batch > 1:
+        assert any(n >= 2 and k > 0 for n, k in sizes.items()), sizes
+
+
+def test_a_speech_bundles_language_detection_never_waits_behind_a_slot(whisper_pair, tmp_path):
+    """The server's slots over a speech bundle are forks: the loaded generator, which detects
+    an upload's language before a slot is taken, is none of them, so a detection goes on while
+    every slot decodes (here: while each slot's engines are held)."""
+    import threading
+
+    from spec_runtime.apps.slots import Slots
+    from spec_runtime.apps.transcriptions import make_request
+    from spec_runtime.apps.openai_api import Job
+    from test_whisper import signal, write_wav
+
+    _, bundle = whisper_pair
+    for max_batch in (LANES, 1):
+        gen = spec_runtime.load(bundle, threads=1)
+        if max_batch == 1:  # the same bundle without its lanes: a fork per slot
+            gen.lanes = None
+        slots = Slots(gen, 2, 4)
+        assert all(g is not gen for g in slots.generators)
+        wav = write_wav(tmp_path / "a.wav", signal(3))
+        job = Job(prompt=None, chat=False, max_tokens=8, stream=False, include_usage=False,
+                  kwargs={}, prompt_field="file")
+        held = [g._lock for g in slots.generators]
+        for lock in held:
+            lock.acquire()
+        try:
+            with open(wav, "rb") as audio:
+                done = threading.Thread(target=make_request, args=(
+                    gen, job, {"audio": audio, "name": "a.wav", "language": None}))
+                done.start()
+                done.join(timeout=120)  # waiting behind a held slot would never end
+            assert not done.is_alive() and job.request is not None
+        finally:
+            for lock in held:
+                lock.release()

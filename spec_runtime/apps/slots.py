@@ -32,9 +32,15 @@ class Slots:
 
     def __init__(self, gen, n: int, queue: int):
         # with lanes (a bundle built with --max-batch), the slots' rounds share calls
-        # (Generator.together): a round verifies every slot decoding in one call
-        self.generators = gen.together(n) if gen.max_batch > 1 else \
-            [gen] + [gen.fork() for _ in range(n - 1)]
+        # (Generator.together): a round verifies every slot decoding in one call. A speech
+        # bundle's slots are forks too: `gen` itself detects the languages of uploads as they
+        # come (transcriptions.make_request), never waiting behind a slot's decode
+        if gen.max_batch > 1:
+            self.generators = gen.together(n)
+        elif gen.audio is not None:
+            self.generators = [gen.fork() for _ in range(n)]
+        else:
+            self.generators = [gen] + [gen.fork() for _ in range(n - 1)]
         self.gate = self.generators[0].gate
         self.free = list(self.generators)
         self.queue = queue
