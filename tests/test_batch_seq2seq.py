@@ -288,3 +288,46 @@ def test_a_speech_bundles_language_detection_never_waits_behind_a_slot(whisper_p
         finally:
             for lock in held:
                 lock.release()
+
+
+def test_no_call_runs_beside_another_in_an_encoder_decoder_batch(t5_pair, monkeypatch):
+    """Encoder passes, prompts and lanes calls of T5 requests decoded together: each waits at
+    the gate and runs with nothing beside it (each call made to take 5 ms more: a window in
+    which another starting would show), and every result is its request's alone."""
+    import threading
+    import time
+
+    from spec_runtime.engines.lanes import LaneEngine
+    from spec_runtime.engines.ort_encdec import OrtEncDecEngine
+    from spec_runtime.engines.protocol import ChunkedEngine
+
+    _, bundle = t5_pair
+    gen = spec_runtime.load(bundle, threads=1)
+    options = GenerationOptions(max_new_tokens=10)
+    want = [gen.generate(t, options).tokens for t in T5_TEXTS]
+    state = {"active": 0, "most": 0}
+    lock = threading.Lock()
+
+    def counted(call):
+        def wrapped(*args, **kwargs):
+            with lock:
+                state["active"] += 1
+                state["most"] = max(state["most"], state["active"])
+            try:
+                time.sleep(0.005)
+                return call(*args, **kwargs)
+            finally:
+                with lock:
+                    state["active"] -= 1
+        return wrapped
+
+    for cls, name in ((LaneEngine, "forward"), (ChunkedEngine, "forward"),
+                      (OrtEncDecEngine, "encode_source")):
+        monkeypatch.setattr(cls, name, counted(getattr(cls, name)))
+    calls = _counting(gen.lanes[0])
+    got = gen.generate_batch(T5_TEXTS, options)
+    assert [r.tokens for r in got] == want
+    print(f"lanes calls by sequences carried: {np.bincount(calls)}; at once: {state['most']}")
+    if gen.max_batch > 1:
+        assert max(calls) >= 2
+    assert state["most"] == 1, state

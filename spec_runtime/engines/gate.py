@@ -15,7 +15,8 @@ streaming, a grammar) it does as alone, on its own thread.
 A call runs alone where a lanes call would not be the engine's own call: a sequence's first
 (the prompt), a feed longer than the lanes were checked for, a call near the cache's end, and
 a call no other sequence waits beside. It too waits at the gate and runs there, first, with
-no other call beside it: two calls at once would share the cores. The rows a sequence gets are its own whatever shares
+no other call beside it: two calls at once would share the cores. So does an encoder-decoder's
+encoder pass (`encode_source`), once a request. The rows a sequence gets are its own whatever shares
 the call: lanes.check_lanes proved it on this machine before any gate was made.
 """
 
@@ -252,7 +253,15 @@ class GatedEngine:
         self.order = order  # Gate.call's
 
     def __getattr__(self, name):
-        return getattr(self.engine, name)
+        value = getattr(self.engine, name)
+        if name == "encode_source":  # an encoder-decoder's encoder pass: a call made alone
+            return lambda source: self._alone(value, source)
+        return value
+
+    def _alone(self, run, *args):
+        if not self.gate.holds():
+            return run(*args)
+        return self.gate.alone(lambda: run(*args))
 
     def forward(self, tokens, pos: int, num_logits: int = 1) -> np.ndarray:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
@@ -262,6 +271,6 @@ class GatedEngine:
         # every lane of a call is fed as many tokens as its longest feed, up to `longest`
         if pos == 0 or n > self.longest or pos + max(self.longest, num_logits) \
                 > self.lanes.max_len:
-            return self.gate.alone(lambda: self.engine.forward(tokens, pos, num_logits))
+            return self._alone(self.engine.forward, tokens, pos, num_logits)
         return self.gate.call(self.lanes, LaneCall(self.engine, tokens, pos, num_logits),
                               self.order)
