@@ -273,12 +273,15 @@ class Generator:
 
     def transcription(self, audio, options: GenerationOptions | None = None, *,
                       language: str | None = None, task: str = "transcribe",
-                      **values) -> Request:
+                      detect_later: bool = False, **values) -> Request:
         """A speech bundle's request (speech.py): `audio` (a WAV file's path, or float samples
         at 16 kHz, at most the bundle's window) as the encoders' features, the decoder prompted
         with the task, and the language (detected when None, for a multilingual model), the
         model's suppressed tokens a constraint of its sampling. Checked as `request` checks a
-        text's, in the same order."""
+        text's, in the same order. With `detect_later` the language is detected as the request
+        runs, on the engines that decode it, from the encoding they make anyway (a server's
+        uploads, a batch: one encoder pass a request, not two); the request's prefix holds a
+        placeholder there until then."""
         from . import speech
 
         options = GenerationOptions.given(options, values)
@@ -297,14 +300,19 @@ class Generator:
         lang = speech.language_token(self.audio, language) if language is not None else None
         task_id = speech.task_token(self.audio, task)
         features = speech.features_of(audio, self.audio, self.target.max_source_len)
+        detect_at = None
         if lang is None and self.audio.languages:
-            lang = speech.detect_language(self.audio, self._first_row(features))
+            if detect_later:  # any language token holds the place: speech.decoder_prompt's
+                lang, detect_at = next(iter(self.audio.languages.values())), 1
+            else:
+                lang = speech.detect_language(self.audio, self._first_row(features))
         prefix = np.asarray(speech.decoder_prompt(self.audio, self.decoder_start_token_id, lang,
                                                   task_id), np.int64)
         params = replace(params, constraint=speech.Suppress(self.audio, self.vocab_size),
                          penalty_start=len(prefix))
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens)
-        return self._bound(options, features, prefix, params, gamma)
+        return replace(self._bound(options, features, prefix, params, gamma),
+                       detect_at=detect_at)
 
     def transcribe(self, audio, options: GenerationOptions | None = None, *,
                    language: str | None = None, task: str = "transcribe", cancel=None,
@@ -313,6 +321,17 @@ class Generator:
         greedy by default, speculative with the bundle's draft, exactly the target's output."""
         request = self.transcription(audio, options, language=language, task=task, **values)
         return self.generate(request, cancel=cancel)
+
+    def _detected_in(self, request: Request) -> Request:
+        """`request` (Request.detect_at) with the language detected from the target's first
+        row, on this generator's engines, which encoded its source already."""
+        from . import speech
+
+        start = np.asarray([self.decoder_start_token_id], np.int64)
+        row = np.asarray(self.target.forward(start, 0, 1)[-1], np.float64)
+        prefix = request.prefix.copy()
+        prefix[request.detect_at] = speech.detect_language(self.audio, row)
+        return replace(request, prefix=prefix, detect_at=None)
 
     def _first_row(self, features: np.ndarray) -> np.ndarray:
         """The target's logits after <|startoftranscript|> for these features. The target
@@ -453,6 +472,8 @@ class Generator:
                 if self.encoder_decoder:
                     t0 = self.clock()
                     before = self._encode(request.prompt, draft)
+                    if request.detect_at is not None:
+                        request = self._detected_in(request)
                     stats.encode_time_s = self.clock() - t0 + before
                     recorder.t0 -= before  # the request's time includes language detection
                 state = RequestState(request, recorder, token_logprobs, self._batch_rounds)

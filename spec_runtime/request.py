@@ -148,6 +148,9 @@ class Request:
     eos_token_ids: frozenset[int]
     # auto γ's prices when fixed (a seeded sample: loop.GammaPolicy); None: this run's timings
     costs: Costs | None = None
+    # a transcription whose language is detected as it runs, on the engines that decode it:
+    # the index in `prefix` of the language token to put there (None: nothing to detect)
+    detect_at: int | None = None
 
     @property
     def max_new_tokens(self) -> int:

@@ -331,3 +331,44 @@ def test_no_call_runs_beside_another_in_an_encoder_decoder_batch(t5_pair, monkey
     if gen.max_batch > 1:
         assert max(calls) >= 2
     assert state["most"] == 1, state
+
+
+def test_a_language_detected_as_the_request_runs_is_the_one_detected_before(whisper_pair):
+    """Generator.transcription(detect_later=True) (the server's uploads): no encoder runs when
+    the request is made; the slot that decodes it detects the language from its own encoding,
+    and the transcript is the one of the language detected up front (itself Hugging Face's:
+    test_whisper.py), alone and in a batch."""
+    from test_whisper import N, signal
+
+    from spec_runtime.decode.drafts import draft_engines
+    from spec_runtime.engines.ort_encdec import OrtEncDecEngine
+
+    _, bundle = whisper_pair
+    gen = spec_runtime.load(bundle, threads=1)
+    clips = [signal(seed) for seed in range(6)]
+    options = GenerationOptions(max_new_tokens=N)
+    eager = [gen.transcription(x, options) for x in clips]
+    encoded = []
+    encode = OrtEncDecEngine.encode_source
+    OrtEncDecEngine.encode_source = lambda self, source: encoded.append(1) or encode(self,
+                                                                                    source)
+    try:
+        later = [gen.transcription(x, options, detect_later=True) for x in clips]
+        assert not encoded and all(r.detect_at == 1 for r in later)
+        alone = [gen.fork().generate(r) for r in later]
+        # one encoder pass a request and model: the target's, and its draft model's own
+        models = 1 + sum(isinstance(e, OrtEncDecEngine) for e in draft_engines(gen.draft))
+        assert len(encoded) == models * len(clips)
+        together = gen.generate_batch(later)
+    finally:
+        OrtEncDecEngine.encode_source = encode
+    want = [gen.generate(r) for r in eager]
+    for w, a, b in zip(want, alone, together):
+        assert a.tokens == w.tokens and b.tokens == w.tokens
+    # the placeholder is not the detected language, and decoding from it would differ: a
+    # request that kept it would fail the equalities above
+    held = [int(r.prefix[1]) for r in later]
+    assert any(int(r.prefix[1]) != h for r, h in zip(eager, held))
+    code = next(c for c, t in gen.audio.languages.items() if t == held[0])
+    assert any(gen.transcribe(x, options, language=code).tokens != w.tokens
+               for x, w in zip(clips, want))

@@ -137,8 +137,9 @@ def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
 
 
 def make_request(gen, job: Job, upload: dict) -> None:
-    """job.request: the transcription's Request, checked once (the audio read, its language
-    detected where not given), before a slot is taken."""
+    """job.request: the transcription's Request, checked once (the audio read), before a slot
+    is taken; a language not given is detected on that slot (Generator.transcription's
+    detect_later)."""
     from ..audio import read_audio, window_seconds
     from ..speech import samples_of, transcript_tokens
 
@@ -150,8 +151,11 @@ def make_request(gen, job: Job, upload: dict) -> None:
         samples = samples_of(read_audio(upload["audio"], window, name=upload["name"]), window)
         if job.max_tokens is None:
             job.max_tokens = transcript_tokens(gen, job.kwargs.get("use_draft", True))
+        # a language not given is detected on the slot that decodes the request, from the
+        # encoding it makes anyway: intake runs no encoder
         job.request = gen.transcription(samples, GenerationOptions(
-            max_new_tokens=job.max_tokens, **job.kwargs), language=upload["language"])
+            max_new_tokens=job.max_tokens, **job.kwargs), language=upload["language"],
+            detect_later=True)
     except FieldError as e:  # a value of the form's (language, temperature, gamma ...)
         raise input_error(e, job.prompt_field) from None
     except InputError as e:  # the audio, or a bundle without speech
