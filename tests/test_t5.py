@@ -365,3 +365,19 @@ def test_cli_build_then_generate(tmp_path):
     r = run(specrun, "generate", "x" * 20, "--bundle", out)
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert "max_source_len is 16" in r.output and "--max-source-len" in r.output
+
+
+def test_a_bundle_whose_encoder_reads_fewer_than_8_tokens_builds_and_runs(tmp_path):
+    """The load's measurements encode a source of their own (8 ids, fewer where the encoder
+    reads fewer): a bundle built with --max-source-len 4 loads, and decodes as Hugging Face."""
+    from tiny_models import save, t5, t5_tokenizer
+
+    model = t5(0, layers=1)
+    target = save(model, tmp_path / "t", t5_tokenizer())
+    bundle = build_bundle(str(target), "ngram", tmp_path / "b", max_len=32, max_source_len=4,
+                          progress=False)
+    got = spec_runtime.load(bundle).generate([5, 6, 7], max_new_tokens=6)
+    with torch.no_grad():
+        want = model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=6,
+                              do_sample=False)[0].tolist()[1:]
+    assert got.tokens == want[: len(got.tokens)]

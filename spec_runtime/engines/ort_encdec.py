@@ -89,11 +89,11 @@ class OrtEncDecEngine(OrtEngine):
         return self.features_shape is not None
 
     def example_source(self, rng: np.random.Generator) -> np.ndarray:
-        """A source this engine encodes, for measurements: 8 token ids, or a window of features
-        in the range log_mel gives."""
+        """A source this engine encodes, for measurements: 8 token ids (fewer where the encoder
+        reads fewer), or a window of features in the range log_mel gives."""
         if self.audio:
             return rng.uniform(-1.0, 1.5, self.features_shape[1:]).astype(np.float32)
-        return rng.integers(0, self.vocab_size, 8)
+        return rng.integers(0, self.vocab_size, min(8, self.max_source_len))
 
     def encode_source(self, source) -> None:
         """Run the encoder on one request's source: its token ids, or a speech encoder's
