@@ -48,7 +48,13 @@ import serve_load
 from serve_process import (HOST, REPO, free_port, resolve_launch, running_server,
                            server_command)
 
-SERVERS = ("batched", "per-slot")
+SERVERS = ("batched", "per-slot")  # the run's keys; `baseline_label` names the second
+
+
+def other(report: dict) -> str:
+    """What the baseline server is called in the report: "per-slot" unless the run was given
+    --baseline-label (an older batched server, say)."""
+    return report["config"].get("baseline_label") or "per-slot"
 MODE_NAMES = serve_load.MODE_NAMES  # base: target-only, spec: speculative
 fmt = serve_load.fmt
 
@@ -164,22 +170,24 @@ def ratios(report: dict) -> dict:
 
 def table(report: dict) -> str:
     lines = ["| clients = slots | server | ran | mode | requests | errors | tok/s (all clients) "
-             "| batched / per-slot | TTFT p50 s | ms/token p50 | ms/token p95 | tok / target "
-             "call | requests per call |",
+             f"| batched / {other(report)} | TTFT p50 s | ms/token p50 | ms/token p95 | tok / "
+             "target call | requests per call |",
              "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ratio = ratios(report)
     for run in report["runs"]:
         k, server = run["clients"], run["server"]
         if "result" not in run:
-            lines.append(f"| {k} | {server} | {run.get('order', '')} | failed: "
+            name = server if server == "batched" else other(report)
+            lines.append(f"| {k} | {name} | {run.get('order', '')} | failed: "
                          f"{run.get('failed', '?')[:80]} |" + " |" * 9)
             continue
         for mode in ("spec", "base"):
             m = mode_of(run, mode)
             r = ratio.get(k, {}).get(mode) if server == "batched" else None
             carried = mean_carried(run.get("batch_calls"))
+            name = server if server == "batched" else other(report)
             lines.append(
-                f"| {k} | {server} | {run.get('order', '')} | {MODE_NAMES[mode]} | "
+                f"| {k} | {name} | {run.get('order', '')} | {MODE_NAMES[mode]} | "
                 f"{m['requests']} | {m['errors']} | {fmt(m['throughput_tok_s'], '.1f')} | "
                 f"{fmt(r, '.2f', '×') if r else ''} | {fmt(m['ttft_p50_s'])} | "
                 f"{fmt(m['per_token_p50_ms'], '.1f')} | {fmt(m['per_token_p95_ms'], '.1f')} | "
@@ -188,9 +196,10 @@ def table(report: dict) -> str:
 
 
 def ratio_table(report: dict) -> str:
-    lines = ["| clients = slots | speculative: batched / per-slot | target-only: batched / "
-             "per-slot | batched: speculative / target-only | per-slot: speculative / "
-             "target-only |", "|---:|---:|---:|---:|---:|"]
+    o = other(report)
+    lines = [f"| clients = slots | speculative: batched / {o} | target-only: batched / {o} | "
+             f"batched: speculative / target-only | {o}: speculative / target-only |",
+             "|---:|---:|---:|---:|---:|"]
     pairs = by_clients(report)
     for k, r in ratios(report).items():
         speedup = {s: (pairs[k][s]["result"]["speedup"] if s in pairs[k] else None)
@@ -215,7 +224,7 @@ def head(report: dict) -> str:
             + f". batched: this tree at {(report['git'].get('commit') or '?')[:7]}"
             + (f" with uncommitted changes to {len(changed)} files of spec_runtime/ and cli/ "
                f"(diff {report['git'].get('diff_sha1')})" if changed else "") + ", "
-            f"--launch {cfg['launch']}; per-slot: `{base['tree']}` at "
+            f"--launch {cfg['launch']}; {other(report)}: `{base['tree']}` at "
             f"{(base.get('commit') or '?')[:7]} ({base.get('subject') or '?'}). "
             f"The servers take turns per client count (ran: first or second). Load average at "
             f"start {report['load_before']['load_1m']:.2f}; {report['seconds']:.0f} s.")
@@ -227,7 +236,8 @@ def undrafted(report: dict) -> list[str]:
     for run in report["runs"]:
         m = mode_of(run, "spec")
         if m.get("tokens_per_target_call") and m["tokens_per_target_call"] < 1.05:
-            out.append(f"{run['server']}, {run['clients']} clients: the speculative requests "
+            name = run["server"] if run["server"] == "batched" else other(report)
+            out.append(f"{name}, {run['clients']} clients: the speculative requests "
                        f"proposed {m.get('proposed')} draft tokens in all, "
                        f"{m['tokens_per_target_call']:.2f} tokens per target call: the server "
                        "decoded them as target-only")
@@ -255,7 +265,9 @@ def plot(report: dict):
             if not points:
                 continue
             ax.plot(*zip(*points), marker="o", color=f"C{i // 2}",
-                    ls="-" if mode == "spec" else "--", label=f"{server}, {MODE_NAMES[mode]}")
+                    ls="-" if mode == "spec" else "--",
+                    label=f"{server if server == 'batched' else other(report)}, "
+                          f"{MODE_NAMES[mode]}")
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set_xticks(ks, [str(k) for k in ks])
@@ -265,7 +277,8 @@ def plot(report: dict):
         ax.set_ylim(bottom=0, top=1.2 * ax.get_ylim()[1])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set_title(f"{label} (above: batched / per-slot)" if key == "throughput_tok_s"
+        ax.set_title(f"{label} (above: batched / {other(report)})"
+                     if key == "throughput_tok_s"
                      else label, fontsize=10)
     for k in ks:  # batched / per-slot above the batched server's higher point
         top = max((mode_of(pairs[k].get("batched"), m).get("throughput_tok_s") or 0)
@@ -283,8 +296,9 @@ def dated(report: dict, directory: Path | None, **given) -> Path | None:
     """DIRECTORY/serve-batch-<date>.md and .png (None: no report); `given`: reports.rebuilt's
     command, date, machine and rebuilt_by."""
     return directory and reports.write_run_report(
-        report, directory, "serve-batch", title="specrun serve: continuous batching against a "
-        "loop per slot", head=head(report), figure=plot(report),
+        report, directory, "serve-batch", title="specrun serve: continuous batching against "
+        + ("a loop per slot" if other(report) == "per-slot" else other(report)),
+        head=head(report), figure=plot(report),
         table="\n\n".join([ratio_table(report), table(report), notes(report)]), **given)
 
 
@@ -346,6 +360,8 @@ def main(argv=None) -> None:
     ap.add_argument("-b", "--bundle", help="a bundle built with specexport build --max-batch N")
     ap.add_argument("--baseline-tree", type=Path,
                     help="the per-slot server's checkout (a git worktree of an older commit)")
+    ap.add_argument("--baseline-label", default=None,
+                    help="what the report calls the baseline server [default: per-slot]")
     load_options(ap, requests=4, startup=180)
     ap.add_argument("--out", type=Path, default=None,
                     help="write the run's JSON here (the committed one: benchmarks/results/"
@@ -385,7 +401,8 @@ def main(argv=None) -> None:
                    "clients": clients, "requests_per_client": args.requests,
                    "max_tokens": args.max_tokens, "queue": args.queue, "gamma": args.gamma,
                    "temperature": 0, "launch": launch, "installed": where, "prompts": prompts,
-                   "round_modes": serve_load.round_modes(args.requests)},
+                   "round_modes": serve_load.round_modes(args.requests),
+                   "baseline_label": args.baseline_label},
         "runs": [], "notes": [],
     }
     logs = Path(tempfile.mkdtemp(prefix="serve-batch-"))
