@@ -108,12 +108,12 @@ def resample(samples: np.ndarray, rate: int) -> np.ndarray:
         return x.astype(np.float32)
     n_out = int(round(len(x) * SAMPLE_RATE / rate))
     spectrum = np.fft.rfft(x)
-    bins = n_out // 2 + 1
-    out = np.zeros(bins, np.complex128)
-    keep = min(bins, len(spectrum))
-    out[:keep] = spectrum[:keep]
-    if n_out < len(x) and n_out % 2 == 0:  # the new Nyquist bin holds both halves' share
-        out[-1] = out[-1].real
+    out = np.zeros(n_out // 2 + 1, np.complex128)
+    m = min(n_out, len(x))  # the bins both lengths hold: 0 .. m // 2
+    out[: m // 2 + 1] = spectrum[: m // 2 + 1]
+    if m % 2 == 0 and n_out != len(x):  # the unpaired bin at m // 2, as scipy pairs it:
+        # downsampling unites its two halves (x2), upsampling splits it in two (/2)
+        out[m // 2] *= 2 if n_out < len(x) else 0.5
     return (np.fft.irfft(out, n_out) * (n_out / len(x))).astype(np.float32)
 
 

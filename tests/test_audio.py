@@ -80,6 +80,19 @@ def test_channels_are_averaged(tmp_path):
     np.testing.assert_allclose(got, 0.125, atol=1e-4)
 
 
+@pytest.mark.parametrize("rate,n", [(44100, 44100), (44100, 44101), (48000, 48000),
+                                    (8000, 8000), (8000, 8001), (22050, 22050),
+                                    (11025, 11026), (96000, 96000)])
+def test_resampling_white_noise_is_scipys(rate, n):
+    """Noise has energy at every bin, the Nyquist bins included: scipy.signal.resample's result
+    up and down, for even and odd lengths (scipy pairs the unpaired bin of an even length)."""
+    from scipy import signal
+
+    x = np.random.default_rng(rate + n).standard_normal(n).astype(np.float32)
+    want = signal.resample(x.astype(np.float64), int(round(n * 16000 / rate)))
+    np.testing.assert_allclose(audio.resample(x, rate), want, rtol=0, atol=1e-6)
+
+
 def test_resampling_is_band_limited_and_keeps_the_tone(tmp_path):
     """22,050 Hz (what espeak-ng writes) to 16 kHz: scipy.signal.resample's result, and a
     440 Hz tone stays at 440 Hz with its amplitude."""
