@@ -150,8 +150,9 @@ def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **
 @click.option("--task", type=click.Choice(["transcribe", "translate"]), default="transcribe",
               show_default=True, help="transcribe, or translate into English")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
-              help=f"stop after this many new tokens (or at EOS) [default: "
-                   f"224, Whisper's own, or what the bundle's cache holds]")
+              help="stop after this many new tokens (or at EOS) [default: what transformers' "
+                   "Whisper generate allows: the decoder's length (448) less the prompt, or "
+                   "what the bundle's cache holds]")
 @sampling_options()
 @gamma_option()
 @no_draft_option

@@ -27,16 +27,18 @@ from .bundle.manifest import AudioEntry
 from .errors import FieldError, InputError
 
 TASKS = ("transcribe", "translate")
-TRANSCRIPT_TOKENS = 224  # Whisper's own longest transcript of a window (OpenAI's sample_len)
+TRANSCRIPT_TOKENS = 224  # a text bundle's answer: the request refuses it anyway
 
 
 def transcript_tokens(gen, use_draft: bool = True) -> int:
-    """A transcription's max_new_tokens where none is given: TRANSCRIPT_TOKENS, or what the
-    cache holds after the longest decoder prompt."""
+    """A transcription's max_new_tokens where none is given, as transformers' Whisper
+    `generate` defaults: the decoder's length (its max_target_positions, 448, which the
+    bundle's cache holds; less where the bundle was built with a shorter --max-len) less the
+    longest decoder prompt, so that a transcript that loops is cut where transformers cuts it."""
     if gen.audio is None:  # not a speech bundle: the request refuses it, with the reason
         return TRANSCRIPT_TOKENS
     longest = 2 + bool(gen.audio.languages) + bool(gen.audio.tasks)
-    return max(1, min(TRANSCRIPT_TOKENS, gen.capacity(use_draft) - longest + 1))
+    return max(1, gen.capacity(use_draft) - longest)
 
 
 class Suppress:

@@ -283,6 +283,12 @@ def test_specrun_transcribe_and_bench(pair, tmp_path):
     read = spec_runtime.read_audio(wav)
     assert out["tokens"][:N] == hf_transcribe(model_dir, read, "fr", n=N)
     assert out["language"] == "fr"
+    # no max_new_tokens: transformers' default length (generation_config.max_length, the
+    # model's max_target_positions, prompt included) cuts the transcript where ours is cut
+    with torch.no_grad():
+        whole = hf_model(model_dir).generate(input_features=features(read), language="fr",
+                                             task="transcribe", do_sample=False)[0].tolist()
+    assert out["tokens"] == whole and len(whole) > N, (len(out["tokens"]), len(whole))
     r = run(specrun, "bench", "-b", bundle, "--audio", wav, "--max-new-tokens", 16, "--json",
             "--gamma", "1,3")
     assert r.exit_code == 0, r.output
