@@ -135,6 +135,11 @@ def lanes_parity(solo_path, lanes_path, *, lanes: int, n_layers: int, max_len: i
             for lane_buf, solo_buf in zip(caches[b], own):  # the slots of its real tokens
                 _worse(worst, scale, "cache", lane_buf[:, :, pos:pos + real],
                        solo_buf[:, :, pos:pos + real])
+    return _record(lanes, worst, scale, calls)
+
+
+def _record(lanes: int, worst: dict, scale: dict, calls: list[LaneCall]) -> dict:
+    """The parity record of both kinds of lanes graph (lanes_parity's docstring)."""
     return {"lanes": lanes, "max_abs_diff": worst["logits"], "max_abs_diff_cache": worst["cache"],
             "scale": scale["logits"], "scale_cache": scale["cache"],
             "calls": [f"{c.what}: n={c.ids.shape[1]}, num_logits={c.num_logits}, positions "
@@ -198,10 +203,7 @@ def seq2seq_lanes_parity(solo_path, lanes_path, *, lanes: int, n_layers: int, ma
                 for kv in range(2):
                     got = presents[2 * (i * lanes + b) + kv][:, :, :real]
                     _worse(worst, scale, "cache", got, new[2 * i + kv])
-    return {"lanes": lanes, "max_abs_diff": worst["logits"], "max_abs_diff_cache": worst["cache"],
-            "scale": scale["logits"], "scale_cache": scale["cache"],
-            "calls": [f"{c.what}: n={c.ids.shape[1]}, num_logits={c.num_logits}, positions "
-                      f"{c.positions.tolist()}, real tokens {c.real.tolist()}" for c in calls]}
+    return _record(lanes, worst, scale, calls)
 
 
 def judged(record: dict, *, precision: str, name: str, max_batch: int) -> dict:

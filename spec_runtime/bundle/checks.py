@@ -386,16 +386,15 @@ def _check_lanes(model: dict, where: str, graphs: dict, kv_cache: str, max_batch
                           f"max_batch > 1 sequences); {REBUILD}")
     lanes = graphs[LANES_GRAPH]
     kernels = graphs["decoder"].get("kernels", SCHEMA_1_DEFAULTS["kernels"])
-    want = ("portable", "new-slots") if encdec else ("fused", "in-place")
+    kernels_want, cache_want = ("portable", "new-slots") if encdec else ("fused", "in-place")
     kind = "an encoder-decoder" if encdec else "a decoder-only model"
-    for field, value in ((f"{at}.kernels", lanes.get("kernels")),
-                         (f"{at}.kv_cache", lanes.get("kv_cache")),
-                         (f"{where}.graphs.decoder.kernels", kernels),
-                         (f"{where}.graphs.decoder.kv_cache", kv_cache)):
-        expected = want[0] if field.endswith("kernels") else want[1]
-        if value != expected:
-            raise _bad(field, value, f"a lanes graph and the decoder it batches are "
-                                     f"{expected} for {kind}")
+    for field, value, want in ((f"{at}.kernels", lanes.get("kernels"), kernels_want),
+                               (f"{at}.kv_cache", lanes.get("kv_cache"), cache_want),
+                               (f"{where}.graphs.decoder.kernels", kernels, kernels_want),
+                               (f"{where}.graphs.decoder.kv_cache", kv_cache, cache_want)):
+        if value != want:
+            raise _bad(field, value, f"a lanes graph and the decoder it batches are {want} "
+                                     f"for {kind}")
     return True
 
 

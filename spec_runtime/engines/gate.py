@@ -16,8 +16,8 @@ A call runs alone where a lanes call would not be the engine's own call: a seque
 (the prompt), a feed longer than the lanes were checked for, a call near the cache's end, and
 a call no other sequence waits beside. It too waits at the gate and runs there, first, with
 no other call beside it: two calls at once would share the cores. So does an encoder-decoder's
-encoder pass (`encode_source`), once a request. The rows a sequence gets are its own whatever shares
-the call: lanes.check_lanes proved it on this machine before any gate was made.
+encoder pass (`encode_source`), once a request. The rows a sequence gets are its own whatever
+shares the call: lanes.check_lanes proved it on this machine before any gate was made.
 """
 
 from __future__ import annotations

@@ -100,7 +100,6 @@ class LaneEngine:
         afterwards, as its own engine's forward would have written them."""
         if not 0 < len(calls) <= self.lanes:
             raise ValueError(f"{len(calls)} sequences for {self.lanes} lanes")
-        asked = calls
         calls, shortest = zip(*(_in_form(c) for c in calls))
         k = max(c.rows for c in calls)
         n = max(max(len(c.tokens) for c in calls), k, *shortest)
@@ -142,7 +141,7 @@ class LaneEngine:
         # lane b's rows end at row_ends[b]; its call's own are the last `rows` of its tokens
         return [out[b, k - (row_ends[b] - len(c.tokens)) - c.rows:
                     k - (row_ends[b] - len(c.tokens))]
-                for b, c in enumerate(calls)][: len(asked)]
+                for b, c in enumerate(calls)]
 
     def _bind_lane(self, b: int, cache) -> None:
         if self._bound[b] is cache:
