@@ -186,8 +186,14 @@ def audio_entry(hf_model) -> AudioEntry | None:
         if multilingual else {}
     tasks = {k: int(v) for k, v in get("task_to_id", {}).items()} if multilingual else {}
     no_ts = get("no_timestamps_token_id")
+    stamps = None  # the timestamp rules' values, where the vocabulary has timestamp tokens
+    if no_ts is not None and int(no_ts) + 1 < int(hf_model.config.vocab_size):
+        initial, prev = get("max_initial_timestamp_index"), get("prev_sot_token_id")
+        stamps = {"max_initial_timestamp_index": None if initial is None else int(initial),
+                  "prev_sot_token_id": None if prev is None else int(prev)}
     return AudioEntry(n_mels=int(hf_model.config.num_mel_bins), languages=languages,
                       tasks=tasks, no_timestamps_token_id=None if no_ts is None else int(no_ts),
                       suppress_tokens=tuple(int(t) for t in get("suppress_tokens", [])),
                       begin_suppress_tokens=tuple(int(t) for t in get("begin_suppress_tokens",
-                                                                      [])))
+                                                                      [])),
+                      timestamps=stamps)

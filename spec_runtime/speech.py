@@ -55,6 +55,68 @@ class Suppress:
         return self.first if len(generated) == 0 else self.always
 
 
+class Timestamps(Suppress):
+    """Whisper's timestamp rules on top of its suppressed tokens (transformers'
+    WhisperTimeStampLogitsProcessor, after SuppressTokens and SuppressTokensAtBegin, as its
+    `generate` orders them): the tokens generated after the decoder prompt alternate text and
+    timestamps (<|t|> ids from `begin` on, <|0.00|>, <|0.02|>, ...): timestamps come in pairs
+    (a segment's end, then the next one's start) except the last before the end of text, never
+    decrease, the first token is a timestamp (at most max_initial_timestamp_index), and
+    <|notimestamps|> never comes. `allowed` is that mask; `rule` is what reads the row itself
+    (sampling._mask calls it on the masked row): where the timestamps' summed probability
+    beats every text token's, only a timestamp may follow."""
+
+    def __init__(self, audio: AudioEntry, vocab_size: int, eos: int):
+        super().__init__(audio, vocab_size)
+        self.begin = audio.no_timestamps_token_id + 1
+        self.eos = eos
+        self.max_initial = audio.timestamps["max_initial_timestamp_index"]
+        for mask in (self.always, self.first):
+            mask[audio.no_timestamps_token_id] = False
+
+    def allowed(self, generated) -> np.ndarray:
+        g = [int(t) for t in generated]
+        mask = (self.first if not g else self.always).copy()
+        last = len(g) >= 1 and g[-1] >= self.begin
+        penultimate = len(g) < 2 or g[-2] >= self.begin
+        if last:
+            if penultimate:  # a pair just closed: text (or the end) follows
+                mask[self.begin:] = False
+            else:  # a segment's end: its pair, or the end of text
+                mask[: self.eos] = False
+        stamps = [t for t in g if t >= self.begin]
+        if stamps:  # never back in time, nor <|0.00|> twice
+            mask[self.begin: stamps[-1] + (0 if last and not penultimate else 1)] = False
+        if not g:
+            mask[: self.begin] = False
+            if self.max_initial is not None:
+                mask[self.begin + self.max_initial + 1:] = False
+        return mask
+
+    def rule(self, row: np.ndarray) -> None:
+        x = np.asarray(row, np.float64)
+        top = x.max()
+        if not np.isfinite(top):
+            return
+        logp = x - top - np.log(np.exp(x - top).sum())
+        stamps = logp[self.begin:]
+        if not np.isfinite(stamps).any():
+            return
+        m = stamps.max()
+        if m + np.log(np.exp(stamps - m).sum()) > logp[: self.begin].max():
+            row[: self.begin] = -np.inf
+
+
+def timestamp_rules(entry: AudioEntry, vocab_size: int, eos: int) -> Timestamps:
+    """The rules of a transcription with timestamps; InputError where the bundle has none."""
+    if entry.timestamps is None:
+        raise InputError("this bundle records no timestamp tokens: its model has none, or the "
+                         "bundle was built by an older draftproof; build it again with "
+                         "`specexport build` for timestamps and recordings longer than one "
+                         "window")
+    return Timestamps(entry, vocab_size, eos)
+
+
 def samples_of(audio, window: float) -> np.ndarray:
     """float samples at 16 kHz from a path (read_audio) or an array of samples (checked)."""
     if isinstance(audio, (str, Path)):
@@ -77,8 +139,14 @@ def samples_of(audio, window: float) -> np.ndarray:
 
 
 def features_of(audio, entry: AudioEntry, max_source_len: int) -> np.ndarray:
-    """The encoder's input for `audio`: its log-mel window, float32 [n_mels, frames]."""
+    """The encoder's input for `audio`: its log-mel window, float32 [n_mels, frames]. A 2-D
+    float32 array of that shape is taken as the window's features already (longform.py)."""
     frames = 2 * max_source_len
+    if isinstance(audio, np.ndarray) and audio.ndim == 2 and audio.dtype == np.float32:
+        if audio.shape != (entry.n_mels, frames):
+            raise InputError(f"features of shape {list(audio.shape)}: this bundle's window "
+                             f"is [{entry.n_mels}, {frames}]")
+        return audio
     return log_mel(samples_of(audio, window_seconds(frames)), entry.n_mels, frames)
 
 
@@ -118,13 +186,25 @@ def task_token(entry: AudioEntry, task: str) -> int | None:
 
 
 def decoder_prompt(entry: AudioEntry, start: int, language: int | None,
-                   task: int | None) -> list[int]:
-    """<|startoftranscript|> [<|lang|> <|task|>] [<|notimestamps|>]: transformers' prompt for
-    a transcription without timestamps."""
-    ids = [start] + [t for t in (language, task) if t is not None]
-    if entry.no_timestamps_token_id is not None:
+                   task: int | None, timestamps: bool = False,
+                   previous: list[int] | None = None) -> list[int]:
+    """[<|startofprev|> previous text] <|startoftranscript|> [<|lang|> <|task|>]
+    [<|notimestamps|>]: transformers' prompt for a transcription, <|notimestamps|> left out
+    where it has timestamps; `previous` (long-form's earlier text, with
+    `prev_sot_token(entry)` first) before it."""
+    ids = list(previous or []) + [start] + [t for t in (language, task) if t is not None]
+    if entry.no_timestamps_token_id is not None and not timestamps:
         ids.append(entry.no_timestamps_token_id)
     return ids
+
+
+def prev_sot_token(entry: AudioEntry) -> int | None:
+    """<|startofprev|>: the generation_config's prev_sot_token_id, else the second to last
+    suppressed token, as transformers' long-form `generate` finds it."""
+    prev = (entry.timestamps or {}).get("prev_sot_token_id")
+    if prev is None and len(entry.suppress_tokens) >= 2:
+        prev = entry.suppress_tokens[-2]
+    return prev
 
 
 def detect_language(entry: AudioEntry, first_row: np.ndarray) -> int:

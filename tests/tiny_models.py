@@ -354,32 +354,44 @@ WHISPER_SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|fr|>"
 WHISPER_VOCAB = 256 + len(WHISPER_SPECIALS)
 
 
-def whisper_tokenizer() -> PreTrainedTokenizerFast:
+# with timestamps: <|startofprev|> and <|nospeech|> before <|notimestamps|>, then the timestamp
+# tokens <|0.00|> .. of a window of 2 * 16 frames (0.32 s)
+WHISPER_TS_SPECIALS = WHISPER_SPECIALS[:-1] + ["<|startofprev|>", "<|nospeech|>",
+                                               "<|notimestamps|>"] + \
+    [f"<|{i * 0.02:.2f}|>" for i in range(17)]
+
+
+def whisper_tokenizer(specials=WHISPER_SPECIALS) -> PreTrainedTokenizerFast:
     """Byte-level BPE without merges: the 256 bytes at ids 0..255, then Whisper's specials."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for s in WHISPER_SPECIALS:
+    for s in specials:
         vocab[s] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(WHISPER_SPECIALS)
+    tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", unk_token="<|endoftext|>",
                                    pad_token="<|endoftext|>")
 
 
 def whisper(seed: int, d_model=32, layers=2, heads=4, positions=16, suppress=(),
-            begin_suppress=(), max_target_positions=64, **kw):
+            begin_suppress=(), max_target_positions=64, timestamps=False,
+            max_initial_timestamp_index=None, **kw):
     """A tiny multilingual Whisper (80 mel bins, a window of 2 * `positions` frames) whose
     generation_config carries what Whisper's `generate` reads: languages, tasks,
-    <|notimestamps|>, the suppressed tokens."""
+    <|notimestamps|>, the suppressed tokens; with `timestamps`, the vocabulary of
+    WHISPER_TS_SPECIALS (whisper_tokenizer(WHISPER_TS_SPECIALS)) and <|startofprev|>."""
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(seed)
-    ids = {s: 256 + i for i, s in enumerate(WHISPER_SPECIALS)}
+    specials = WHISPER_TS_SPECIALS if timestamps else WHISPER_SPECIALS
+    ids = {s: 256 + i for i, s in enumerate(specials)}
+    extra = {"prev_sot_token_id": ids["<|startofprev|>"],
+             "max_initial_timestamp_index": max_initial_timestamp_index} if timestamps else {}
     cfg = WhisperConfig(
-        vocab_size=WHISPER_VOCAB, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        vocab_size=256 + len(specials), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
         encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=2 * d_model,
         decoder_ffn_dim=2 * d_model, num_mel_bins=80, max_source_positions=positions,
         max_target_positions=max_target_positions, decoder_start_token_id=ids["<|startoftranscript|>"],
@@ -396,7 +408,7 @@ def whisper(seed: int, d_model=32, layers=2, heads=4, positions=16, suppress=(),
         lang_to_id={s: ids[s] for s in ("<|en|>", "<|fr|>", "<|de|>")},
         task_to_id={"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"], suppress_tokens=list(suppress),
-        begin_suppress_tokens=list(begin_suppress))
+        begin_suppress_tokens=list(begin_suppress), **extra)
     return model
 
 

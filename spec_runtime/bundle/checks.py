@@ -32,7 +32,9 @@ AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
 VOCAB_SINCE = 4  # the first schema whose draft may have a trimmed head (draft.vocab)
 AUDIO_SINCE = 5  # the first schema with speech bundles (`audio`: an encoder of log-mel features)
 BATCH_SINCE = 6  # the first schema with max_batch and lanes graphs
-MAX_MELS = 512  # mel bins an audio encoder may read (Whisper has 80 or 128)
+MAX_MELS = 512
+# what a speech bundle's timestamp rules read (manifest.AudioEntry.timestamps)
+TIMESTAMP_KEYS = ("max_initial_timestamp_index", "prev_sot_token_id")  # mel bins an audio encoder may read (Whisper has 80 or 128)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_BYTES = 255  # a file name, on every common file system
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
@@ -272,6 +274,18 @@ def _check_audio(m: dict, arch: str, target: dict) -> int | None:
                or not 0 <= t < vocab]
         if bad:
             raise _bad(f"audio.{key}", bad[0], f"each must be a token id in [0, {vocab})")
+    stamps = audio.get("timestamps")
+    if stamps is not None:
+        no_ts = audio.get("no_timestamps_token_id")
+        if no_ts is None or no_ts + 1 >= vocab:
+            raise _bad("audio.timestamps", "(present)", "timestamp tokens are the ids after "
+                       "no_timestamps_token_id, inside the vocabulary")
+        if not isinstance(stamps, dict) or set(stamps) != set(TIMESTAMP_KEYS):
+            raise _bad("audio.timestamps", stamps, f"it must be an object of "
+                       f"{', '.join(TIMESTAMP_KEYS)}")
+        _integer(stamps, "max_initial_timestamp_index", "audio.timestamps", 0,
+                 vocab - no_ts - 2, optional=True)
+        _integer(stamps, "prev_sot_token_id", "audio.timestamps", 0, vocab - 1, optional=True)
     return n_mels
 
 

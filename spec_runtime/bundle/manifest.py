@@ -122,7 +122,11 @@ class AudioEntry:
     manifest's decoder_start_token_id), then a language token (`languages`: "en" -> id; empty
     for an English-only model, which has none), a task token (`tasks`: "transcribe",
     "translate"), then <|notimestamps|>; the ids the model's generation_config never lets it
-    emit (`suppress_tokens`) and those it may not emit first (`begin_suppress_tokens`)."""
+    emit (`suppress_tokens`) and those it may not emit first (`begin_suppress_tokens`).
+    `timestamps`, for a model whose vocabulary has timestamp tokens (the ids after
+    <|notimestamps|>), is what its timestamp rules read: {"max_initial_timestamp_index": the
+    last timestamp allowed first, or None for any, "prev_sot_token_id": <|startofprev|>};
+    None where the model has none, or the bundle was built before they were recorded."""
 
     n_mels: int
     languages: dict[str, int] = field(default_factory=dict)
@@ -130,18 +134,22 @@ class AudioEntry:
     no_timestamps_token_id: int | None = None
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    timestamps: dict | None = None
 
     def to_json(self) -> dict:
         return {"n_mels": self.n_mels, "languages": dict(self.languages),
                 "tasks": dict(self.tasks), "no_timestamps_token_id": self.no_timestamps_token_id,
                 "suppress_tokens": list(self.suppress_tokens),
-                "begin_suppress_tokens": list(self.begin_suppress_tokens)}
+                "begin_suppress_tokens": list(self.begin_suppress_tokens),
+                "timestamps": None if self.timestamps is None else dict(self.timestamps)}
 
     @classmethod
     def from_json(cls, d: dict) -> "AudioEntry":
+        stamps = d.get("timestamps")
         return cls(d["n_mels"], dict(d["languages"]), dict(d["tasks"]),
                    d.get("no_timestamps_token_id"), tuple(d["suppress_tokens"]),
-                   tuple(d["begin_suppress_tokens"]))
+                   tuple(d["begin_suppress_tokens"]),
+                   None if stamps is None else dict(stamps))
 
 
 @dataclass(frozen=True)

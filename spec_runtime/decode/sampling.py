@@ -363,18 +363,23 @@ def penalize(logits: np.ndarray, params: SamplingParams, tokens=None, appended=N
 
 def _mask(rows: np.ndarray, params: SamplingParams, tokens, appended) -> None:
     """Step 0, in place: -inf for the tokens the constraint does not allow after the tokens
-    generated before each row (the context from `penalty_start` on, then appended[:r])."""
+    generated before each row (the context from `penalty_start` on, then appended[:r]); then
+    the constraint's `rule`, where it has one, on the masked row (in place: Whisper's timestamp
+    rule reads the row's probabilities, speech.Timestamps)."""
     if tokens is None:
         raise ValueError("a constraint reads the context: pass the tokens before the first row")
     tokens = np.asarray(tokens, np.int64)
     appended = np.zeros(0, np.int64) if appended is None else np.asarray(appended, np.int64)
     generated = tokens[min(params.penalty_start, len(tokens)):]
+    rule = getattr(params.constraint, "rule", None)
     for r, row in enumerate(rows):
         allowed = params.constraint.allowed(np.concatenate([generated, appended[:r]]))
         if allowed is not None:
             n = min(len(allowed), len(row))  # ids past the mask (padding) are never allowed
             row[:n][~allowed[:n]] = -np.inf
             row[n:] = -np.inf
+            if rule is not None:  # what the constraint decides from the masked row itself
+                rule(row)
 
 
 def warp(logits: np.ndarray, params: SamplingParams, tokens=None, appended=None) -> np.ndarray:
