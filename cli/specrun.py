@@ -153,23 +153,86 @@ def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **
               help="stop after this many new tokens (or at EOS) [default: what transformers' "
                    "Whisper generate allows: the decoder's length (448) less the prompt, or "
                    "what the bundle's cache holds]")
+@click.option("--timestamps", is_flag=True,
+              help="segments with their start and end (Whisper's timestamp tokens); always on "
+                   "for a recording longer than one window, and for --format json, srt, vtt")
+@click.option("--format", "fmt", type=click.Choice(["txt", "json", "srt", "vtt"]),
+              default="txt", show_default=True,
+              help="the transcript as text, JSON with segments, or subtitles")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="write the transcript to this file [default: standard output]")
+@click.option("--condition-on-previous-text/--no-condition-on-previous-text", default=True,
+              show_default=True,
+              help="with timestamps: each window's prompt holds the text before it (openai-"
+                   "whisper's and faster-whisper's default; transformers' is off)")
+@click.option("--fallback/--no-fallback", default=True, show_default=True,
+              help="with timestamps: a window that fails a threshold is decoded again at "
+                   "temperatures 0.2 higher, up to 1.0 (sampled, seeded by --seed)")
+@click.option("--compression-ratio-threshold", type=float, default=2.4, show_default=True,
+              help="with timestamps: a window whose tokens compress more than this (a "
+                   "repeating transcript) fails")
+@click.option("--logprob-threshold", type=float, default=-1.0, show_default=True,
+              help="with timestamps: a window whose tokens' average log-probability is below "
+                   "this fails")
+@click.option("--no-speech-threshold", type=float, default=0.6, show_default=True,
+              help="with timestamps: a window whose no-speech probability is above this, and "
+                   "that fails --logprob-threshold, is silence: skipped")
 @sampling_options()
 @gamma_option()
 @no_draft_option
-@json_option("print one JSON object (tokens, text, language, stats)")
+@json_option("print one JSON object (tokens, text, language, stats; with timestamps, the "
+             "segments)")
 @device_options
 @input_errors
-def transcribe(audio, bundle, language, task, max_new_tokens, as_json, device, draft_device,
+def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, output,
+               condition_on_previous_text, fallback, compression_ratio_threshold,
+               logprob_threshold, no_speech_threshold, as_json, device, draft_device,
                threads, **request):
-    """Transcribe AUDIO (a WAV file of at most one window, 30 s for Whisper; FLAC and others
-    where soundfile is installed) with a speech bundle: greedy by default, speculative with the
-    bundle's draft, exactly the target's transcript."""
+    """Transcribe AUDIO (a WAV file of any length; FLAC and others where soundfile is
+    installed) with a speech bundle: greedy by default, speculative with the bundle's draft,
+    exactly the target's transcript. A recording longer than one window (30 s for Whisper) is
+    transcribed window after window, as Whisper's long-form transcription does."""
     import spec_runtime
     from spec_runtime.speech import language_code, transcript_tokens
 
     # checked now, before the load; without --max-new-tokens the bundle's room sets it below
     options = generation_options(max_new_tokens=max_new_tokens or 1, **request)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
+    # a model without timestamp tokens transcribes one window: a longer one is refused below
+    if gen.audio is not None and (timestamps or fmt != "txt" or (
+            gen.audio.timestamps is not None and _longer_than_a_window(gen, audio))):
+        fmt = "json" if as_json else fmt
+        from spec_runtime import longform
+
+        first = options.temperature or 0.0
+        temps = tuple(t / 10 for t in range(round(first * 10), 11, 2)) \
+            if fallback and first <= 1.0 else (first,)
+        form = in_cli_words(longform.LongForm, condition_on_previous_text, temps or (first,),
+                            compression_ratio_threshold, logprob_threshold,
+                            no_speech_threshold)
+        from dataclasses import replace
+
+        options = replace(options, max_new_tokens=max_new_tokens or gen.capacity(
+            options.use_draft))
+        result = in_cli_words(longform.transcribe, gen, audio, options, language=language,
+                              task=task, longform=form)
+        text = longform.render(result, fmt)
+        if fmt == "json":
+            import json as json_
+
+            text = json_.dumps({**result.to_json(), "stats": result.stats},
+                               ensure_ascii=False) + "\n"
+        if output is not None:
+            with open(output, "w", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            click.echo(text, nl=False)
+        st = result.stats
+        click.echo(f"{len(result.segments)} segments · {st['windows']} windows "
+                   f"({st['windows_skipped']} silent, {st['fallbacks']} fallbacks) · "
+                   f"{st['new_tokens']} tokens · {st['real_time_factor']:.3f}x real time · "
+                   f"{st['tokens_per_target_call']:.2f} tokens/target call", err=True)
+        return
     if max_new_tokens is None:  # Whisper's default, where the cache holds it
         from dataclasses import replace
 
@@ -183,6 +246,12 @@ def transcribe(audio, bundle, language, task, max_new_tokens, as_json, device, d
     else:
         click.echo(result.text.strip())
         click.echo(stats_line(result.stats), err=True)
+
+
+def _longer_than_a_window(gen, audio) -> bool:
+    from spec_runtime.audio import HOP_LENGTH, SAMPLE_RATE, audio_seconds
+
+    return audio_seconds(audio) > 2 * gen.target.max_source_len * HOP_LENGTH / SAMPLE_RATE
 
 
 @main.command(cls=BundleCommand)

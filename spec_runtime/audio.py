@@ -10,6 +10,7 @@ filters, log10, floored 8 below its maximum, then (x + 4) / 4. No torch, no libr
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import struct
@@ -208,7 +209,14 @@ def _damaged(label: str, what: str) -> InputError:
 
 
 def _read_wav(f, label: str, max_seconds: float) -> np.ndarray:
-    """The RIFF chunks up to `data`, skipping those it does not read (LIST, fact, ...). The
+    start, present, fmt = _data_chunk(f, label)
+    f.seek(start)
+    return _read_pcm(f, present, fmt, label, max_seconds)
+
+
+def _data_chunk(f, label: str) -> tuple[int, int, tuple[int, int, int]]:
+    """(where the samples start, their bytes, the fmt) of a WAV file read past "RIFF....WAVE":
+    the RIFF chunks up to `data`, skipping those it does not read (LIST, fact, ...). The
     RIFF size is not used: a streamed header holds a placeholder there."""
     here = f.tell()
     end = f.seek(0, os.SEEK_END)
@@ -229,7 +237,7 @@ def _read_wav(f, label: str, max_seconds: float) -> np.ndarray:
             # a size past the file's end is a streamed header's placeholder (ffmpeg or sox
             # writing to a pipe cannot go back to fill it in) or a file cut short: the audio
             # is the bytes present, as soundfile and ffmpeg read it
-            return _read_pcm(f, min(size, end - start), fmt, label, max_seconds)
+            return start, min(size, end - start), fmt
         if size > end - start:  # the data after it cannot be found
             raise _damaged(label, f"its {cid!r} chunk declares {size} bytes, past the file's "
                                   f"end")
@@ -353,3 +361,86 @@ def _other_format(f, base: int, label: str, reason: str, max_seconds: float
     if data.size == 0:
         raise InputError(f"{label} holds no samples: give a recording of speech")
     return resample(data.mean(axis=1), rate)
+
+
+MAX_RECORDING_SECONDS = 24 * 3600  # a 16 kHz PCM WAV file, read a window at a time
+MAX_WHOLE_SECONDS = 2 * 3600  # any other recording, read whole: 8 bytes a sample, 0.9 GB
+
+
+class Recording:
+    """A recording of any length as `n` mono samples at 16 kHz, `read(a, b)` a stretch at a
+    time (long-form transcription reads a window at a time, twice). A 16 kHz integer PCM WAV
+    file is read from the file as asked, so memory holds a window however long the file is (up
+    to MAX_RECORDING_SECONDS); samples given as an array are used as they are; any other file
+    (another rate, which is resampled as a whole, FLAC, float WAV) is read whole, up to
+    MAX_WHOLE_SECONDS. Use it as a context manager: the file stays open while it is read."""
+
+    def __init__(self, audio):
+        self._file, self._samples = None, None
+        if not isinstance(audio, (str, Path)):  # samples, checked (speech.samples_of)
+            self._samples = np.asarray(audio, np.float32)
+            self.n = len(self._samples)
+            return
+        label = repr(str(audio))
+        f = _open_regular(Path(audio), label)
+        try:
+            head = f.read(12)
+            layout = None
+            if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+                try:
+                    layout = _data_chunk(f, label)
+                except _NotPCM:
+                    pass
+        except OSError as e:
+            f.close()
+            raise InputError(f"{label} cannot be read ({e.strerror or e}): give a readable "
+                             f"WAV file") from None
+        except BaseException:
+            f.close()
+            raise
+        if layout is not None and layout[2][1] == SAMPLE_RATE:
+            start, present, (channels, _, width) = layout
+            self.n = present // (channels * width)
+            if self.n == 0:
+                f.close()
+                raise InputError(f"{label} holds no samples: give a recording of speech")
+            if self.n / SAMPLE_RATE > MAX_RECORDING_SECONDS:
+                f.close()
+                raise too_long(self.n / SAMPLE_RATE, label, MAX_RECORDING_SECONDS)
+            self._file, self._layout, self._label = f, (start, channels, width), label
+            return
+        f.close()
+        self._samples = read_audio(audio, MAX_WHOLE_SECONDS)
+        self.n = len(self._samples)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        if self._samples is not None:
+            return self._samples[a:b]
+        start, channels, width = self._layout
+        frame = channels * width
+        self._file.seek(start + a * frame)
+        raw = self._file.read((b - a) * frame)
+        got = len(raw) // frame
+        if got < b - a:  # the file shrank while it was read
+            raise InputError(f"{self._label} ended at sample {a + got} of the {self.n} its "
+                             f"header declares: it changed while it was read")
+        return _pcm(raw[: got * frame], width).reshape(got, channels).mean(1)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> "Recording":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def audio_seconds(audio) -> float:
+    """A recording's duration (a path, or samples), from a WAV file's header where it is
+    one."""
+    if not isinstance(audio, (str, Path)):
+        return len(audio) / SAMPLE_RATE
+    with Recording(audio) as rec:
+        return rec.n / SAMPLE_RATE

@@ -1,0 +1,261 @@
+"""Long-form transcription with timestamps (spec_runtime/longform.py) on a tiny random
+multilingual Whisper with timestamp tokens (tiny_models.whisper(timestamps=True): a window of
+32 frames = 0.32 s, <|0.00|> .. <|0.32|>), against transformers' long-form `generate`
+(return_timestamps=True, sequential) on the same weights and the same features: the segments'
+tokens, starts and ends, with and without the previous text in the prompt, with the no-speech
+and fallback thresholds on; speculative (the model's first decoder layer as the draft),
+target-only and transformers alike. The sampled joint of the first two tokens with the
+timestamp rules on against exact enumeration over transformers' logits and its own
+WhisperTimeStampLogitsProcessor. The features against WhisperFeatureExtractor.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+
+import spec_runtime  # noqa: E402
+from spec_export.build import build_bundle  # noqa: E402
+from spec_runtime import longform  # noqa: E402
+from spec_runtime.audio import SAMPLE_RATE  # noqa: E402
+from toy_models import joint_p_value  # noqa: E402
+
+THREADS = 1
+FRAMES = 32
+# <|startoftranscript|>, the languages and tasks, <|startofprev|>, <|nospeech|>,
+# <|notimestamps|>: what the tiny model never emits
+SPECIALS = list(range(257, 266))
+
+
+def speech_like(seed: int, seconds: float) -> np.ndarray:
+    """Tones that change every 0.1 s, and quiet stretches: the tiny model's windows differ."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
+    f = rng.uniform(100, 3000, size=int(seconds * 10) + 1)[(t * 10).astype(int)]
+    loud = rng.uniform(0, 1, size=int(seconds * 10) + 1)[(t * 10).astype(int)] > 0.3
+    x = 0.3 * np.sin(2 * np.pi * f * t) * loud + 0.01 * rng.standard_normal(len(t))
+    return x.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from tiny_models import WHISPER_TS_SPECIALS, save, truncated_whisper, whisper, \
+        whisper_tokenizer
+
+    root = tmp_path_factory.mktemp("longform")
+    target = whisper(3, suppress=SPECIALS, timestamps=True, max_initial_timestamp_index=5)
+    tok = whisper_tokenizer(WHISPER_TS_SPECIALS)
+    t = save(target, root / "target", tok)
+    d = save(truncated_whisper(target, 1), root / "draft", tok)
+    bundle = build_bundle(str(t), str(d), root / "bundle", progress=False)
+    model = transformers.WhisperForConditionalGeneration.from_pretrained(t).eval()
+    return model, spec_runtime.load(bundle, threads=THREADS)
+
+
+def features_of(x: np.ndarray) -> np.ndarray:
+    """What longform reads, whole: the recording's features as transformers would be given
+    them (padded to one window where shorter)."""
+    if len(x) <= FRAMES * 160:
+        return longform.Padded(x, 80, FRAMES).whole
+    f = longform.Features(lambda a, b: x[a:b], len(x), 80)
+    return f.window(0, f.frames, f.frames)
+
+
+def hf_segments(model, x, language, **kw):
+    with torch.no_grad():
+        out = model.generate(input_features=torch.tensor(features_of(x))[None],
+                             return_timestamps=True, return_segments=True, language=language,
+                             task="transcribe", **kw)
+    return [([int(t) for t in s["tokens"]], round(float(s["start"]), 3),
+             round(float(s["end"]), 3)) for s in out["segments"][0]]
+
+
+SKIPPED: dict = {}
+
+
+def ours(gen, x, language, form, **kw):
+    got = longform.transcribe(gen, x, language=language, longform=form, **kw)
+    SKIPPED[form] = SKIPPED.get(form, 0) + got.stats.get("windows_skipped", 0)
+    return [(s.tokens, s.start, s.end) for s in got.segments]
+
+
+HF_OPTIONS = {
+    "plain": ({}, longform.LongForm.transformers()),
+    "previous": ({"condition_on_prev_tokens": True},
+                 longform.LongForm(True, (0.0,), None, None, None)),
+    # the tiny model's no-speech probabilities are 1e-14 .. 1e-7: some windows are skipped
+    "thresholds": ({"condition_on_prev_tokens": True, "compression_ratio_threshold": 1.8,
+                    "logprob_threshold": -2.0, "no_speech_threshold": 1e-9,
+                    "temperature": (0.0,)},
+                   longform.LongForm(True, (0.0,), 1.8, -2.0, 1e-9)),
+}
+
+
+@pytest.mark.parametrize("seconds", [0.25, 1.3])
+@pytest.mark.parametrize("case", sorted(HF_OPTIONS))
+def test_greedy_long_form_is_transformers(pair, case, seconds):
+    model, gen = pair
+    hf_kw, form = HF_OPTIONS[case]
+    for seed in range(2):
+        x = speech_like(seed, seconds)
+        want = hf_segments(model, x, "en", **hf_kw)
+        assert want, "transformers found no segment: the case tests nothing"
+        for use_draft in (True, False):
+            assert ours(gen, x, "en", form, use_draft=use_draft, gamma=3) == want
+    if case == "thresholds" and seconds > 1:
+        assert SKIPPED[form] > 0, "no window was skipped: the no-speech rule went untested"
+
+
+def test_the_language_is_detected_as_transformers_detects_it(pair):
+    model, gen = pair
+    for seed in range(3):
+        x = speech_like(seed, 1.3)
+        with torch.no_grad():
+            want = model.detect_language(torch.tensor(features_of(x))[None, :, :FRAMES])
+        got = longform.transcribe(gen, x, longform=longform.LongForm.transformers())
+        from tiny_models import WHISPER_TS_SPECIALS
+        assert f"<|{got.language}|>" == WHISPER_TS_SPECIALS[int(want[0]) - 256]
+        assert 0 < got.language_probability <= 1
+        assert [(s.tokens, s.start, s.end) for s in got.segments] == \
+            hf_segments(model, x, got.language)
+
+
+def exact_timestamp_joint(model, x, prompt):
+    """p(y1, y2) at temperature 1 by enumeration over transformers' logits, processed by
+    transformers' own SuppressTokens and WhisperTimeStamp logits processors."""
+    from transformers.generation.logits_process import (SuppressTokensLogitsProcessor,
+                                                        WhisperTimeStampLogitsProcessor)
+
+    cfg = model.generation_config
+    procs = [SuppressTokensLogitsProcessor(cfg.suppress_tokens),
+             WhisperTimeStampLogitsProcessor(cfg, begin_index=len(prompt))]
+    f = torch.tensor(features_of(x))[None]
+
+    def probs(ids):
+        with torch.no_grad():
+            scores = model(input_features=f, decoder_input_ids=torch.tensor([ids])).logits[:, -1]
+            for proc in procs:
+                scores = proc(torch.tensor([ids]), scores)
+        return torch.softmax(scores[0].double(), -1).numpy()
+
+    p1 = probs(prompt)
+    joint = np.zeros((len(p1), len(p1)))
+    for a in np.flatnonzero(p1 > 0):
+        joint[a] = p1[a] * probs(prompt + [int(a)])
+    return joint
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_sampled_pairs_with_timestamps_follow_the_target(pair, gamma):
+    """Chi-square of the first two sampled tokens of a window with the timestamp rules on
+    (the first a timestamp of at most <|0.10|>, the second under the pair rule) against exact
+    enumeration."""
+    model, gen = pair
+    x = speech_like(0, 0.25)
+    exact = exact_timestamp_joint(model, x, [257, 258, 262])  # sot, en, transcribe
+    assert (exact.sum(1) > 0).sum() > 1, "one first token only: the test would test nothing"
+    window = longform.Padded(x, 80, FRAMES).whole
+    counts = np.zeros_like(exact)
+    accepted = 0
+    for seed in range(2000):
+        request = gen.transcription(window, language="en", timestamps=True, gamma=gamma,
+                                    temperature=1.0, seed=seed, max_new_tokens=gamma + 1)
+        r = gen.generate(request)
+        counts[r.tokens[0], r.tokens[1]] += 1
+        accepted += r.stats["accepted"]
+    p = joint_p_value(counts, exact)
+    print(f"γ={gamma}: p-value={p:.4f} accepted={accepted}")
+    assert p > 1e-4 and accepted > 0
+
+
+def test_the_thresholds_read_what_transformers_reads():
+    """Compression ratio and average log-probability against transformers' own functions."""
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin as W
+
+    rng = np.random.default_rng(0)
+    for vocab in (283, 51865):
+        for tokens in (rng.integers(0, vocab, 40), np.tile(rng.integers(0, vocab, 4), 12)):
+            want = W._retrieve_compression_ratio(torch.tensor(tokens), vocab)
+            assert longform.compression_ratio(tokens, vocab) == pytest.approx(want, rel=1e-12)
+
+
+def test_every_temperature_failing_keeps_the_last_decode(pair):
+    """A threshold no decode passes (average log-probability above 0): each window is decoded
+    at every temperature, and the last decode is kept, as transformers keeps it."""
+    _, gen = pair
+    form = longform.LongForm(False, (0.0, 0.5, 1.0), None, 0.0, None)
+    got = longform.transcribe(gen, speech_like(0, 0.6), language="en", longform=form, seed=7)
+    assert got.segments and got.stats["fallbacks"] == 2 * got.stats["windows"]
+    assert {s.temperature for s in got.segments} == {1.0}
+    again = longform.transcribe(gen, speech_like(0, 0.6), language="en", longform=form, seed=7)
+    assert [s.tokens for s in again.segments] == [s.tokens for s in got.segments]
+
+
+def test_the_features_are_the_feature_extractors(tmp_path):
+    """The recording's features window by window (two passes, its own loudest frame) against
+    WhisperFeatureExtractor on the whole recording (truncation off), as long-form is fed."""
+    extractor = transformers.WhisperFeatureExtractor(feature_size=80)
+    x = speech_like(2, 65.0)
+    want = extractor(x, sampling_rate=SAMPLE_RATE, truncation=False, padding="longest",
+                     return_tensors="np").input_features[0]
+    f = longform.Features(lambda a, b: x[a:b], len(x), 80)
+    assert f.frames == want.shape[1]
+    for seek in (0, 2999, want.shape[1] - 100):
+        count = min(3000, f.frames - seek)
+        got = f.window(seek, count, 3000)
+        np.testing.assert_allclose(got[:, :count], want[:, seek: seek + count], atol=2e-4)
+        assert not got[:, count:].any()
+
+
+def test_specrun_transcribe_long_audio_writes_subtitles(pair, tmp_path):
+    """A WAV file longer than the window: `specrun transcribe` reads it a window at a time
+    (its stereo 16-bit samples, averaged) and gives transformers' segments as JSON, SRT and
+    VTT; a text file given as audio, and an unknown --format, are one line and exit 2."""
+    import re
+    import wave
+
+    from draftproof.cli.specrun import main as specrun
+    from helpers import run
+    from spec_runtime.audio import Recording
+
+    model, gen = pair
+    x = speech_like(1, 1.3)
+    stereo = np.stack([x, 0.5 * x], 1)
+    path = tmp_path / "long.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(2)
+        f.setsampwidth(2)
+        f.setframerate(SAMPLE_RATE)
+        f.writeframes((np.clip(stereo, -1, 1) * 32767).astype("<i2").tobytes())
+    with Recording(path) as rec:
+        read = rec.read(0, rec.n)
+    want = hf_segments(model, read, "en", condition_on_prev_tokens=True)
+    r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--language", "en",
+            "--format", "json", "--no-fallback", "--logprob-threshold", "-1e9")
+    assert r.exit_code == 0, r.output
+    import json
+
+    out = json.loads(r.stdout)
+    assert [(s["tokens"], s["start"], s["end"]) for s in out["segments"]] == want
+    assert out["duration"] == pytest.approx(1.3, abs=1e-3) and out["language"] == "en"
+    srt = tmp_path / "out.srt"
+    r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--language", "en",
+            "--format", "srt", "-o", str(srt), "--no-fallback", "--logprob-threshold", "-1e9")
+    assert r.exit_code == 0, r.output
+    cues = re.findall(r"(\d+)\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})\n",
+                      srt.read_text())
+    assert len(cues) == len(want)
+    assert [c[1] for c in cues] == [f"00:00:{s:06.3f}".replace(".", ",") for _, s, _ in want]
+    r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--language", "en",
+            "--format", "vtt", "--no-fallback", "--logprob-threshold", "-1e9")
+    assert r.exit_code == 0 and r.stdout.startswith("WEBVTT\n\n")
+    assert r.stdout.count(" --> ") == len(want)
+    r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--format", "doc")
+    assert r.exit_code == 2 and "doc" in r.output and "Traceback" not in r.output
+    text = tmp_path / "notes.txt"
+    text.write_text("not audio")
+    r = run(specrun, "transcribe", str(text), "-b", str(gen.bundle_dir), "--timestamps")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    print(r.output.strip())
+
