@@ -161,10 +161,11 @@ def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **
               help="the transcript as text, JSON with segments, or subtitles")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               help="write the transcript to this file [default: standard output]")
-@click.option("--condition-on-previous-text/--no-condition-on-previous-text", default=True,
+@click.option("--condition-on-previous-text/--no-condition-on-previous-text", default=False,
               show_default=True,
               help="with timestamps: each window's prompt holds the text before it (openai-"
-                   "whisper's and faster-whisper's default; transformers' is off)")
+                   "whisper's default; off as in transformers: it can make Whisper repeat "
+                   "itself)")
 @click.option("--fallback/--no-fallback", default=True, show_default=True,
               help="with timestamps: a window that fails a threshold is decoded again at "
                    "temperatures 0.2 higher, up to 1.0 (sampled, seeded by --seed)")

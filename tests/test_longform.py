@@ -232,7 +232,8 @@ def test_specrun_transcribe_long_audio_writes_subtitles(pair, tmp_path):
         read = rec.read(0, rec.n)
     want = hf_segments(model, read, "en", condition_on_prev_tokens=True)
     r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--language", "en",
-            "--format", "json", "--no-fallback", "--logprob-threshold", "-1e9")
+            "--format", "json", "--no-fallback", "--logprob-threshold", "-1e9",
+            "--condition-on-previous-text")
     assert r.exit_code == 0, r.output
     import json
 
@@ -241,14 +242,16 @@ def test_specrun_transcribe_long_audio_writes_subtitles(pair, tmp_path):
     assert out["duration"] == pytest.approx(1.3, abs=1e-3) and out["language"] == "en"
     srt = tmp_path / "out.srt"
     r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--language", "en",
-            "--format", "srt", "-o", str(srt), "--no-fallback", "--logprob-threshold", "-1e9")
+            "--format", "srt", "-o", str(srt), "--no-fallback", "--logprob-threshold", "-1e9",
+            "--condition-on-previous-text")
     assert r.exit_code == 0, r.output
     cues = re.findall(r"(\d+)\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})\n",
                       srt.read_text())
     assert len(cues) == len(want)
     assert [c[1] for c in cues] == [f"00:00:{s:06.3f}".replace(".", ",") for _, s, _ in want]
     r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--language", "en",
-            "--format", "vtt", "--no-fallback", "--logprob-threshold", "-1e9")
+            "--format", "vtt", "--no-fallback", "--logprob-threshold", "-1e9",
+            "--condition-on-previous-text")
     assert r.exit_code == 0 and r.stdout.startswith("WEBVTT\n\n")
     assert r.stdout.count(" --> ") == len(want)
     r = run(specrun, "transcribe", str(path), "-b", str(gen.bundle_dir), "--format", "doc")
