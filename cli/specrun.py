@@ -202,38 +202,16 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
     # a model without timestamp tokens transcribes one window: a longer one is refused below
     if gen.audio is not None and (timestamps or fmt != "txt" or (
             gen.audio.timestamps is not None and _longer_than_a_window(gen, audio))):
-        fmt = "json" if as_json else fmt
-        from spec_runtime import longform
+        from spec_runtime.longform import LongForm
 
         first = options.temperature or 0.0
         temps = tuple(t / 10 for t in range(round(first * 10), 11, 2)) \
             if fallback and first <= 1.0 else (first,)
-        form = in_cli_words(longform.LongForm, condition_on_previous_text, temps or (first,),
+        form = in_cli_words(LongForm, condition_on_previous_text, temps,
                             compression_ratio_threshold, logprob_threshold,
                             no_speech_threshold)
-        from dataclasses import replace
-
-        options = replace(options, max_new_tokens=max_new_tokens or gen.capacity(
-            options.use_draft))
-        result = in_cli_words(longform.transcribe, gen, audio, options, language=language,
-                              task=task, longform=form)
-        text = longform.render(result, fmt)
-        if fmt == "json":
-            import json as json_
-
-            text = json_.dumps({**result.to_json(), "stats": result.stats},
-                               ensure_ascii=False) + "\n"
-        if output is not None:
-            with open(output, "w", encoding="utf-8") as f:
-                f.write(text)
-        else:
-            click.echo(text, nl=False)
-        st = result.stats
-        click.echo(f"{len(result.segments)} segments · {st['windows']} windows "
-                   f"({st['windows_skipped']} silent, {st['fallbacks']} fallbacks) · "
-                   f"{st['new_tokens']} tokens · {st['real_time_factor']:.3f}x real time · "
-                   f"{st['tokens_per_target_call']:.2f} tokens/target call", err=True)
-        return
+        return _transcribe_long(gen, audio, options, max_new_tokens, language, task, form,
+                                "json" if as_json else fmt, output)
     if max_new_tokens is None:  # Whisper's default, where the cache holds it
         from dataclasses import replace
 
@@ -247,6 +225,28 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
     else:
         click.echo(result.text.strip())
         click.echo(stats_line(result.stats), err=True)
+
+
+def _transcribe_long(gen, audio, options, max_new_tokens, language, task, form, fmt, output):
+    """`specrun transcribe` with timestamps: longform.transcribe, written as `fmt`."""
+    from dataclasses import replace
+
+    from spec_runtime import longform
+
+    options = replace(options, max_new_tokens=max_new_tokens or gen.capacity(options.use_draft))
+    result = in_cli_words(longform.transcribe, gen, audio, options, language=language,
+                          task=task, longform=form)
+    text = longform.render(result, fmt)
+    if output is not None:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        click.echo(text, nl=False)
+    st = result.stats
+    click.echo(f"{len(result.segments)} segments · {st['windows']} windows "
+               f"({st['windows_skipped']} silent, {st['fallbacks']} fallbacks) · "
+               f"{st['new_tokens']} tokens · {st['real_time_factor']:.3f}x real time · "
+               f"{st['tokens_per_target_call']:.2f} tokens/target call", err=True)
 
 
 def _longer_than_a_window(gen, audio) -> bool:

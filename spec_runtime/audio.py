@@ -10,7 +10,6 @@ filters, log10, floored 8 below its maximum, then (x + 4) / 4. No torch, no libr
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 import struct

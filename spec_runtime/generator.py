@@ -289,11 +289,7 @@ class Generator:
         from . import speech
 
         options = GenerationOptions.given(options, values)
-        if self.audio is None:
-            raise InputError("this bundle is a text model: transcription needs a speech bundle "
-                             "(Whisper), built with `specexport build --target "
-                             "openai/whisper-base --draft ...`; give text to `specrun "
-                             "generate`")
+        self.speech_only()
         if options.response_format is not None:
             raise FieldError("response_format", "response_format constrains text generation; "
                                                 "a transcription takes none")
@@ -320,6 +316,14 @@ class Generator:
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens)
         return replace(self._bound(options, features, prefix, params, gamma),
                        detect_at=detect_at)
+
+    def speech_only(self) -> None:
+        """InputError naming the fix where this bundle is a text model."""
+        if self.audio is None:
+            raise InputError("this bundle is a text model: transcription needs a speech bundle "
+                             "(Whisper), built with `specexport build --target "
+                             "openai/whisper-base --draft ...`; give text to `specrun "
+                             "generate`")
 
     def transcribe(self, audio, options: GenerationOptions | None = None, *,
                    language: str | None = None, task: str = "transcribe", cancel=None,

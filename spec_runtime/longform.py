@@ -117,7 +117,8 @@ class Transcript:
     def to_json(self) -> dict:
         return {"text": self.text, "language": self.language,
                 "language_probability": self.language_probability,
-                "duration": self.duration, "segments": [asdict(s) for s in self.segments]}
+                "duration": self.duration, "segments": [asdict(s) for s in self.segments],
+                "stats": self.stats}
 
 
 class Features:
@@ -131,6 +132,7 @@ class Features:
         self.read, self.n, self.n_mels = read, n, n_mels
         self.frames = n // HOP_LENGTH  # torch.stft's centred frames, the last one dropped
         self.filters = mel_filters(n_mels)
+        self.hann = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic
         self.top = max(self._log10(a, min(a + CHUNK_FRAMES, self.frames)).max()
                        for a in range(0, self.frames, CHUNK_FRAMES))
 
@@ -141,9 +143,8 @@ class Features:
         idx = np.where(idx >= self.n, 2 * (self.n - 1) - idx, idx)
         lo, hi = int(idx.min()), int(idx.max()) + 1
         x = np.asarray(self.read(lo, hi), np.float64)[idx - lo]
-        window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)
         frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP_LENGTH]
-        power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2
+        power = np.abs(np.fft.rfft(frames * self.hann, axis=-1)) ** 2
         return np.log10(np.maximum(self.filters @ power.T, 1e-10))
 
     def window(self, seek: int, count: int, frames: int) -> np.ndarray:
@@ -210,8 +211,7 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
     options = GenerationOptions.given(options, values)
     if not given:
         options = replace(options, max_new_tokens=gen.capacity(options.use_draft))
-    if gen.audio is None:
-        gen.transcription(np.zeros(1, np.float32))  # the text bundle's refusal, as transcribe's
+    gen.speech_only()
     window_frames = 2 * gen.target.max_source_len
     if not isinstance(audio, (str, Path)):
         audio = speech.samples_of(audio, math.inf)
@@ -232,36 +232,45 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
     window_frames = 2 * gen.target.max_source_len
     capacity = gen.capacity(options.use_draft)
     cut_off = capacity // 2 - 1  # transformers: max_target_positions // 2 - 1
-    speech.task_token(entry, task)
-    first = feats.window(0, min(feats.frames, window_frames), window_frames)
-    probability = None
+    # the prompt but the earlier text; the task and a given language checked before any work
+    lang = speech.language_token(entry, language) if language is not None else None
     if language is None and entry.languages:
-        row = gen.decoder_rows(first, [gen.decoder_start_token_id], 1)[0]
+        lang = next(iter(entry.languages.values()))  # detected below: any holds its place
+    prompt = len(speech.decoder_prompt(entry, gen.decoder_start_token_id, lang,
+                                       speech.task_token(entry, task), True))
+    first = feats.window(0, min(feats.frames, window_frames), window_frames)
+    probability = sot_row = None
+    if language is None and entry.languages:
+        sot_row = gen.decoder_rows(first, [gen.decoder_start_token_id], 1)[0]
         ids = np.fromiter(entry.languages.values(), np.int64)
-        p = np.exp(_log_softmax(row[ids]))
-        language = speech.language_code(entry, int(ids[np.argmax(row[ids])]))
+        p = np.exp(_log_softmax(sot_row[ids]))
+        language = speech.language_code(entry, int(ids[np.argmax(sot_row[ids])]))
         probability = float(p.max())
     prev_sot = speech.prev_sot_token(entry)
     seek, done, kept, condition = 0, [], [], longform.condition_on_previous_text
     totals: dict = {"windows": 0, "windows_skipped": 0, "fallbacks": 0}
-    window_index, t0 = 0, gen.clock()
+    t0 = gen.clock()
     while seek < feats.frames:
         count = min(feats.frames - seek, window_frames)
         window = first if seek == 0 else feats.window(seek, count, window_frames)
         previous = None
         if condition and kept and prev_sot is not None:
-            previous = [prev_sot] + kept[-cut_off:]
-        best = _with_fallback(gen, window, options, language, task, previous, longform,
-                              capacity, window_index, eos)
-        window_index += 1
+            previous = [prev_sot] + kept
+        most = min(options.max_new_tokens, capacity - prompt - len(previous or ()))
+        if most < 1:
+            raise InputError(f"the decoder holds {capacity} tokens, and the prompt alone "
+                             f"takes {capacity - most + 1}: build the bundle with a larger "
+                             f"--max-len")
+        best = _with_fallback(gen, window, options, language, task, previous, longform, most,
+                              totals["windows"], sot_row if seek == 0 else None)
         for k in SUMMED:
             totals[k] = totals.get(k, 0) + best.stats.get(k, 0)
         totals["mode"] = best.stats.get("mode")
+        totals["windows"] += 1
+        totals["fallbacks"] += best.fallbacks
         condition = longform.condition_on_previous_text and best.temperature < 0.5
-        totals["windows"] = totals.get("windows", 0) + 1
-        totals["fallbacks"] = totals.get("fallbacks", 0) + best.fallbacks
-        if best.no_speech_prob is not None and _skipped(best, longform):
-            totals["windows_skipped"] = totals.get("windows_skipped", 0) + 1
+        if _skipped(best, longform):
+            totals["windows_skipped"] += 1
             seek += count
             continue
         tokens = best.tokens[:-1] if best.tokens and best.tokens[-1] == eos else best.tokens
@@ -269,12 +278,13 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
         for piece, start, end in pieces:
             done.append(Segment(len(done), round(start, 3), round(end, 3),
                                 gen.detokenize([t for t in piece if t < begin]) or "",
-                                [int(t) for t in piece], best.temperature, best.avg_logprob,
+                                piece, best.temperature, best.avg_logprob,
                                 best.compression_ratio, best.no_speech_prob))
             # the prompt's earlier text: a segment's tokens, but the second of two closing
-            # timestamps (transformers' skip_ending_double_timestamps)
-            kept += piece[:-1] if len(piece) > 2 and piece[-2] >= begin else piece
-            kept = kept[-cut_off:]  # all the prompt reads: bounded for hours of audio
+            # timestamps (transformers' skip_ending_double_timestamps); the last cut_off
+            # tokens are all it reads, so no more are kept, however long the recording
+            kept = (kept + (piece[:-1] if len(piece) > 2 and piece[-2] >= begin else piece)
+                    )[-cut_off:]
         seek += advance
     text = "".join(s.text for s in done)
     totals["seconds"] = gen.clock() - t0
@@ -287,34 +297,34 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
 
 
 def _skipped(best: _Decode, longform: LongForm) -> bool:
+    """Silence: a no-speech probability above its threshold and a log-probability below
+    its (transformers' should_skip)."""
     return (longform.logprob_threshold is not None and longform.no_speech_threshold is not None
             and best.avg_logprob is not None and best.avg_logprob < longform.logprob_threshold
+            and best.no_speech_prob is not None
             and best.no_speech_prob > longform.no_speech_threshold)
 
 
 def _with_fallback(gen, window, options: GenerationOptions, language, task, previous,
-                   longform: LongForm, capacity: int, index: int, eos: int) -> _Decode:
-    """A window decoded at each temperature in turn until one passes the thresholds (or
-    silence is found); the last one's result where none does."""
-    prompt_len = len(speech.decoder_prompt(gen.audio, 0, 0 if gen.audio.languages else None,
-                                           0 if gen.audio.tasks else None, True, previous))
-    most = min(options.max_new_tokens, capacity - prompt_len)
-    if most < 1:
-        raise InputError(f"the decoder holds {capacity} tokens, and the prompt alone takes "
-                         f"{prompt_len}: build the bundle with a larger --max-len")
+                   longform: LongForm, most: int, index: int, sot_row) -> _Decode:
+    """A window decoded at each temperature in turn until one passes the thresholds (or is
+    silence); the last one's result where none does. `sot_row`: the target's row at
+    <|startoftranscript|> where the caller has it already (the language detection's)."""
     no_speech = None
     if longform.no_speech_threshold is not None:
         # the target's raw row at <|startoftranscript|> (transformers' WhisperNoSpeechDetection)
-        ids = list(previous or []) + [gen.decoder_start_token_id]
-        row = gen.decoder_rows(window, ids, 1)[0]
-        no_speech = float(np.exp(_log_softmax(row))[gen.audio.no_timestamps_token_id - 1])
-    temps = longform.temperatures
-    for k, temperature in enumerate(temps):
+        if sot_row is None:
+            ids = list(previous or []) + [gen.decoder_start_token_id]
+            sot_row = gen.decoder_rows(window, ids, 1)[0]
+        no_speech = float(np.exp(_log_softmax(sot_row))[gen.audio.no_timestamps_token_id - 1])
+    for k, temperature in enumerate(longform.temperatures):
         seed = options.seed
         if temperature > 0 and seed is not None:
             seed = (seed + 1_000_003 * index + 7919 * k) % (1 << 63)
+        # a greedy decode reports the rows' log-probabilities with its tokens
+        reads = longform.logprob_threshold is not None and temperature == 0
         opts = replace(options, temperature=temperature, seed=seed, max_new_tokens=most,
-                       logprobs=0 if temperature == 0 else None)
+                       logprobs=0 if reads else None)
         request = gen.transcription(window, opts, language=language, task=task,
                                     timestamps=True, previous=previous)
         result = gen.generate(request)
@@ -327,11 +337,9 @@ def _with_fallback(gen, window, options: GenerationOptions, language, task, prev
         failed = (longform.compression_ratio_threshold is not None
                   and ratio > longform.compression_ratio_threshold) or \
                  (avg is not None and avg < longform.logprob_threshold)
-        if no_speech is not None and _skipped(out, longform):
-            return out
-        if not failed or k == len(temps) - 1:
-            return out
-    raise AssertionError("unreachable: the last temperature returns")
+        if not failed or _skipped(out, longform):
+            break
+    return out
 
 
 def _avg_logprob(gen, window, request, result, tokens) -> float:

@@ -73,10 +73,14 @@ class Timestamps(Suppress):
         self.max_initial = audio.timestamps["max_initial_timestamp_index"]
         for mask in (self.always, self.first):
             mask[audio.no_timestamps_token_id] = False
+        self._mask = np.empty_like(self.always)
 
     def allowed(self, generated) -> np.ndarray:
-        g = [int(t) for t in generated]
-        mask = (self.first if not g else self.always).copy()
+        """The mask after `generated`, in a buffer of this constraint's that the next call
+        overwrites (its callers read it at once)."""
+        g = np.asarray(generated)
+        mask = self._mask
+        np.copyto(mask, self.first if not len(g) else self.always)
         last = len(g) >= 1 and g[-1] >= self.begin
         penultimate = len(g) < 2 or g[-2] >= self.begin
         if last:
@@ -84,26 +88,23 @@ class Timestamps(Suppress):
                 mask[self.begin:] = False
             else:  # a segment's end: its pair, or the end of text
                 mask[: self.eos] = False
-        stamps = [t for t in g if t >= self.begin]
-        if stamps:  # never back in time, nor <|0.00|> twice
-            mask[self.begin: stamps[-1] + (0 if last and not penultimate else 1)] = False
-        if not g:
+        stamps = np.flatnonzero(g >= self.begin)
+        if len(stamps):  # never back in time, nor <|0.00|> twice
+            mask[self.begin: int(g[stamps[-1]]) + (0 if last and not penultimate else 1)] = False
+        if not len(g):
             mask[: self.begin] = False
             if self.max_initial is not None:
                 mask[self.begin + self.max_initial + 1:] = False
         return mask
 
     def rule(self, row: np.ndarray) -> None:
-        x = np.asarray(row, np.float64)
-        top = x.max()
-        if not np.isfinite(top):
-            return
-        logp = x - top - np.log(np.exp(x - top).sum())
-        stamps = logp[self.begin:]
-        if not np.isfinite(stamps).any():
-            return
+        """log p(timestamps) > max log p(text) compares logsumexp(row[begin:]) with
+        max(row[:begin]): the softmax's normaliser is on both sides."""
+        stamps = np.asarray(row[self.begin:], np.float64)
         m = stamps.max()
-        if m + np.log(np.exp(stamps - m).sum()) > logp[: self.begin].max():
+        if not np.isfinite(m):
+            return
+        if m + np.log(np.exp(stamps - m).sum()) > row[: self.begin].max():
             row[: self.begin] = -np.inf
 
 

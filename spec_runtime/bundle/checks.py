@@ -32,9 +32,9 @@ AUTO_SINCE = 3  # the first schema whose default_gamma may be "auto"
 VOCAB_SINCE = 4  # the first schema whose draft may have a trimmed head (draft.vocab)
 AUDIO_SINCE = 5  # the first schema with speech bundles (`audio`: an encoder of log-mel features)
 BATCH_SINCE = 6  # the first schema with max_batch and lanes graphs
-MAX_MELS = 512
+MAX_MELS = 512  # mel bins an audio encoder may read (Whisper has 80 or 128)
 # what a speech bundle's timestamp rules read (manifest.AudioEntry.timestamps)
-TIMESTAMP_KEYS = ("max_initial_timestamp_index", "prev_sot_token_id")  # mel bins an audio encoder may read (Whisper has 80 or 128)
+TIMESTAMP_KEYS = ("max_initial_timestamp_index", "prev_sot_token_id")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAME_BYTES = 255  # a file name, on every common file system
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
