@@ -37,9 +37,10 @@ from .request import (GenerationOptions, GenerationResult, Request, TextStream,
 from .decode.sampling import SamplingParams, check_sampling
 from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, check_text, texts, token_list
+from .speech_requests import SpeechRequests
 
 
-class Generator:
+class Generator(SpeechRequests):
     def __init__(
         self,
         target,
@@ -270,119 +271,6 @@ class Generator:
         costs = self.costs if params.seed is not None and not params.greedy else None
         return Request(options, prompt, prefix, params, gamma, start, self.max_gamma,
                        self.eos_token_ids, costs)
-
-    def transcription(self, audio, options: GenerationOptions | None = None, *,
-                      language: str | None = None, task: str = "transcribe",
-                      detect_later: bool = False, timestamps: bool = False,
-                      previous: list[int] | None = None, **values) -> Request:
-        """A speech bundle's request (speech.py): `audio` (a WAV file's path, or float samples
-        at 16 kHz, at most the bundle's window) as the encoders' features, the decoder prompted
-        with the task, and the language (detected when None, for a multilingual model), the
-        model's suppressed tokens a constraint of its sampling. Checked as `request` checks a
-        text's, in the same order. With `detect_later` the language is detected as the request
-        runs, on the engines that decode it, from the encoding they make anyway (a server's
-        uploads, a batch: one encoder pass a request, not two); the request's prefix holds a
-        placeholder there until then. With `timestamps` the transcript holds Whisper's
-        timestamp tokens under its timestamp rules (speech.Timestamps); `previous`: the prompt's
-        earlier text, <|startofprev|> first (longform.py). `audio` may be a window's features
-        already, float32 [n_mels, frames] (longform.py's windows)."""
-        from . import speech
-
-        options = GenerationOptions.given(options, values)
-        self.speech_only()
-        if options.response_format is not None:
-            raise FieldError("response_format", "response_format constrains text generation; "
-                                                "a transcription takes none")
-        if options.stop and self.tokenizer is None:
-            raise InputError("stop strings need a tokenizer: this generator has none")
-        params = self.sampling_params(options)
-        gamma = self.check_gamma(options.gamma)
-        lang = speech.language_token(self.audio, language) if language is not None else None
-        task_id = speech.task_token(self.audio, task)
-        features = speech.features_of(audio, self.audio, self.target.max_source_len)
-        rules = speech.timestamp_rules(self.audio, self.vocab_size, min(self.eos_token_ids)) \
-            if timestamps else speech.Suppress(self.audio, self.vocab_size)
-        detect_at = None
-        if lang is None and self.audio.languages:
-            if detect_later:  # any language token holds the place: speech.decoder_prompt's
-                lang, detect_at = next(iter(self.audio.languages.values())), 1
-            else:
-                lang = speech.detect_language(self.audio, self._first_row(features))
-        prefix = np.asarray(speech.decoder_prompt(self.audio, self.decoder_start_token_id, lang,
-                                                  task_id, timestamps, previous), np.int64)
-        if detect_at is not None:
-            detect_at += len(previous or ())
-        params = replace(params, constraint=rules, penalty_start=len(prefix))
-        check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens)
-        return replace(self._bound(options, features, prefix, params, gamma),
-                       detect_at=detect_at)
-
-    def speech_only(self) -> None:
-        """InputError naming the fix where this bundle is a text model."""
-        if self.audio is None:
-            raise InputError("this bundle is a text model: transcription needs a speech bundle "
-                             "(Whisper), built with `specexport build --target "
-                             "openai/whisper-base --draft ...`; give text to `specrun "
-                             "generate`")
-
-    def transcribe(self, audio, options: GenerationOptions | None = None, *,
-                   language: str | None = None, task: str = "transcribe", cancel=None,
-                   **values) -> GenerationResult:
-        """The text spoken in `audio` (see `transcription`), decoded as `generate` decodes:
-        greedy by default, speculative with the bundle's draft, exactly the target's output."""
-        request = self.transcription(audio, options, language=language, task=task, **values)
-        return self.generate(request, cancel=cancel)
-
-    def _detected_in(self, request: Request) -> Request:
-        """`request` (Request.detect_at) with the language detected from the target's first
-        row, on this generator's engines, which encoded its source already."""
-        from . import speech
-
-        start = np.asarray([self.decoder_start_token_id], np.int64)
-        row = np.asarray(self.target.forward(start, 0, 1)[-1], np.float64)
-        prefix = request.prefix.copy()
-        prefix[request.detect_at] = speech.detect_language(self.audio, row)
-        return replace(request, prefix=prefix, detect_at=None)
-
-    def _first_row(self, features: np.ndarray) -> np.ndarray:
-        """The target's logits after <|startoftranscript|> for these features. The target
-        keeps their encoding for the request about to be made of them (`_encode`)."""
-        self._not_streaming_here()
-        with self._lock:
-            t0 = self.clock()
-            self.target.reset()
-            self.target.encode_source(features)
-            start = np.asarray([self.decoder_start_token_id], np.int64)
-            row = np.asarray(self.target.forward(start, 0, 1)[-1], np.float64)
-            self._detected = (features, self.clock() - t0)
-            return row
-
-    def decoder_rows(self, features: np.ndarray, ids, count: int) -> np.ndarray:
-        """The target's logits [count, V] at the last `count` positions of the decoder fed
-        `ids` over the encoding of `features` (a speech window): what long-form transcription's
-        thresholds read (longform.py). The encoding is kept for the request made next of the
-        same features, as `_first_row` keeps it."""
-        self._not_streaming_here()
-        ids = np.asarray(ids, np.int64)
-        with self._lock:
-            t0 = self.clock()
-            before = 0.0
-            if self._detected is not None and self._detected[0] is features:
-                before = self._detected[1]
-            else:
-                self.target.reset()
-                self.target.encode_source(features)
-            chunk = max(1, getattr(self.target, "prefill_chunk", len(ids)) or len(ids))
-            rows = []
-            for at in range(0, len(ids), chunk):
-                part = ids[at: at + chunk]
-                wanted = min(len(part), count - (len(ids) - at - len(part)))
-                if wanted > 0:
-                    rows.append(np.asarray(self.target.forward(part, at, wanted), np.float64))
-                else:
-                    self.target.forward(part, at, 1)
-            self._detected = (features, self.clock() - t0 + before)
-            return np.concatenate(rows)[-count:]
 
     def _request_of(self, prompt, options: GenerationOptions | None, values: dict) -> Request:
         """generate/stream's request: `prompt` itself when it is one (then with no options of
