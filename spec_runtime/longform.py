@@ -91,6 +91,7 @@ class Segment:
     """A stretch of the transcript between two timestamps, in seconds from the start."""
 
     id: int
+    seek: int  # the feature frame its window started at
     start: float
     end: float
     text: str
@@ -200,11 +201,12 @@ class _Decode:
 
 def transcribe(gen, audio, options: GenerationOptions | None = None, *,
                language: str | None = None, task: str = "transcribe",
-               longform: LongForm | None = None, **values) -> Transcript:
+               longform: LongForm | None = None, cancel=None, **values) -> Transcript:
     """`audio` (a WAV file's path, or float samples at 16 kHz) of any length, transcribed
     window after window with timestamps (see the module's docstring); `options` as
     `Generator.transcribe` takes them (max_new_tokens caps each window's decode, the seed
-    seeds the fallback's samples)."""
+    seeds the fallback's samples). `cancel`, a threading.Event, stops it after the round it
+    is in: the transcript so far, its stats' finish_reason "cancelled"."""
     longform = longform if longform is not None else LongForm()
     # a window decodes what the decoder has room for unless max_new_tokens says less
     given = options is not None or "max_new_tokens" in values
@@ -221,11 +223,11 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
             feats = Padded(rec.read(0, rec.n), gen.audio.n_mels, window_frames)
         else:
             feats = Features(rec.read, rec.n, gen.audio.n_mels)
-        return _transcribe(gen, feats, duration, options, language, task, longform)
+        return _transcribe(gen, feats, duration, options, language, task, longform, cancel)
 
 
 def _transcribe(gen, feats, duration: float, options: GenerationOptions, language, task,
-                longform: LongForm) -> Transcript:
+                longform: LongForm, cancel) -> Transcript:
     entry, eos = gen.audio, min(gen.eos_token_ids)
     rules = speech.timestamp_rules(entry, gen.vocab_size, eos)  # refused early without them
     begin = rules.begin
@@ -248,9 +250,12 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
         probability = float(p.max())
     prev_sot = speech.prev_sot_token(entry)
     seek, done, kept, condition = 0, [], [], longform.condition_on_previous_text
-    totals: dict = {"windows": 0, "windows_skipped": 0, "fallbacks": 0}
+    totals: dict = {"windows": 0, "windows_skipped": 0, "fallbacks": 0, "finish_reason": "eos"}
     t0 = gen.clock()
     while seek < feats.frames:
+        if cancel is not None and cancel.is_set():
+            totals["finish_reason"] = "cancelled"
+            break
         count = min(feats.frames - seek, window_frames)
         window = first if seek == 0 else feats.window(seek, count, window_frames)
         previous = None
@@ -262,7 +267,7 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
                              f"takes {capacity - most + 1}: build the bundle with a larger "
                              f"--max-len")
         best = _with_fallback(gen, window, options, language, task, previous, longform, most,
-                              totals["windows"], sot_row if seek == 0 else None)
+                              totals["windows"], sot_row if seek == 0 else None, cancel)
         for k in SUMMED:
             totals[k] = totals.get(k, 0) + best.stats.get(k, 0)
         totals["mode"] = best.stats.get("mode")
@@ -276,7 +281,7 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
         tokens = best.tokens[:-1] if best.tokens and best.tokens[-1] == eos else best.tokens
         pieces, advance = _segments(tokens, begin, seek * FRAME_SECONDS, count)
         for piece, start, end in pieces:
-            done.append(Segment(len(done), round(start, 3), round(end, 3),
+            done.append(Segment(len(done), seek, round(start, 3), round(end, 3),
                                 gen.detokenize([t for t in piece if t < begin]) or "",
                                 piece, best.temperature, best.avg_logprob,
                                 best.compression_ratio, best.no_speech_prob))
@@ -306,7 +311,8 @@ def _skipped(best: _Decode, longform: LongForm) -> bool:
 
 
 def _with_fallback(gen, window, options: GenerationOptions, language, task, previous,
-                   longform: LongForm, most: int, index: int, sot_row) -> _Decode:
+                   longform: LongForm, most: int, index: int, sot_row, cancel=None
+                   ) -> _Decode:
     """A window decoded at each temperature in turn until one passes the thresholds (or is
     silence); the last one's result where none does. `sot_row`: the target's row at
     <|startoftranscript|> where the caller has it already (the language detection's)."""
@@ -327,7 +333,7 @@ def _with_fallback(gen, window, options: GenerationOptions, language, task, prev
                        logprobs=0 if reads else None)
         request = gen.transcription(window, opts, language=language, task=task,
                                     timestamps=True, previous=previous)
-        result = gen.generate(request)
+        result = gen.generate(request, cancel=cancel)
         tokens = [int(t) for t in result.tokens]
         avg = None
         if longform.logprob_threshold is not None:

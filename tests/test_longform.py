@@ -262,3 +262,53 @@ def test_specrun_transcribe_long_audio_writes_subtitles(pair, tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     print(r.output.strip())
 
+
+
+def test_the_server_answers_long_uploads_with_segments(pair, tmp_path):
+    """POST /v1/audio/transcriptions with a recording longer than the window: OpenAI's
+    verbose_json (segments with start, end, text), srt and vtt, each the Python API's
+    transcript (itself transformers', above); word timestamps and granularities without
+    verbose_json are a 400 naming the field."""
+    pytest.importorskip("multipart", reason="the serve extra installs python-multipart")
+    import httpx
+    import wave
+
+    from test_serve import assert_error, server
+
+    _, gen = pair
+    x = speech_like(1, 1.3)
+    path = tmp_path / "long.wav"
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(SAMPLE_RATE)
+        f.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    # the tiny model's windows fail the default thresholds: the fallback samples, seeded
+    want = longform.transcribe(gen, str(path), language="en", seed=11)
+    assert len(want.segments) > 1 and want.stats["fallbacks"] > 0
+    upload = {"file": ("long.wav", path.read_bytes())}
+    post_args = {"language": "en", "seed": "11"}
+    with server(str(gen.bundle_dir)) as (url, _):
+        post = f"{url}/v1/audio/transcriptions"
+        r = httpx.post(post, files=upload, timeout=120, data={
+            **post_args, "response_format": "verbose_json",
+            "timestamp_granularities[]": "segment"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["text"] == want.text.strip() and body["language"] == "en"
+        assert body["duration"] == pytest.approx(1.3, abs=1e-3)
+        assert [(s["start"], s["end"], s["tokens"]) for s in body["segments"]] == \
+            [(s.start, s.end, s.tokens) for s in want.segments]
+        r = httpx.post(post, files=upload, timeout=120,
+                       data={**post_args, "response_format": "srt"})
+        assert r.status_code == 200 and r.text == longform.render(want, "srt")
+        r = httpx.post(post, files=upload, timeout=120, data=post_args)
+        assert r.status_code == 200 and r.json()["text"] == want.text.strip()
+        assert_error(httpx.post(post, files=upload, data={
+            "response_format": "verbose_json", "timestamp_granularities[]": "word"}), 400,
+            "'word'", param="timestamp_granularities[]")
+        assert_error(httpx.post(post, files=upload, data={
+            "timestamp_granularities[]": "segment"}), 400, "verbose_json",
+            param="timestamp_granularities[]")
+        assert_error(httpx.post(post, files=upload, data={"response_format": "doc"}), 400,
+                     "'doc'", param="response_format")

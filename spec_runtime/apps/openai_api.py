@@ -107,6 +107,9 @@ class Job:
     default_max_tokens: int | None = None  # max_tokens left out: this, else the context's room
     prompt_field: str = "prompt"  # the request field that holds the prompt
     request: Any = None  # the request.Request made from all this, once, before a slot is taken
+    # or, for what is more than one request (a long recording's windows), what the slot runs
+    # instead: work(generator, cancel event) -> a result with .text and .stats
+    work: Any = None
 
 
 # the request's fields that GenerationOptions takes as they are (null: its default)

@@ -121,16 +121,11 @@ class Decode:
     def _work(self) -> None:
         job = self.job
         try:
-            stream = self.gen.stream(job.request, cancel=self.cancel_event)
-            for piece in stream:
-                if self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
-                live, entries = stream.logprobs, None
-                if live is not None:  # the tokens decoded since the last piece
-                    entries, self.logprobs_sent = live[self.logprobs_sent:], len(live)
-                self._post(self.events.put_nowait, ("piece", (piece, entries)))
-            result = stream.result
-            if result.finish_reason == "cancelled":
+            if job.work is not None:  # more than one request (a long recording's windows)
+                result = job.work(self.gen, self.cancel_event)
+            else:
+                result = self._streamed(job)
+            if result.stats.get("finish_reason") == "cancelled":
                 end = ("error", self._error or APIError(
                     499, "the request was cancelled", code="cancelled"))
             else:
@@ -148,6 +143,18 @@ class Decode:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             self._post(fn)
+
+    def _streamed(self, job: Job):
+        """The job's Request decoded, each piece handed on as it comes; its result."""
+        stream = self.gen.stream(job.request, cancel=self.cancel_event)
+        for piece in stream:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            live, entries = stream.logprobs, None
+            if live is not None:  # the tokens decoded since the last piece
+                entries, self.logprobs_sent = live[self.logprobs_sent:], len(live)
+            self._post(self.events.put_nowait, ("piece", (piece, entries)))
+        return stream.result
 
     def _finish(self, end) -> None:
         self.events.put_nowait(end)

@@ -2,10 +2,12 @@
 
 The body is multipart/form-data, as OpenAI's clients send it: `file` (the audio: WAV, or what
 soundfile reads), `model`, `language`, `temperature`, `response_format` ("json", the default,
-or "text"), and draftproof's own `gamma`, `use_draft`, `seed`, `max_tokens`. A field the route
-does not offer (`prompt`, `timestamp_granularities`, `stream`) is refused by name, like the
-other routes' unsupported parameters. The audio is read and checked (speech.py) before a slot
-is taken; the request then decodes on a slot like any other (server.Server.transcribe).
+"text", or with segments "verbose_json", "srt", "vtt"), `timestamp_granularities[]`
+("segment"), and draftproof's own `gamma`, `use_draft`, `seed`, `max_tokens`. A field the route
+does not offer (`prompt`, `stream`) is refused by name, like the other routes' unsupported
+parameters. The audio is read and checked (speech.py) before a slot is taken; the request then
+decodes on a slot like any other (server.Server.transcribe). An upload longer than one window,
+or one asked for with segments, is transcribed on its slot window after window (longform.py).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from .openai_api import APIError, Job, extensions, input_error
 from .plumbing import client_gone
 
 ROUTE = "/v1/audio/transcriptions"
-MAX_AUDIO_BYTES = 25 << 20  # OpenAI's limit for an upload; 30 s of 48 kHz stereo is 6 MB
+MAX_AUDIO_BYTES = 25 << 20  # OpenAI's limit for an upload: 13 minutes of 16 kHz 16-bit WAV
 SPOOL_BYTES = 1 << 20  # of an upload's file kept in memory; the rest goes to a temporary file
 FIELD_BYTES = 4096  # a form field other than the file (language, temperature ...): a few bytes
 MAX_FIELDS = 32
-FORMATS = ("json", "text")
-UNSUPPORTED = ("prompt", "timestamp_granularities[]", "timestamp_granularities", "stream",
-               "chunking_strategy", "include[]")
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+SEGMENTED = ("verbose_json", "srt", "vtt")  # the formats that need timestamps
+GRANULARITIES = ("timestamp_granularities[]", "timestamp_granularities")
+UNSUPPORTED = ("prompt", "stream", "chunking_strategy", "include[]")
 # form fields -> (GenerationOptions' field, its type)
 OPTIONS = {"temperature": ("temperature", float), "seed": ("seed", int),
            "gamma": ("gamma", str), "use_draft": ("use_draft", bool),
@@ -120,8 +123,19 @@ def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
                        code="model_not_found")
     fmt = form.get("response_format") or "json"
     if fmt not in FORMATS:
-        raise APIError(400, f"response_format {fmt!r} is not supported: use json or text",
-                       param="response_format", code="invalid_value")
+        raise APIError(400, f"response_format {fmt!r} is not supported: use "
+                            f"{', '.join(FORMATS)}", param="response_format",
+                       code="invalid_value")
+    for name in GRANULARITIES:
+        for value in form.getlist(name):
+            if value != "segment":
+                raise APIError(400, f"timestamp_granularities {value!r} is not offered: use "
+                                    f"'segment' (word timestamps are not made)", param=name,
+                               code="invalid_value")
+            if fmt != "verbose_json":
+                raise APIError(400, f"timestamp_granularities needs response_format "
+                                    f"verbose_json, not {fmt!r}", param=name,
+                               code="invalid_value")
     kwargs = {}
     for name, (field, kind) in OPTIONS.items():
         text = form.get(name)
@@ -140,7 +154,7 @@ def make_request(gen, job: Job, upload: dict) -> None:
     """job.request: the transcription's Request, checked once (the audio read), before a slot
     is taken; a language not given is detected on that slot (Generator.transcription's
     detect_later)."""
-    from ..audio import read_audio, window_seconds
+    from ..audio import MAX_WHOLE_SECONDS, SAMPLE_RATE, read_audio, too_long, window_seconds
     from ..speech import samples_of, transcript_tokens
 
     try:
@@ -148,7 +162,15 @@ def make_request(gen, job: Job, upload: dict) -> None:
             raise InputError("this server's bundle is a text model: /v1/audio/transcriptions "
                              "needs a speech bundle (Whisper); send text to /v1/completions")
         window = window_seconds(2 * gen.target.max_source_len)
-        samples = samples_of(read_audio(upload["audio"], window, name=upload["name"]), window)
+        # an upload is at most MAX_AUDIO_BYTES: read whole, it is at most that many samples
+        samples = samples_of(read_audio(upload["audio"], MAX_WHOLE_SECONDS,
+                                        name=upload["name"]), MAX_WHOLE_SECONDS)
+        seconds = len(samples) / SAMPLE_RATE
+        if upload["format"] in SEGMENTED or seconds > window:
+            if gen.audio.timestamps is None and seconds > window:  # one window at most
+                raise too_long(seconds, repr(upload["name"]), window)
+            job.work = long_form(gen, job, samples, upload["language"])
+            return
         if job.max_tokens is None:
             job.max_tokens = transcript_tokens(gen, job.kwargs.get("use_draft", True))
         # a language not given is detected on the slot that decodes the request, from the
@@ -162,12 +184,40 @@ def make_request(gen, job: Job, upload: dict) -> None:
         raise APIError(400, str(e), param="file", code="invalid_value") from None
 
 
+def long_form(gen, job: Job, samples, language: str | None):
+    """The slot's work for a transcription of several windows or with segments, its values
+    checked now (the language, the bundle's timestamp tokens), before a slot is taken."""
+    from .. import longform
+    from ..speech import language_token, timestamp_rules
+
+    options = GenerationOptions(max_new_tokens=job.max_tokens or gen.capacity(
+        job.kwargs.get("use_draft", True)), **job.kwargs)
+    if language is not None:
+        language_token(gen.audio, language)
+    timestamp_rules(gen.audio, gen.vocab_size, min(gen.eos_token_ids))
+
+    def work(slot, cancel):
+        return longform.transcribe(slot, samples, options, language=language, cancel=cancel)
+    return work
+
+
 def transcription_body(result, fmt: str):
-    """OpenAI's response: {"text"} (with the request's statistics, as every route's), or the
-    text alone for response_format=text."""
+    """OpenAI's response: {"text"} (with the request's statistics, as every route's), the
+    text alone for response_format=text, {"task", "language", "duration", "text",
+    "segments"} for verbose_json, subtitles for srt and vtt."""
     from fastapi.responses import JSONResponse, PlainTextResponse
 
     text = (result.text or "").strip()
     if fmt == "text":
         return PlainTextResponse(text + "\n")
+    if fmt in ("srt", "vtt"):
+        from ..longform import render
+
+        return PlainTextResponse(render(result, fmt),
+                                 media_type="text/vtt" if fmt == "vtt" else "text/plain")
+    if fmt == "verbose_json":
+        body = result.to_json()
+        body.pop("stats", None)
+        return JSONResponse({"task": "transcribe", **body, "text": text,
+                             **extensions(result.stats)})
     return JSONResponse({"text": text, **extensions(result.stats)})
