@@ -178,6 +178,9 @@ def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **
 @click.option("--no-speech-threshold", type=float, default=0.6, show_default=True,
               help="with timestamps: a window whose no-speech probability is above this, and "
                    "that fails --logprob-threshold, is silence: skipped")
+@click.option("--vad", is_flag=True,
+              help="with timestamps: transcribe only the speech Silero VAD finds (silences of "
+                   "2 s or more left out), as faster-whisper's vad_filter does")
 @sampling_options()
 @gamma_option()
 @no_draft_option
@@ -187,7 +190,7 @@ def generate_many(prompts_file, prompt, prompt_file, stream, options, bundle, **
 @input_errors
 def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, output,
                condition_on_previous_text, fallback, compression_ratio_threshold,
-               logprob_threshold, no_speech_threshold, as_json, device, draft_device,
+               logprob_threshold, no_speech_threshold, vad, as_json, device, draft_device,
                threads, **request):
     """Transcribe AUDIO (a WAV file of any length; FLAC and others where soundfile is
     installed) with a speech bundle: greedy by default, speculative with the bundle's draft,
@@ -200,7 +203,7 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
     options = generation_options(max_new_tokens=max_new_tokens or 1, **request)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     # a model without timestamp tokens transcribes one window: a longer one is refused below
-    if gen.audio is not None and (timestamps or fmt != "txt" or (
+    if gen.audio is not None and (timestamps or vad or fmt != "txt" or (
             gen.audio.timestamps is not None and _longer_than_a_window(gen, audio))):
         from spec_runtime.longform import LongForm
 
@@ -211,7 +214,7 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
                             compression_ratio_threshold, logprob_threshold,
                             no_speech_threshold)
         return _transcribe_long(gen, audio, options, max_new_tokens, language, task, form,
-                                "json" if as_json else fmt, output)
+                                "json" if as_json else fmt, output, vad)
     if max_new_tokens is None:  # Whisper's default, where the cache holds it
         from dataclasses import replace
 
@@ -227,15 +230,18 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
         click.echo(stats_line(result.stats), err=True)
 
 
-def _transcribe_long(gen, audio, options, max_new_tokens, language, task, form, fmt, output):
+def _transcribe_long(gen, audio, options, max_new_tokens, language, task, form, fmt, output,
+                     vad: bool):
     """`specrun transcribe` with timestamps: longform.transcribe, written as `fmt`."""
     from dataclasses import replace
 
     from spec_runtime import longform
 
     options = replace(options, max_new_tokens=max_new_tokens or gen.capacity(options.use_draft))
+    from spec_runtime.vad import VadOptions
+
     result = in_cli_words(longform.transcribe, gen, audio, options, language=language,
-                          task=task, longform=form)
+                          task=task, longform=form, vad=VadOptions() if vad else None)
     text = longform.render(result, fmt)
     if output is not None:
         with open(output, "w", encoding="utf-8") as f:

@@ -201,12 +201,15 @@ class _Decode:
 
 def transcribe(gen, audio, options: GenerationOptions | None = None, *,
                language: str | None = None, task: str = "transcribe",
-               longform: LongForm | None = None, cancel=None, **values) -> Transcript:
+               longform: LongForm | None = None, vad=None, cancel=None,
+               **values) -> Transcript:
     """`audio` (a WAV file's path, or float samples at 16 kHz) of any length, transcribed
     window after window with timestamps (see the module's docstring); `options` as
     `Generator.transcribe` takes them (max_new_tokens caps each window's decode, the seed
-    seeds the fallback's samples). `cancel`, a threading.Event, stops it after the round it
-    is in: the transcript so far, its stats' finish_reason "cancelled"."""
+    seeds the fallback's samples). `vad` (vad.VadOptions): only the speech that Silero VAD
+    finds is transcribed, its segments' times those of the recording. `cancel`, a
+    threading.Event, stops it after the round it is in: the transcript so far, its stats'
+    finish_reason "cancelled"."""
     longform = longform if longform is not None else LongForm()
     # a window decodes what the decoder has room for unless max_new_tokens says less
     given = options is not None or "max_new_tokens" in values
@@ -218,12 +221,27 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
     if not isinstance(audio, (str, Path)):
         audio = speech.samples_of(audio, math.inf)
     with Recording(audio) as rec:
-        duration = rec.n / SAMPLE_RATE
-        if rec.n <= window_frames * HOP_LENGTH:
-            feats = Padded(rec.read(0, rec.n), gen.audio.n_mels, window_frames)
+        duration, source = rec.n / SAMPLE_RATE, rec
+        if vad is not None:
+            from .vad import Silero, SpeechOnly, speech_chunks
+
+            source = SpeechOnly(rec.read, speech_chunks(Silero().probs(rec.read, rec.n),
+                                                        rec.n, vad))
+            if source.n == 0:  # no speech at all: nothing to decode
+                return Transcript("", [], language, None, round(duration, 3),
+                                  {**_rates(_no_decode(), 0.0, duration),
+                                   "speech_seconds": 0.0})
+        if source.n <= window_frames * HOP_LENGTH:
+            feats = Padded(source.read(0, source.n), gen.audio.n_mels, window_frames)
         else:
-            feats = Features(rec.read, rec.n, gen.audio.n_mels)
-        return _transcribe(gen, feats, duration, options, language, task, longform, cancel)
+            feats = Features(source.read, source.n, gen.audio.n_mels)
+        out = _transcribe(gen, feats, duration, options, language, task, longform, cancel)
+    out.stats["speech_seconds"] = source.n / SAMPLE_RATE
+    if vad is not None:
+        for segment in out.segments:
+            segment.start = source.original_time(segment.start)
+            segment.end = source.original_time(segment.end, is_end=True)
+    return out
 
 
 def _transcribe(gen, feats, duration: float, options: GenerationOptions, language, task,
@@ -250,7 +268,7 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
         probability = float(p.max())
     prev_sot = speech.prev_sot_token(entry)
     seek, done, kept, condition = 0, [], [], longform.condition_on_previous_text
-    totals: dict = {"windows": 0, "windows_skipped": 0, "fallbacks": 0, "finish_reason": "eos"}
+    totals = _no_decode()
     t0 = gen.clock()
     while seek < feats.frames:
         if cancel is not None and cancel.is_set():
@@ -269,7 +287,7 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
         best = _with_fallback(gen, window, options, language, task, previous, longform, most,
                               totals["windows"], sot_row if seek == 0 else None, cancel)
         for k in SUMMED:
-            totals[k] = totals.get(k, 0) + best.stats.get(k, 0)
+            totals[k] += best.stats.get(k, 0)
         totals["mode"] = best.stats.get("mode")
         totals["windows"] += 1
         totals["fallbacks"] += best.fallbacks
@@ -292,13 +310,26 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
                     )[-cut_off:]
         seek += advance
     text = "".join(s.text for s in done)
-    totals["seconds"] = gen.clock() - t0
-    totals["real_time_factor"] = totals["seconds"] / duration if duration else 0.0
+    return Transcript(text, done, language, probability, round(duration, 3),
+                      _rates(totals, gen.clock() - t0, duration))
+
+
+def _no_decode() -> dict:
+    """A transcript's statistics before any window is decoded."""
+    return {"windows": 0, "windows_skipped": 0, "fallbacks": 0, "finish_reason": "eos",
+            "mode": None, **{k: 0 for k in SUMMED}}
+
+
+def _rates(totals: dict, seconds: float, duration: float) -> dict:
+    """`totals` with the rates made of its sums: the real-time factor (`seconds` taken over
+    the recording's `duration`), tokens per target call, the acceptance rate."""
+    totals["seconds"] = seconds
+    totals["real_time_factor"] = seconds / duration if duration else 0.0
     totals["tokens_per_target_call"] = totals["new_tokens"] / totals["target_calls"] \
-        if totals.get("target_calls") else 0.0
+        if totals["target_calls"] else 0.0
     totals["acceptance_rate"] = totals["accepted"] / totals["proposed"] \
-        if totals.get("proposed") else 0.0
-    return Transcript(text, done, language, probability, round(duration, 3), totals)
+        if totals["proposed"] else 0.0
+    return totals
 
 
 def _skipped(best: _Decode, longform: LongForm) -> bool:
