@@ -81,3 +81,59 @@ def test_the_detected_language_is_transformers(whisper_base, name):
     eos = model.generation_config.eos_token_id
     detected = gen.transcribe(samples[name], max_new_tokens=wb.MAX_NEW_TOKENS)
     assert text_tokens(detected.tokens, eos) == wb.transformers_greedy(model, features, None)
+
+
+@pytest.mark.slow
+def test_long_form_is_transformers_and_silence_is_empty(whisper_base, tmp_path):
+    """A recording of the samples one after another with 1.5 s pauses (longer than one
+    window): long-form segments (tokens, start, end) equal transformers' sequential
+    `generate(return_timestamps=True)` on the same features, with transformers' defaults and
+    with the previous text and thresholds, speculative and target-only; 40 s of silence is
+    transformers' transcript of it (one word at most, never a loop), and empty with the
+    VAD."""
+    import numpy as np
+    import torch
+
+    from spec_runtime import longform
+    from spec_runtime.audio import read_audio
+
+    model, _, gen, samples = whisper_base
+    gap = np.zeros(24000, np.float32)
+    english = [read_audio(samples[n]) for n in NAMES if LANGUAGE[n] == "en"]
+    x = np.concatenate([part for s in english * 2 for part in (s, gap)])
+    assert len(x) > 30 * 16000
+    f = longform.Features(lambda a, b: x[a:b], len(x), 80)
+    features = torch.tensor(f.window(0, f.frames, f.frames))[None]
+    cases = [({}, longform.LongForm.transformers()),
+             ({"condition_on_prev_tokens": True, "compression_ratio_threshold": 2.4,
+               "logprob_threshold": -1.0, "no_speech_threshold": 0.6, "temperature": (0.0,)},
+              longform.LongForm(True, (0.0,), 2.4, -1.0, 0.6))]
+    for kw, form in cases:
+        with torch.no_grad():
+            out = model.generate(input_features=features, return_timestamps=True,
+                                 return_segments=True, language="en", task="transcribe", **kw)
+        want = [([int(t) for t in s["tokens"]], round(float(s["start"]), 3),
+                 round(float(s["end"]), 3)) for s in out["segments"][0]]
+        for use_draft in (True, False):
+            got = longform.transcribe(gen, x, language="en", longform=form, use_draft=use_draft)
+            assert [(s.tokens, s.start, s.end) for s in got.segments] == want
+    # silence: transformers' segments (whisper-base says " you" over the first window, whose
+    # no-speech probability 0.93 is above the threshold but whose log-probability -0.82 is
+    # not below it; faster-whisper says the same), never a loop; with the VAD, nothing
+    zeros = np.zeros(40 * 16000, np.float32)
+    f = longform.Features(lambda a, b: zeros[a:b], len(zeros), 80)
+    with torch.no_grad():
+        out = model.generate(input_features=torch.tensor(f.window(0, f.frames, f.frames))[None],
+                             return_timestamps=True, return_segments=True, language="en",
+                             task="transcribe", temperature=longform.FALLBACK,
+                             compression_ratio_threshold=2.4, logprob_threshold=-1.0,
+                             no_speech_threshold=0.6)
+    silence = longform.transcribe(gen, zeros, language="en")
+    print("silence:", [(s.start, s.end, s.text) for s in silence.segments])
+    assert [s.tokens for s in silence.segments] == \
+        [[int(t) for t in s["tokens"]] for s in out["segments"][0]]
+    assert sum(len(s.tokens) for s in silence.segments) < 10
+    from spec_runtime.vad import VadOptions
+
+    quiet = longform.transcribe(gen, zeros, language="en", vad=VadOptions())
+    assert quiet.segments == [] and quiet.text == "" and quiet.stats["windows"] == 0
