@@ -312,3 +312,25 @@ def test_the_server_answers_long_uploads_with_segments(pair, tmp_path):
             param="timestamp_granularities[]")
         assert_error(httpx.post(post, files=upload, data={"response_format": "doc"}), 400,
                      "'doc'", param="response_format")
+
+
+def test_a_cancelled_transcription_stops_between_rounds(pair, monkeypatch):
+    """Cancelled as its first window's decode ends (a client gone): the next window is not
+    decoded, and the transcript says it was cancelled; uncancelled, the same audio takes
+    several windows."""
+    import threading
+
+    _, gen = pair
+    x = speech_like(0, 1.3)
+    whole = longform.transcribe(gen, x, language="en")
+    assert whole.stats["windows"] > 2 and whole.stats["finish_reason"] == "eos"
+    cancel = threading.Event()
+    plain = gen.generate
+
+    def generate_then_cancel(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        cancel.set()
+        return out
+    monkeypatch.setattr(gen, "generate", generate_then_cancel)
+    got = longform.transcribe(gen, x, language="en", cancel=cancel)
+    assert got.stats["finish_reason"] == "cancelled" and got.stats["windows"] == 1
