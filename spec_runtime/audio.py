@@ -67,10 +67,14 @@ def window_seconds(frames: int = N_FRAMES) -> float:
     return frames * HOP_LENGTH / SAMPLE_RATE
 
 
+class TooLong(InputError):
+    """Audio longer than what is read of it (`too_long`)."""
+
+
 def too_long(seconds: float, what: str, window: float = WINDOW_SECONDS) -> InputError:
     """`what` lasts `seconds`, more than one `window` (in seconds) holds."""
     limit = f"{window:g}"
-    return InputError(f"{what} is {seconds:.1f} s long: one window holds at most {limit} s; cut "
+    return TooLong(f"{what} is {seconds:.1f} s long: one window holds at most {limit} s; cut "
                       f"it into pieces of at most {limit} s (e.g. `ffmpeg -i INPUT -f segment "
                       f"-segment_time {limit} -ar 16000 -ac 1 piece%03d.wav`)")
 

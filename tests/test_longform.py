@@ -334,3 +334,34 @@ def test_a_cancelled_transcription_stops_between_rounds(pair, monkeypatch):
     monkeypatch.setattr(gen, "generate", generate_then_cancel)
     got = longform.transcribe(gen, x, language="en", cancel=cancel)
     assert got.stats["finish_reason"] == "cancelled" and got.stats["windows"] == 1
+
+
+def test_an_upload_longer_than_the_server_reads_is_a_400(monkeypatch):
+    """make_request on an upload longer than MAX_UPLOAD_SECONDS (made 60 s here): one line
+    naming the file, the limit and the command that reads any length; a 400 on `file`."""
+    import io
+    import wave
+
+    from spec_runtime.apps import transcriptions as T
+    from spec_runtime.apps.openai_api import APIError, Job
+
+    monkeypatch.setattr(T, "MAX_UPLOAD_SECONDS", 60)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(SAMPLE_RATE)
+        f.writeframes(np.zeros(61 * SAMPLE_RATE, "<i2").tobytes())
+    buf.seek(0)
+
+    class Gen:  # make_request reads the audio before it looks at more of the bundle
+        audio = object()
+        target = type("T", (), {"max_source_len": 1500})()
+
+    job = Job(prompt=None, chat=False, max_tokens=None, stream=False, include_usage=False,
+              prompt_field="file")
+    with pytest.raises(APIError) as e:
+        T.make_request(Gen(), job, {"audio": buf, "name": "talk.wav", "language": None,
+                                    "format": "json"})
+    assert e.value.status == 400 and "'talk.wav'" in str(e.value.body())
+    assert "1 minutes" in str(e.value.body()) and "specrun transcribe" in str(e.value.body())

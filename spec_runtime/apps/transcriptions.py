@@ -24,6 +24,9 @@ MAX_AUDIO_BYTES = 25 << 20  # OpenAI's limit for an upload: 13 minutes of 16 kHz
 SPOOL_BYTES = 1 << 20  # of an upload's file kept in memory; the rest goes to a temporary file
 FIELD_BYTES = 4096  # a form field other than the file (language, temperature ...): a few bytes
 MAX_FIELDS = 32
+# the longest upload read (held as float samples: 115 MB for 30 minutes); a 16 kHz 16-bit WAV
+# file of the upload limit is 13 minutes, a compressed one can hold hours
+MAX_UPLOAD_SECONDS = 30 * 60
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 SEGMENTED = ("verbose_json", "srt", "vtt")  # the formats that need timestamps
 GRANULARITIES = ("timestamp_granularities[]", "timestamp_granularities")
@@ -154,7 +157,7 @@ def make_request(gen, job: Job, upload: dict) -> None:
     """job.request: the transcription's Request, checked once (the audio read), before a slot
     is taken; a language not given is detected on that slot (Generator.transcription's
     detect_later)."""
-    from ..audio import MAX_WHOLE_SECONDS, SAMPLE_RATE, read_audio, too_long, window_seconds
+    from ..audio import SAMPLE_RATE, TooLong, read_audio, too_long, window_seconds
     from ..speech import samples_of, transcript_tokens
 
     try:
@@ -162,9 +165,15 @@ def make_request(gen, job: Job, upload: dict) -> None:
             raise InputError("this server's bundle is a text model: /v1/audio/transcriptions "
                              "needs a speech bundle (Whisper); send text to /v1/completions")
         window = window_seconds(2 * gen.target.max_source_len)
-        # an upload is at most MAX_AUDIO_BYTES: read whole, it is at most that many samples
-        samples = samples_of(read_audio(upload["audio"], MAX_WHOLE_SECONDS,
-                                        name=upload["name"]), MAX_WHOLE_SECONDS)
+        # read whole (float samples: 64 KB a second); compressed, 25 MB can hold hours
+        try:
+            samples = samples_of(read_audio(upload["audio"], MAX_UPLOAD_SECONDS,
+                                            name=upload["name"]), MAX_UPLOAD_SECONDS)
+        except TooLong:
+            raise InputError(f"{upload['name']!r} is longer than the {MAX_UPLOAD_SECONDS // 60} "
+                             f"minutes this server reads from one upload: send it in parts, "
+                             f"or transcribe it with `specrun transcribe`, which reads a WAV "
+                             f"file of any length a window at a time") from None
         seconds = len(samples) / SAMPLE_RATE
         if upload["format"] in SEGMENTED or seconds > window:
             if gen.audio.timestamps is None and seconds > window:  # one window at most
