@@ -281,7 +281,8 @@ def test_a_speech_bundles_language_detection_never_waits_behind_a_slot(whisper_p
         try:
             with open(wav, "rb") as audio:
                 done = threading.Thread(target=make_request, args=(
-                    gen, job, {"audio": audio, "name": "a.wav", "language": None}))
+                    gen, job, {"audio": audio, "name": "a.wav", "language": None,
+                               "format": "json"}))
                 done.start()
                 done.join(timeout=120)  # waiting behind a held slot would never end
             assert not done.is_alive() and job.request is not None
