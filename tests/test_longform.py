@@ -365,3 +365,44 @@ def test_an_upload_longer_than_the_server_reads_is_a_400(monkeypatch):
                                     "format": "json"})
     assert e.value.status == 400 and "'talk.wav'" in str(e.value.body())
     assert "1 minutes" in str(e.value.body()) and "specrun transcribe" in str(e.value.body())
+
+
+def test_the_average_log_probability_is_transformers(pair):
+    """A window's average log-probability, from the greedy decode's logprobs and from the
+    rows scored again (what a sampled decode uses), against transformers'
+    `_retrieve_avg_logprobs` over the scores its own SuppressTokens and WhisperTimeStamp
+    processors make of the model's logits along the same tokens."""
+    from dataclasses import replace as replaced
+
+    from transformers.generation.logits_process import (SuppressTokensLogitsProcessor,
+                                                        WhisperTimeStampLogitsProcessor)
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin as W
+
+    model, gen = pair
+    prompt = [257, 258, 262]  # <|startoftranscript|> <|en|> <|transcribe|>
+    cfg = model.generation_config
+    procs = [SuppressTokensLogitsProcessor(cfg.suppress_tokens),
+             WhisperTimeStampLogitsProcessor(cfg, begin_index=len(prompt))]
+    for seed in range(3):
+        window = longform.Padded(speech_like(seed, 0.25), 80, FRAMES).whole
+        request = gen.transcription(window, language="en", timestamps=True, logprobs=0,
+                                    max_new_tokens=20)
+        result = gen.generate(request)
+        tokens = [int(t) for t in result.tokens]
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(input_features=torch.tensor(window)[None],
+                           decoder_input_ids=ids).logits[0]
+        scores = []
+        for i in range(len(tokens)):
+            row = logits[len(prompt) - 1 + i][None]
+            for proc in procs:
+                row = proc(ids[:, : len(prompt) + i], row)
+            scores.append(row[0])
+        want = float(W._retrieve_avg_logprobs(scores, torch.tensor(tokens), 0.0))
+        greedy = longform._avg_logprob(gen, window, request, result, tokens)
+        rescored = longform._avg_logprob(gen, window, request, replaced(result, logprobs=None),
+                                         tokens)
+        print(f"seed {seed}: {len(tokens)} tokens, transformers {want:.5f}, ours {greedy:.5f}")
+        assert greedy == pytest.approx(want, abs=1e-4)
+        assert rescored == pytest.approx(want, abs=1e-4)
