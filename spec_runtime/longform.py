@@ -217,6 +217,7 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
     if not given:
         options = replace(options, max_new_tokens=gen.capacity(options.use_draft))
     gen.speech_only()
+    _prompt_length(gen, language, task)  # its refusals before the recording is read
     window_frames = 2 * gen.target.max_source_len
     if not isinstance(audio, (str, Path)):
         audio = speech.samples_of(audio, math.inf)
@@ -247,17 +248,11 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
 def _transcribe(gen, feats, duration: float, options: GenerationOptions, language, task,
                 longform: LongForm, cancel) -> Transcript:
     entry, eos = gen.audio, min(gen.eos_token_ids)
-    rules = speech.timestamp_rules(entry, gen.vocab_size, eos)  # refused early without them
-    begin = rules.begin
+    begin = entry.no_timestamps_token_id + 1  # the first timestamp token
     window_frames = 2 * gen.target.max_source_len
     capacity = gen.capacity(options.use_draft)
     cut_off = capacity // 2 - 1  # transformers: max_target_positions // 2 - 1
-    # the prompt but the earlier text; the task and a given language checked before any work
-    lang = speech.language_token(entry, language) if language is not None else None
-    if language is None and entry.languages:
-        lang = next(iter(entry.languages.values()))  # detected below: any holds its place
-    prompt = len(speech.decoder_prompt(entry, gen.decoder_start_token_id, lang,
-                                       speech.task_token(entry, task), True))
+    prompt = _prompt_length(gen, language, task)
     first = feats.window(0, min(feats.frames, window_frames), window_frames)
     probability = sot_row = None
     if language is None and entry.languages:
@@ -312,6 +307,18 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
     text = "".join(s.text for s in done)
     return Transcript(text, done, language, probability, round(duration, 3),
                       _rates(totals, gen.clock() - t0, duration))
+
+
+def _prompt_length(gen, language: str | None, task: str) -> int:
+    """The decoder prompt's length but the earlier text; InputError or FieldError for a bundle
+    without timestamp tokens, a language or task the model lacks."""
+    entry = gen.audio
+    speech.timestamp_rules(entry, gen.vocab_size, min(gen.eos_token_ids))
+    lang = speech.language_token(entry, language) if language is not None else None
+    if language is None and entry.languages:
+        lang = next(iter(entry.languages.values()))  # detected later: any holds its place
+    return len(speech.decoder_prompt(entry, gen.decoder_start_token_id, lang,
+                                     speech.task_token(entry, task), True))
 
 
 def _no_decode() -> dict:

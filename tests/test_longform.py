@@ -406,3 +406,19 @@ def test_the_average_log_probability_is_transformers(pair):
         print(f"seed {seed}: {len(tokens)} tokens, transformers {want:.5f}, ours {greedy:.5f}")
         assert greedy == pytest.approx(want, abs=1e-4)
         assert rescored == pytest.approx(want, abs=1e-4)
+
+
+def test_bad_values_are_refused_before_the_recording_is_read(pair, monkeypatch):
+    """A language the model lacks, or a task it lacks, is refused before the recording's
+    features are computed (an hour's maximum pass would come first otherwise)."""
+    from spec_runtime.errors import FieldError
+
+    _, gen = pair
+
+    def never(*args, **kwargs):
+        raise AssertionError("the recording was read before the values were checked")
+    monkeypatch.setattr(longform, "Recording", never)
+    with pytest.raises(FieldError, match="'xx'"):
+        longform.transcribe(gen, speech_like(0, 1.3), language="xx")
+    with pytest.raises(FieldError, match="'summarize'"):
+        longform.transcribe(gen, speech_like(0, 1.3), language="en", task="summarize")
