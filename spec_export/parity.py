@@ -71,6 +71,19 @@ def open_decoder(path, threads: int | None = None, seed: int = 0, one_row: str =
                       one_row=one_row)
 
 
+def trim_output_head(hf_model, ids) -> None:
+    """Cut a Hugging Face model's output head to the rows `ids` (a trimmed draft's kept ids), so
+    that its logits compare id for id with the trimmed graph's; the input embedding stays whole
+    (a tied head gets its own copy of those rows)."""
+    head = hf_model.get_output_embeddings()
+    rows = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+    trimmed = torch.nn.Linear(head.in_features, len(rows), bias=head.bias is not None)
+    trimmed.weight.data = head.weight.data.index_select(0, rows).clone()
+    if head.bias is not None:
+        trimmed.bias.data = head.bias.data.index_select(0, rows).clone()
+    hf_model.set_output_embeddings(trimmed)
+
+
 def hf_reference(hf_model) -> Callable[[list[int], int], np.ndarray]:
     """reference(tokens, num_logits): the last num_logits rows of a fresh HF forward."""
     hf_model.eval()

@@ -60,19 +60,13 @@ def verify_bundle(bundle_dir=None) -> dict:
 def _trim_head(model, bundle_dir: Path, manifest: Manifest) -> None:
     """The PyTorch draft's output head cut to the kept ids of its trimmed graph (the bundle's
     draft.vocab), so that their logits compare id for id; its input embedding stays whole."""
-    import torch
-
     from spec_runtime.decode.draft_vocab import read_kept_ids
+
+    from .parity import trim_output_head
 
     kept = read_kept_ids(bundle_dir, manifest.draft.options["vocab"], manifest.target.vocab_size,
                          manifest.tokenizer.eos_token_ids)
-    head = model.get_output_embeddings()
-    rows = torch.as_tensor(kept.ids)
-    trimmed = torch.nn.Linear(head.in_features, kept.size, bias=head.bias is not None)
-    trimmed.weight.data = head.weight.data.index_select(0, rows).clone()
-    if head.bias is not None:
-        trimmed.bias.data = head.bias.data.index_select(0, rows).clone()
-    model.set_output_embeddings(trimmed)
+    trim_output_head(model, kept.ids)
 
 
 def _check_quantized(row: dict, role: str, entry: ModelEntry, model, bundle_dir: Path,
@@ -121,11 +115,17 @@ def _parity(model, bundle_dir: Path, entry: ModelEntry, manifest: Manifest,
     from .parity_seq2seq import check_parity_seq2seq, fp32_parity_seq2seq
 
     source, decoder_ids = parity_inputs(model, ids, manifest.max_source_len)
-    paths = (bundle_dir / graphs["encoder"].file, bundle_dir / graphs["decoder"].file)
+    # a draft that shares the encoder (draft.shared_encoder: a self draft under a float32
+    # target) runs over the target's encoder graph, already checked as the target's
+    shared = "encoder" not in graphs
+    encoder = (manifest.target if shared else entry).graphs["encoder"]
+    paths = (bundle_dir / encoder.file, bundle_dir / graphs["decoder"].file)
     if entry.precision == "fp32":  # the build's rule (scale, and the model's own rounding)
-        return fp32_parity_seq2seq(model, *paths, source, decoder_ids)
-    return {g: (d, None) for g, d in check_parity_seq2seq(model, *paths, source,
-                                                          decoder_ids).items()}
+        diffs = fp32_parity_seq2seq(model, *paths, source, decoder_ids)
+    else:
+        diffs = {g: (d, None) for g, d in check_parity_seq2seq(model, *paths, source,
+                                                               decoder_ids).items()}
+    return {g: d for g, d in diffs.items() if not (shared and g == "encoder")}
 
 
 # -- the table `specexport verify` prints ---------------------------------------------------------
