@@ -104,7 +104,8 @@ def main(ctx):
               help="the GGUF file's name inside --draft's directory or hub repo [default: "
                    "none; a --draft ending in .gguf names its file itself]")
 @click.option("--draft-vocab", type=int, default=None,
-              help="trim the draft model's output head to N of the target's token ids (its "
+              help="trim the draft's output head (a draft model's, or an encoder-decoder's "
+                   "self draft's) to N of the target's token ids (its "
                    "step then reads N head rows; output unchanged: the target still emits any "
                    "token). Always kept: special and added tokens, EOS/BOS/pad and the chat "
                    "template's tokens; then the ids most frequent in --draft-vocab-corpus, else "

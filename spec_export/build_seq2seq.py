@@ -77,13 +77,15 @@ def is_audio(config) -> bool:
 
 def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_source_len: int,
                  precision: str, parity_ids: list[int], stage, share_encoder: bool = False,
-                 max_batch: int = 1, max_gamma: int = 8) -> ModelEntry:
+                 max_batch: int = 1, max_gamma: int = 8, head_ids=None) -> ModelEntry:
     """Export `role`.encoder.onnx and `role`.decoder.onnx, check them against PyTorch; returns
     the model's manifest entry (its source is added by the caller). With `share_encoder` (a
     self draft at a lower precision) only the decoder is kept: it reads the target's encoder
     output, which its own float encoder, exported for the parity runs only, equals. With
     `max_batch` > 1 a float32 model also gets `role`.lanes.onnx, its decoder's lanes graph
-    (models/common.py, lanes), checked against the decoder graph."""
+    (models/common.py, lanes), checked against the decoder graph. `head_ids` (sorted token ids,
+    a trimmed draft: draft_vocab.py): the decoder's lm_head keeps only those rows, and the
+    parity runs compare them with the PyTorch model's head cut the same way."""
     from draftproof.models import for_hf_seq2seq
 
     from .export_seq2seq import export_seq2seq
@@ -92,6 +94,11 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     if share_encoder and precision == "fp32":
         raise ValueError("a draft that shares the target's encoder is its lower precision")
     model = for_hf_seq2seq(hf_model, max_len, max_source_len)
+    if head_ids is not None:  # the embedding keeps every row: the decoder reads every token
+        from .parity import trim_output_head
+
+        model.decoder.trim_lm_head(head_ids)
+        trim_output_head(hf_model, head_ids)
     if precision != "fp32":  # so that the quantizer reaches a tied lm_head's MatMul
         model.decoder.untie_lm_head()
     final = {g: bundle_dir / f"{role}.{g}.onnx" for g in ("encoder", "decoder")}

@@ -123,25 +123,18 @@ class DraftPlan:
         target's export) and refuse a draft whose vocabulary is not the target's; with
         --draft-vocab, choose the ids its head keeps. Returns the draft's config, or None
         without a draft model."""
+        from .build_seq2seq import is_encoder_decoder
+
         model = next((c for c in self.candidates if c.name == "model"), None)
         if model is None:
+            self._trim_self(t_model, t_tok, eos)
             return None
         from .sources import load_config_and_tokenizer
 
         config, tok = load_config_and_tokenizer(model.spec)
         check_vocabularies(t_tok, tok)
-        from .build_seq2seq import is_encoder_decoder
-
         if self.draft_vocab is not None:
-            if is_encoder_decoder(config):
-                raise BuildError(f"--draft-vocab {self.draft_vocab} trims a decoder-only "
-                                 f"draft's head; an encoder-decoder ({config.model_type}) draft "
-                                 f"keeps its whole vocabulary: leave --draft-vocab out")
-            from .draft_vocab import choose_ids
-
-            limit = min(t_model.config.vocab_size, config.vocab_size)
-            model.kept = choose_ids(self.draft_vocab, t_tok, eos, limit, self.draft_vocab_corpus)
-            model.embedding_rows = config.vocab_size
+            self._trim(model, t_model.config, config, t_tok, eos)
 
         if is_encoder_decoder(config) != is_encoder_decoder(t_model.config):
             kinds = {True: "encoder-decoder", False: "decoder-only"}
@@ -175,6 +168,32 @@ class DraftPlan:
                 else self.target_precision
         return config
 
+    def _trim_self(self, t_model, t_tok, eos) -> None:
+        """--draft-vocab without a draft model: an encoder-decoder's self draft is its own
+        decoder graph again, whose head can be trimmed; a decoder-only self draft is the
+        target's graph re-quantized, its head the target's."""
+        if self.draft_vocab is None:
+            return
+        from .build_seq2seq import is_encoder_decoder
+
+        own = next((c for c in self.candidates if c.name == "self"), None)
+        if own is None or not is_encoder_decoder(t_model.config):
+            what = "the decoder-only target's own graph at a lower precision, whose head " \
+                "is the target's" if own else "prompt lookup"
+            raise BuildError(f"--draft-vocab {self.draft_vocab} trims a draft model's head, and "
+                             f"this build drafts with {what}: give a draft model (--draft "
+                             f"SOURCE, or --draft-model with hybrid or auto), or leave "
+                             f"--draft-vocab out")
+        self._trim(own, t_model.config, t_model.config, t_tok, eos)
+
+    def _trim(self, c: Candidate, t_config, d_config, t_tok, eos) -> None:
+        """Choose the ids the candidate's head keeps (draft_vocab.choose_ids)."""
+        from .draft_vocab import choose_ids
+
+        limit = min(t_config.vocab_size, d_config.vocab_size)
+        c.kept = choose_ids(self.draft_vocab, t_tok, eos, limit, self.draft_vocab_corpus)
+        c.embedding_rows = d_config.vocab_size
+
     def build(self, tmp: Path, t_exported, t_entry: ModelEntry, t_spec: ModelSpec, *, export,
               use_gguf: bool, int4_weights: str, max_source_len: int, encdec: bool, tokenizer,
               eos) -> DraftEntry:
@@ -207,6 +226,7 @@ class DraftPlan:
                                            max_source_len=max_source_len, precision=c.precision,
                                            parity_ids=export["parity_ids"], stage=stage,
                                            share_encoder=c.shares_encoder,
+                                           head_ids=None if c.kept is None else c.kept.ids,
                                            max_batch=export["max_batch"],
                                            max_gamma=export["max_gamma"])
                 else:
@@ -345,7 +365,9 @@ def _plan_vocab(plan: DraftPlan, draft: str, draft_vocab: int | None,
     from .draft_vocab import check_options
 
     check_options(draft_vocab, corpus)
-    if any(c.name == "model" for c in plan.candidates):
+    if any(c.name == "model" for c in plan.candidates) or draft in ("self", "hybrid"):
+        # a self draft's head is trimmed where the target is an encoder-decoder: known once
+        # it is loaded (DraftPlan._trim_self)
         plan.draft_vocab, plan.draft_vocab_corpus = draft_vocab, corpus
         return
     what = "prompt lookup" if plan.kind == "ngram" or draft == "ngram" else \

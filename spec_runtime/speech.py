@@ -100,12 +100,25 @@ class Timestamps(Suppress):
     def rule(self, row: np.ndarray) -> None:
         """log p(timestamps) > max log p(text) compares logsumexp(row[begin:]) with
         max(row[:begin]): the softmax's normaliser is on both sides."""
-        stamps = np.asarray(row[self.begin:], np.float64)
-        m = stamps.max()
-        if not np.isfinite(m):
-            return
-        if m + np.log(np.exp(stamps - m).sum()) > row[: self.begin].max():
-            row[: self.begin] = -np.inf
+        _timestamp_rule(row, self.begin)
+
+    def rule_at(self, ids: np.ndarray):
+        """The rule on rows over the sorted token `ids` only (a trimmed draft head's,
+        decode/draft_vocab.py): the same comparison among the ids the row holds."""
+        begin = int(np.searchsorted(ids, self.begin))
+        return lambda row: _timestamp_rule(row, begin)
+
+
+def _timestamp_rule(row: np.ndarray, begin: int) -> None:
+    """Timestamp.rule on a row whose timestamps are row[begin:]."""
+    stamps = np.asarray(row[begin:], np.float64)
+    if not len(stamps) or not begin:
+        return
+    m = stamps.max()
+    if not np.isfinite(m):
+        return
+    if m + np.log(np.exp(stamps - m).sum()) > row[:begin].max():
+        row[:begin] = -np.inf
 
 
 def timestamp_rules(entry: AudioEntry, vocab_size: int, eos: int) -> Timestamps:

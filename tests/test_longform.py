@@ -38,16 +38,22 @@ def speech_like(seed: int, seconds: float) -> np.ndarray:
     return x.astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def saved_pair(root):
+    """(target dir, draft dir, tokenizer): the tiny Whisper with timestamps and its first
+    decoder layer."""
     from tiny_models import WHISPER_TS_SPECIALS, save, truncated_whisper, whisper, \
         whisper_tokenizer
 
-    root = tmp_path_factory.mktemp("longform")
     target = whisper(3, suppress=SPECIALS, timestamps=True, max_initial_timestamp_index=5)
     tok = whisper_tokenizer(WHISPER_TS_SPECIALS)
-    t = save(target, root / "target", tok)
-    d = save(truncated_whisper(target, 1), root / "draft", tok)
+    return (save(target, root / "target", tok),
+            save(truncated_whisper(target, 1), root / "draft", tok), tok)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("longform")
+    t, d, _ = saved_pair(root)
     bundle = build_bundle(str(t), str(d), root / "bundle", progress=False)
     model = transformers.WhisperForConditionalGeneration.from_pretrained(t).eval()
     return model, spec_runtime.load(bundle, threads=THREADS)
@@ -155,18 +161,24 @@ def test_sampled_pairs_with_timestamps_follow_the_target(pair, gamma):
     x = speech_like(0, 0.25)
     exact = exact_timestamp_joint(model, x, [257, 258, 262])  # sot, en, transcribe
     assert (exact.sum(1) > 0).sum() > 1, "one first token only: the test would test nothing"
+    p, accepted = sampled_pairs(gen, x, exact, gamma)
+    print(f"γ={gamma}: p-value={p:.4f} accepted={accepted}")
+    assert p > 1e-4 and accepted > 0
+
+
+def sampled_pairs(gen, x, exact, gamma, draws=2000):
+    """(chi-square p-value of the first two tokens sampled `draws` times against `exact`, draft
+    tokens accepted)."""
     window = longform.Padded(x, 80, FRAMES).whole
     counts = np.zeros_like(exact)
     accepted = 0
-    for seed in range(2000):
+    for seed in range(draws):
         request = gen.transcription(window, language="en", timestamps=True, gamma=gamma,
                                     temperature=1.0, seed=seed, max_new_tokens=gamma + 1)
         r = gen.generate(request)
         counts[r.tokens[0], r.tokens[1]] += 1
         accepted += r.stats["accepted"]
-    p = joint_p_value(counts, exact)
-    print(f"γ={gamma}: p-value={p:.4f} accepted={accepted}")
-    assert p > 1e-4 and accepted > 0
+    return joint_p_value(counts, exact), accepted
 
 
 def test_the_thresholds_read_what_transformers_reads():

@@ -75,6 +75,9 @@ class _CompactConstraint:
 
     def __init__(self, inner, kept: KeptVocab):
         self.inner, self.kept = inner, kept
+        # a rule that reads the row itself (sampling._mask), read over the kept ids
+        rule_at = getattr(inner, "rule_at", None)
+        self.rule = None if rule_at is None else rule_at(kept.ids)
 
     def allowed(self, generated) -> np.ndarray | None:
         mask = self.inner.allowed(self.kept.expand(generated))
