@@ -89,7 +89,7 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     from draftproof.models import for_hf_seq2seq
 
     from .export_seq2seq import export_seq2seq
-    from .parity_seq2seq import check_parity_seq2seq, fp32_parity_seq2seq
+    from .parity_seq2seq import check_parity_seq2seq, follows_float, fp32_parity_seq2seq
 
     if share_encoder and precision == "fp32":
         raise ValueError("a draft that shares the target's encoder is its lower precision")
@@ -126,8 +126,14 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
         for g in final:
             quantize_int8(fp32[g], final[g])
             fp32[g].unlink()
-        diffs = check_parity_seq2seq(hf_model, final.get("encoder", fp32["encoder"]),
-                                     final["decoder"], source, decoder_ids, name=role)
+        encoder = final.get("encoder", fp32["encoder"])
+        diffs = check_parity_seq2seq(hf_model, encoder, final["decoder"], source, decoder_ids,
+                                     name=role)
+        if head_ids is None:  # a trimmed head cannot decode the float model's continuation
+            follow = [follows_float(hf_model, encoder, final["decoder"], source, prompt)
+                      for prompt in (decoder_ids[:1], decoder_ids)]
+            parity["int8"] = {"follows_float": [n for n, _ in follow],
+                              "follow_tokens": [m for _, m in follow]}
         if share_encoder:
             fp32["encoder"].unlink()
             del diffs["encoder"]

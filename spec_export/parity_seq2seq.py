@@ -20,9 +20,9 @@ import torch
 
 from spec_runtime.engines.opener import open_graph
 
-from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, graph_dims, graph_entry, plan_calls,
-                     require_finite, run_calls)
-from .quality import fp32_tolerance
+from .parity import (DAMAGED_WEIGHTS, GRAPH_NOT_FINITE, followed_tokens, graph_dims, graph_entry,
+                     plan_calls, require_finite, run_calls)
+from .quality import FOLLOW_TOKENS, fp32_tolerance
 
 
 def _hf_cross_kv(hf_model, src: dict, start_id: int, dtype=torch.float32) -> list[np.ndarray]:
@@ -79,22 +79,9 @@ class _Run:
                  name: str = "the model"):
         hf_model.eval()
         self.hf_model = hf_model
-        decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
-        max_len, vocab = graph_dims(decoder)
-        first = encoder.inputs[0]["shape"]
-        # the encoder's output length: a token source is [1, max_source_len]; a speech window is
-        # [1, n_mels, frames], which the encoder's stride-2 convolution halves
-        S = first[2] // 2 if len(first) == 3 else first[1]
-        engine = open_graph(decoder_path, decoder, encoder=(encoder_path, encoder),
-                            vocab_size=vocab, max_len=max_len, max_source_len=S,
-                            prefill_chunk=max_len, threads=threads, where="exported",
-                            garbage_seed=seed)
+        engine = _open(encoder_path, decoder_path, threads, seed)
         engine.encode_source(source)
-        if engine.audio:  # the whole window is real
-            self.src = {"input_features": torch.tensor(np.asarray(source, np.float32))[None]}
-            n_src = S
-        else:
-            self.src, n_src = {"input_ids": torch.tensor([list(source)])}, len(source)
+        self.src, n_src = _source_inputs(engine, source)
         self.start_id = decoder_ids[0]
         self.cross = _hf_cross_kv(hf_model, self.src, self.start_id)
         names = engine.cross_names
@@ -140,6 +127,48 @@ class _Run:
                 decoder = max(decoder, float(np.abs(c.want - rows).max()))
         encoder = max(float(np.abs(r - r64).max()) for r, r64 in zip(self.cross, cross))
         return {"encoder": encoder, "decoder": decoder}
+
+
+@torch.no_grad()
+def follows_float(hf_model, encoder_path, decoder_path, source, prompt: list[int],
+                  n: int = FOLLOW_TOKENS, threads: int | None = None) -> tuple[int, int]:
+    """(how many tokens the graphs' greedy decoding of `prompt` over `source` agrees with the
+    float PyTorch model's greedy continuation before they first differ, that continuation's
+    length): parity.followed_tokens for an encoder-decoder. The continuation is `n` tokens, or
+    what the cache holds; the end of text does not stop it."""
+    hf_model.eval()
+    engine = _open(encoder_path, decoder_path, threads, 0)
+    engine.encode_source(source)
+    src, _ = _source_inputs(engine, source)
+    encoded = hf_model.get_encoder()(**src)
+    tokens = list(prompt)
+    for _ in range(min(n, engine.max_len - len(prompt))):
+        logits = hf_model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([tokens]),
+                          use_cache=False).logits[0, -1]
+        tokens.append(int(logits.argmax()))
+    continuation = tokens[len(prompt):]
+    return followed_tokens(engine, [(list(prompt), continuation)])[0], len(continuation)
+
+
+def _open(encoder_path, decoder_path, threads: int | None, seed: int):
+    """The runtime's engine over an exported encoder and decoder graph."""
+    decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
+    max_len, vocab = graph_dims(decoder)
+    first = encoder.inputs[0]["shape"]
+    # the encoder's output length: a token source is [1, max_source_len]; a speech window is
+    # [1, n_mels, frames], which the encoder's stride-2 convolution halves
+    S = first[2] // 2 if len(first) == 3 else first[1]
+    return open_graph(decoder_path, decoder, encoder=(encoder_path, encoder), vocab_size=vocab,
+                      max_len=max_len, max_source_len=S, prefill_chunk=max_len, threads=threads,
+                      where="exported", garbage_seed=seed)
+
+
+def _source_inputs(engine, source) -> tuple[dict, int]:
+    """(the Hugging Face model's inputs for `source`, its real length in encoder positions)."""
+    if engine.audio:  # the whole window is real
+        return ({"input_features": torch.tensor(np.asarray(source, np.float32))[None]},
+                engine.max_source_len)
+    return {"input_ids": torch.tensor([list(source)])}, len(source)
 
 
 @contextmanager

@@ -40,14 +40,15 @@ def _parity(role: str, entry: ModelEntry, encoder_decoder: bool) -> str:
     if isinstance(q, dict) and "top1_agreement" in q:
         parts.append(f"top-1 {q['top1_agreement']:.1%}, mean KL {q['mean_kl']:.3g} vs the float "
                      f"model")
+    if encoder_decoder and "max_abs_diff_int8" in p:
+        parts.append(f"int8 max |Δlogit| {p['max_abs_diff_int8']:.2g}")
+    if isinstance(q, dict):
         follows, of = q.get("follows_float"), q.get("follow_tokens")
         if isinstance(follows, list) and isinstance(of, list) and follows \
                 and len(follows) == len(of):
             parts.append("greedy output follows the float model's for "
                          + ", ".join(f"{n}/{m}" for n, m in zip(follows, of))
                          + " tokens")
-    if encoder_decoder and "max_abs_diff_int8" in p:
-        parts.append(f"int8 max |Δlogit| {p['max_abs_diff_int8']:.2g}")
     return f"{role} {entry.precision}: " + ("; ".join(parts) or "not recorded")
 
 
