@@ -336,12 +336,7 @@ def main(argv=None) -> None:
         return reports.rebuilt(args, json.loads(args.from_json.read_text()),
                                reports.directory(args), render)
     run = measure(args)
-    if args.out:
-        args.out.write_text(json.dumps(run, indent=1))
-    print(table(run))
-    where = reports.directory(args, args.out.parent if args.out else None)
-    if where is not None:
-        reports.done(render(run, where))
+    reports.finish(args, run, table(run), render)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import re
 import shlex
 import sys
@@ -258,6 +259,17 @@ def rebuilt(args, stored: dict, directory: Path | None, render) -> None:
     done(render(stored, directory, command=stored_command(stored, args.command),
                 date=run_date(stored, args.date), machine=args.machine,
                 rebuilt_by=command_line()))
+
+
+def finish(args, run: dict, table: str, render) -> None:
+    """A measured run: its JSON to --out (when given), its table printed, and its report
+    (`render(run, directory)`) where `directory(args)` puts it, beside --out by default."""
+    if args.out:
+        args.out.write_text(json.dumps(run, indent=1))
+    print(table)
+    where = directory(args, args.out.parent if args.out else None)
+    if where is not None:
+        done(render(run, where))
 
 
 def done(path: Path | None) -> None:
