@@ -12,8 +12,7 @@ Systems (names for --skip; PEERS below says what each runs):
     llamacpp, llamacpp-ngram, llamacpp-draft     llama.cpp's own llama-server, built natively
                                                  (llama_server.py), on the GGUF files
     ours: each --draftproof NAME=BUNDLE (speculative) and --draftproof-target NAME=BUNDLE
-    (use_draft=False on the same engines) is a row of its own (--specedge, --specedge-target and
-    --specedge-python, the flags' names before the rename, still work until the next release)
+    (use_draft=False on the same engines) is a row of its own
 
 Every system runs in a worker process of its own (worker.py; OpenVINO: ov_worker.py in its own
 environment): its peak RSS is its own. The draft-model modes first get a sweep of their
@@ -80,15 +79,15 @@ def parse_args(argv=None):
     ap.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
     ap.add_argument("--target-gguf", type=Path, help="default: real_models.py's qwen-1.5b")
     ap.add_argument("--draft-gguf", type=Path, help="default: real_models.py's qwen-0.5b")
-    ap.add_argument("--draftproof", "--specedge", action="append", default=[],
+    ap.add_argument("--draftproof", action="append", default=[],
                     metavar="NAME=BUNDLE",
                     help="a speculative row of ours (repeatable)")
-    ap.add_argument("--draftproof-target", "--specedge-target", action="append", default=[],
+    ap.add_argument("--draftproof-target", action="append", default=[],
                     metavar="NAME=BUNDLE",
                     help="a target-only row of ours (use_draft=False): what our speculative "
                     "rows of the same bundle are compared with for '= own greedy' (the first "
                     "one for a bundle without its own)")
-    ap.add_argument("--draftproof-python", "--specedge-python", type=Path,
+    ap.add_argument("--draftproof-python", type=Path,
                     default=Path(sys.executable),
                     help="python whose spec_runtime runs our rows (default: this one)")
     ap.add_argument("--ours-default", metavar="NAME", help="the row of ours that is the "

@@ -248,7 +248,7 @@ def test_the_server_transcribes_uploads_together(whisper_pair, tmp_path):
     for i, (_, _, want) in enumerate(jobs):
         assert got[i] == want, (i, got[i], want)
     sizes = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r'^specedge_batch_calls_total\{size="(\d+)"\} (\S+)$', metrics, re.M)}
+        r'^draftproof_batch_calls_total\{size="(\d+)"\} (\S+)$', metrics, re.M)}
     print("calls by requests carried:", sizes)
     if gen.max_batch > 1:
         assert any(n >= 2 and k > 0 for n, k in sizes.items()), sizes

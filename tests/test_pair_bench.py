@@ -473,12 +473,6 @@ def test_each_speculative_row_is_checked_against_its_own_bundles_target_only_row
     args = pair.parse_args(["--out", str(tmp_path / "out"), "--draftproof-target",
                             f"t-a={llama_pair[2]}", "--draftproof", f"s-b={other}"])
     assert [s.plain for s in pair.our_systems(args, {"threads": 1})] == [None, "t-a"]
-    # the flags' names before the rename, until the next release
-    old = pair.parse_args(["--out", str(tmp_path / "out"), "--specedge-target",
-                           f"t-a={llama_pair[2]}", "--specedge", f"s-b={other}",
-                           "--specedge-python", sys.executable])
-    assert (old.draftproof_target, old.draftproof, old.draftproof_python) == \
-        (args.draftproof_target, args.draftproof, Path(sys.executable))
 
 
 def test_a_draft_row_whose_plain_row_did_not_run_is_not_a_target_only_row():

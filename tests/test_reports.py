@@ -28,9 +28,9 @@ def a_figure():
 
 
 def test_write_report_writes_the_dated_name_machine_command_and_embeds_its_plot(tmp_path):
-    argv = ["benchmarks/pair.py", "--precision", "fp32", "--specedge", "a b=/tmp/my bundle"]
+    argv = ["benchmarks/pair.py", "--precision", "fp32", "--draftproof", "a b=/tmp/my bundle"]
     command = reports.command_line(argv)
-    assert command == ("python benchmarks/pair.py --precision fp32 --specedge "
+    assert command == ("python benchmarks/pair.py --precision fp32 --draftproof "
                        "'a b=/tmp/my bundle'")  # shlex quoting: the shell gets the same words
     assert shlex.split(command)[1:] == argv
     md = reports.write_report(tmp_path / "out", "pair-fp32", title="Pair race", command=command,

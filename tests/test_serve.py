@@ -92,14 +92,13 @@ def test_openai_client_completions_equal_the_python_api(tiny):
     assert r.usage.completion_tokens == len(ref.tokens) and r.usage.prompt_tokens == len(
         gen.tokenize("abc abc abc"))
     assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[ref.finish_reason]
-    stats = r.model_extra["specedge"]
+    stats = r.model_extra["draftproof"]
     assert stats["mode"] == "speculative" and stats["new_tokens"] == len(ref.tokens)
-    # `draftproof` carries the statistics; `specedge` (the name before it) the same, for a release
-    assert r.model_extra["draftproof"] == stats
+    assert "specedge" not in r.model_extra  # the project's name before: no second copy
     # target-only through the use_draft extension: the same greedy tokens
     base = c.completions.create(model=model, prompt="abc abc abc", max_tokens=12,
                                 temperature=0, extra_body={"use_draft": False})
-    assert base.choices[0].text == ref.text and base.model_extra["specedge"]["mode"] == \
+    assert base.choices[0].text == ref.text and base.model_extra["draftproof"]["mode"] == \
         "target-only"
 
 
@@ -120,9 +119,9 @@ def test_chat_streaming_stop_and_seeds(tiny):
     assert len(final) == 1 and chunks[-2] is final[0]
     # OpenAI's usage chunk is the last one (no choices), and the stats ride on the last chunk
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
-    assert chunks[-1].model_extra["specedge"]["new_tokens"] == len(ref.tokens)
-    assert chunks[-1].model_extra["draftproof"] == chunks[-1].model_extra["specedge"]
-    assert not {"specedge", "draftproof"} & set(final[0].model_extra or {})
+    assert chunks[-1].model_extra["draftproof"]["new_tokens"] == len(ref.tokens)
+    assert "specedge" not in chunks[-1].model_extra
+    assert "draftproof" not in (final[0].model_extra or {})
 
     # a stop string cuts the text where the library cuts it
     stop = ref.text[3:5] if len(ref.text) >= 5 else None
@@ -258,16 +257,14 @@ def test_metrics_count_requests_and_tokens(tiny):
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    assert values['specedge_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
-    assert values["specedge_generated_tokens_total"] >= r.usage.completion_tokens
-    assert values["specedge_slots"] == 2 and values["specedge_slots_busy"] == 0
-    assert values["specedge_queue_depth"] == 0
-    assert "specedge_time_to_first_token_seconds_bucket" in text
-    assert 0 <= values["specedge_acceptance_rate"] <= 1
-    # every metric also as draftproof_* (the new names, beside the old ones for a release)
-    old = {k: v for k, v in values.items() if k.startswith("specedge_")}
-    assert {"draftproof_" + k[len("specedge_"):]: v for k, v in old.items()} == \
-        {k: v for k, v in values.items() if k.startswith("draftproof_")}
+    assert values['draftproof_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert values["draftproof_generated_tokens_total"] >= r.usage.completion_tokens
+    assert values["draftproof_slots"] == 2 and values["draftproof_slots_busy"] == 0
+    assert values["draftproof_queue_depth"] == 0
+    assert "draftproof_time_to_first_token_seconds_bucket" in text
+    assert 0 <= values["draftproof_acceptance_rate"] <= 1
+    # one name: no series under the project's name before draftproof
+    assert "specedge" not in text
 
 
 # -- on the real default bundle: requests long enough to overlap ---------------------------------
@@ -324,7 +321,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(default_bundle):
             assert httpx.get(url + "/health").json()["busy"] == 0
             generated = [float(line.split()[-1]) for line in
                          httpx.get(url + "/metrics").text.splitlines()
-                         if line.startswith("specedge_generated_tokens_total")]
+                         if line.startswith("draftproof_generated_tokens_total")]
             assert sum(generated) < 1000, generated
             r = h.post(url + "/v1/chat/completions", json=chat_body(4))
             assert r.status_code == 200

@@ -98,13 +98,13 @@ def test_concurrent_requests_share_calls_and_each_answer_is_its_alone(batch_serv
         assert got[i] == alone.text, (i, got[i], alone.text)
     metrics = httpx.get(url + "/metrics").text
     sizes = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r'^specedge_batch_calls_total\{size="(\d+)"\} (\S+)$', metrics, re.M)}
+        r'^draftproof_batch_calls_total\{size="(\d+)"\} (\S+)$', metrics, re.M)}
     print("calls by requests carried:", sizes)
     if gen.max_batch > 1:
         assert any(n >= 2 and k > 0 for n, k in sizes.items()), sizes
-    assert re.search(r'^specedge_draft_position_reached_total\{position="1"\} [1-9]', metrics,
+    assert re.search(r'^draftproof_draft_position_reached_total\{position="1"\} [1-9]', metrics,
                      re.M), metrics
-    assert re.search(r'^specedge_batch_size 0\.0$', metrics, re.M)
+    assert re.search(r'^draftproof_batch_size 0\.0$', metrics, re.M)
 
 
 def test_a_client_that_leaves_mid_stream_does_not_disturb_the_others(batch_server):

@@ -12,7 +12,6 @@ import pytest
 
 from spec_runtime.errors import InputError
 from spec_runtime.apps.ray_serve import (  # imports no ray itself
-    OLD_REPLICA_HEADER,
     REPLICA_HEADER,
     _check_health,
     _replica_app,
@@ -83,7 +82,7 @@ def test_health_check_and_replica_header_in_process(llama_pair):
         async with httpx.AsyncClient(transport=transport, base_url="http://replica") as c:
             r = await c.get("/health")
         assert r.status_code == 200 and r.headers[REPLICA_HEADER] == f"pid-{os.getpid()}"
-        assert r.headers[OLD_REPLICA_HEADER] == r.headers[REPLICA_HEADER]  # until next release
+        assert "x-specedge-replica" not in r.headers
         app.state.begin_drain(3600)
         with pytest.raises(RuntimeError, match="503"):
             await _check_health(app)

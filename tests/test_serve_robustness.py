@@ -32,7 +32,7 @@ def metrics(url) -> dict[str, float]:
 
 
 def requests(values, endpoint, status) -> float:
-    return values.get(f'specedge_requests_total{{endpoint="{endpoint}",status="{status}"}}', 0)
+    return values.get(f'draftproof_requests_total{{endpoint="{endpoint}",status="{status}"}}', 0)
 
 
 def wait_for(condition, seconds=90.0):
@@ -69,7 +69,7 @@ def test_a_client_that_leaves_a_plain_request_frees_its_slot(default_bundle):
         wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 0)
         m = metrics(url)
         assert requests(m, CHAT, 499) == 1 and requests(m, CHAT, 200) == 0, m
-        assert m["specedge_generated_tokens_total"] < 1500, m
+        assert m["draftproof_generated_tokens_total"] < 1500, m
 
 
 @pytest.mark.slow  # builds the real default bundle
@@ -277,7 +277,7 @@ def test_a_schema_the_engine_cannot_follow_is_a_400_before_decoding(gen, name): 
                              "response_format": schema_format(schema)})
         assert_error(r, 400, "response_format", words, param="response_format")
     text = app.state.metrics.text().decode()
-    assert "specedge_generated_tokens_total 0.0" in text
+    assert "draftproof_generated_tokens_total 0.0" in text
     assert "draftproof_generated_tokens_total 0.0" in text
 
 

@@ -3,17 +3,13 @@ and generated, draft tokens proposed and accepted (in all and by draft position)
 token and request duration, the slots' state and, with lanes, the batch: requests decoding
 together and calls by the requests they carried (GET /metrics).
 
-Each metric is named `specedge_*` (the project's name before draftproof; dashboards and alerts
-query these names) and, for one release, also shown as `draftproof_*` with the same values, so
-that dashboards can move to the new names; the next release keeps only `draftproof_*`.
+Each metric is named `draftproof_*`.
 """
 
 import time
 
 from .slots import Slots
 
-PREFIX = "specedge_"  # the names below
-ALSO = "draftproof_"  # the same metrics, shown under this prefix as well (until the next release)
 
 
 class Metrics:
@@ -24,39 +20,39 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("specedge_requests", "HTTP requests by endpoint and status",
+        self.requests = Counter("draftproof_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.errors = Counter("specedge_errors", "requests answered with an error, by type",
+        self.errors = Counter("draftproof_errors", "requests answered with an error, by type",
                               ["type"], registry=r)
-        self.prompt_tokens = Counter("specedge_prompt_tokens", "prompt tokens read", registry=r)
-        self.generated = Counter("specedge_generated_tokens", "tokens generated", registry=r)
-        self.proposed = Counter("specedge_draft_tokens_proposed", "draft tokens proposed",
+        self.prompt_tokens = Counter("draftproof_prompt_tokens", "prompt tokens read", registry=r)
+        self.generated = Counter("draftproof_generated_tokens", "tokens generated", registry=r)
+        self.proposed = Counter("draftproof_draft_tokens_proposed", "draft tokens proposed",
                                 registry=r)
-        self.accepted = Counter("specedge_draft_tokens_accepted", "draft tokens accepted",
+        self.accepted = Counter("draftproof_draft_tokens_accepted", "draft tokens accepted",
                                 registry=r)
-        self.acceptance = Gauge("specedge_acceptance_rate",
+        self.acceptance = Gauge("draftproof_acceptance_rate",
                                 "accepted / proposed draft tokens since the server started",
                                 registry=r)
         self.acceptance.set_function(
             lambda: self.accepted._value.get() / max(self.proposed._value.get(), 1))
         self.tokens_per_s = Histogram(
-            "specedge_request_tokens_per_second", "a request's new tokens / its decode time",
+            "draftproof_request_tokens_per_second", "a request's new tokens / its decode time",
             buckets=(5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 1000), registry=r)
-        self.ttft = Histogram("specedge_time_to_first_token_seconds",
+        self.ttft = Histogram("draftproof_time_to_first_token_seconds",
                               "from the request's arrival to its first token", registry=r)
-        self.latency = Histogram("specedge_request_duration_seconds",
+        self.latency = Histogram("draftproof_request_duration_seconds",
                                  "from the request's arrival to its last token", registry=r)
-        queue = Gauge("specedge_queue_depth", "requests waiting for a slot", registry=r)
+        queue = Gauge("draftproof_queue_depth", "requests waiting for a slot", registry=r)
         queue.set_function(lambda: slots.waiting)
-        busy = Gauge("specedge_slots_busy", "slots decoding a request", registry=r)
+        busy = Gauge("draftproof_slots_busy", "slots decoding a request", registry=r)
         busy.set_function(lambda: slots.busy)
-        total = Gauge("specedge_slots", "slots (requests decoded at once)", registry=r)
+        total = Gauge("draftproof_slots", "slots (requests decoded at once)", registry=r)
         total.set(len(slots.generators))
         self.position_reached = Counter(
-            "specedge_draft_position_reached", "rounds whose drafts reached this position "
+            "draftproof_draft_position_reached", "rounds whose drafts reached this position "
             "(1 = the first draft token)", ["position"], registry=r)
         self.position_accepted = Counter(
-            "specedge_draft_position_accepted", "rounds that accepted the draft token at this "
+            "draftproof_draft_position_accepted", "rounds that accepted the draft token at this "
             "position", ["position"], registry=r)
         if slots.gate is not None:
             r.register(_BatchCollector(slots.gate))
@@ -77,11 +73,9 @@ class Metrics:
         self.latency.observe(now - started)
 
     def text(self) -> bytes:
-        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client import generate_latest
 
-        also = CollectorRegistry()
-        also.register(_Renamed(self.registry, PREFIX, ALSO))
-        return generate_latest(self.registry) + generate_latest(also)
+        return generate_latest(self.registry)
 
 
 class _BatchCollector:
@@ -94,35 +88,13 @@ class _BatchCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        size = GaugeMetricFamily("specedge_batch_size", "requests decoding together now")
+        size = GaugeMetricFamily("draftproof_batch_size", "requests decoding together now")
         size.add_metric([], self.gate.members)
         yield size
-        calls = CounterMetricFamily("specedge_batch_calls", "model calls by the requests they "
+        calls = CounterMetricFamily("draftproof_batch_calls", "model calls by the requests they "
                                     "carried (1: alone)", labels=["size"])
         counts = self.gate.counts
         alone = counts.alone + counts.by_size.get(1, 0)
         for n, k in sorted({**counts.by_size, 1: alone}.items()):
             calls.add_metric([str(n)], k)
         yield calls
-
-
-class _Renamed:
-    """A collector: the metrics of `registry` with the name prefix `old` replaced by `new`,
-    collected when scraped (the same values, not a copy that could drift)."""
-
-    def __init__(self, registry, old: str, new: str):
-        self.registry, self.old, self.new = registry, old, new
-
-    def _name(self, name: str) -> str:
-        return self.new + name[len(self.old):] if name.startswith(self.old) else name
-
-    def collect(self):
-        from prometheus_client.metrics_core import Metric
-
-        for family in self.registry.collect():
-            renamed = Metric(self._name(family.name), family.documentation, family.type,
-                             family.unit)
-            for s in family.samples:
-                renamed.add_sample(self._name(s.name), s.labels, s.value, s.timestamp,
-                                   s.exemplar)
-            yield renamed

@@ -180,9 +180,6 @@ STATS_FIELDS = ("mode", "draft_kind", "alpha", "acceptance_rate", "proposed", "a
                 "predicted_speedup", "new_tokens", "prompt_tokens")
 
 
-# the fields of a response that carry its statistics: `draftproof`, and `specedge` (the
-# project's name before draftproof, which clients read) the same until the next release
-EXTENSION_FIELDS = ("draftproof", "specedge")
 
 
 def extension(stats: dict) -> dict:
@@ -191,9 +188,8 @@ def extension(stats: dict) -> dict:
 
 
 def extensions(stats: dict) -> dict:
-    """The response's statistics fields, each holding `extension(stats)`."""
-    ext = extension(stats)
-    return {name: dict(ext) for name in EXTENSION_FIELDS}
+    """The response's statistics field, `draftproof`, holding `extension(stats)`."""
+    return {"draftproof": extension(stats)}
 
 
 def usage(result) -> Usage:
@@ -308,8 +304,8 @@ class StreamEvents:
 
 
 # the name of a model without one (a Generator made without a manifest): clients send it back as
-# `model`, which must match, so it keeps the project's name from before draftproof
-FALLBACK_MODEL_NAME = "specedge"
+# `model`, which must match
+FALLBACK_MODEL_NAME = "draftproof"
 
 
 def default_model_name(manifest) -> str:

@@ -289,9 +289,8 @@ class Completion(_Body):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage
-    # the request's speculative statistics, as `draftproof` and, for one release, `specedge`
+    # the request's speculative statistics
     draftproof: dict[str, Any]
-    specedge: dict[str, Any]
 
 
 class ChatCompletion(_Body):
@@ -299,7 +298,6 @@ class ChatCompletion(_Body):
     choices: list[ChatChoice]
     usage: Usage
     draftproof: dict[str, Any]
-    specedge: dict[str, Any]
 
 
 class CompletionChunk(_Body, _Sparse):
@@ -309,7 +307,6 @@ class CompletionChunk(_Body, _Sparse):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     draftproof: dict[str, Any] | None = None
-    specedge: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(_Body, _Sparse):
@@ -317,7 +314,6 @@ class ChatCompletionChunk(_Body, _Sparse):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     draftproof: dict[str, Any] | None = None
-    specedge: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):

@@ -28,7 +28,7 @@ or a config file for `serve run config.yaml` / `serve deploy config.yaml`:
 
     http_options: {host: 0.0.0.0, port: 8000}
     applications:
-      - name: specedge
+      - name: draftproof
         route_prefix: /
         import_path: spec_runtime.apps.ray_serve:app_builder
         args: {bundle: /srv/draftproof/bundle, replicas: 2, slots: 2, api_key: KEY}
@@ -39,10 +39,9 @@ node needs draftproof installed with the ray extra (`pip install "draftproof[ray
 `pip install -e ".[ray]"` in a checkout).
 
 Each response carries an `x-draftproof-replica` header naming the Ray Serve replica that served
-it (and, until the next release, the same as `x-specedge-replica`, its name before the project
-was renamed). GET /metrics through Ray's proxy reaches one replica (its own counters); Ray
-exports its own per-deployment metrics (ray_serve_*) on each node's metrics port. The
-application keeps its name `specedge` (APP_NAME), which those metrics carry.
+it. GET /metrics through Ray's proxy reaches one replica (its own counters); Ray exports its own
+per-deployment metrics (ray_serve_*) on each node's metrics port, which carry the application's
+name, `draftproof` (APP_NAME).
 
 This module imports ray only inside its functions, and spec_runtime itself never imports it.
 """
@@ -66,12 +65,9 @@ from .server import RETRY_AFTER_S, check_count, check_number, create_app
 log = logging.getLogger(__name__)
 
 # the Serve application's and the deployment's name: Ray's own metrics, dashboards and actor names
-# carry it, and operators' scripts use it (`serve status`), so it keeps the project's name from
-# before draftproof
-APP_NAME = "specedge"
+# carry it, and operators' scripts use it (`serve status`)
+APP_NAME = "draftproof"
 REPLICA_HEADER = "x-draftproof-replica"
-# the same header under the project's name before draftproof, sent as well until the next release
-OLD_REPLICA_HEADER = "x-specedge-replica"
 HEALTH_CHECK_PERIOD_S = 10.0  # Ray's defaults, stated here
 HEALTH_CHECK_TIMEOUT_S = 30.0
 
@@ -229,8 +225,7 @@ class ReplicaHeader:
             if message["type"] == "http.response.start":
                 message = dict(message)
                 message["headers"] = [*message.get("headers", ()),
-                                      (REPLICA_HEADER.encode(), self.replica),
-                                      (OLD_REPLICA_HEADER.encode(), self.replica)]
+                                      (REPLICA_HEADER.encode(), self.replica)]
             await send(message)
 
         await self.app(scope, receive, send_named)

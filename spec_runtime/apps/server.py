@@ -13,10 +13,7 @@ presence_penalty, frequency_penalty, logit_bias, logprobs/top_logprobs, response
 draftproof's own as documented extensions (top_k, min_p, repetition_penalty, gamma,
 use_draft); openai_protocol.py declares them and the responses as pydantic models,
 openai_api.py makes a request's Job and the responses of them. Each response carries the
-request's speculative statistics in a `draftproof` field (on the last chunk of a stream), and
-the same object in a `specedge` field, the name clients read before the project was renamed:
-`specedge` stays until the next release, then only `draftproof` is sent. (Also kept for
-dashboards: the Prometheus metrics' `specedge_*` names, beside `draftproof_*`: metrics.py.)
+request's speculative statistics in a `draftproof` field (on the last chunk of a stream).
 
 Slots. `slots` requests decode at once: each holds a Generator fork (Generator.fork: the same
 ONNX Runtime sessions, so one copy of the weights, and a KV cache and request state of its own).
