@@ -337,10 +337,7 @@ def main(argv=None) -> None:
         stored = json.loads(args.from_json.read_text())
         return reports.rebuilt(args, stored, reports.directory(args), compare_report.dated)
     import spec_runtime
-    from spec_runtime import renamed
     from spec_runtime.bundle.reader import default_bundle_dir
-
-    renamed.show_warnings()  # the old names of the default bundle, the model cache
 
     bundle_dir = args.bundle or default_bundle_dir()
     load_before = os.getloadavg()[0]

@@ -1,6 +1,5 @@
 """The model files the peers need, built once from a GGUF file and cached under
-benchmarks/.cache/ (git-ignored; $DRAFTPROOF_BENCH_CACHE names another directory, as
-$SPECEDGE_BENCH_CACHE does until the next release, with a warning). Every build
+benchmarks/.cache/ (git-ignored; $DRAFTPROOF_BENCH_CACHE names another directory). Every build
 goes to a temporary name and is renamed into place when it is complete, so an interrupted build
 is redone, never used.
 
@@ -24,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -31,17 +31,15 @@ import sys
 import time
 from pathlib import Path
 
-from spec_runtime import renamed
-
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OV_GROUP_SIZES = (128, 64, 32)  # optimum-intel's default group first
 
 
 def cache() -> Path:
     """$DRAFTPROOF_BENCH_CACHE (which lets another checkout use the files one has built), else
-    benchmarks/.cache; read when used, so that a script shows the warning about the old name."""
-    _, value = renamed.getenv("DRAFTPROOF_BENCH_CACHE")
-    return Path(value or Path(__file__).resolve().parent / ".cache")
+    benchmarks/.cache."""
+    return Path(os.environ.get("DRAFTPROOF_BENCH_CACHE") or
+                Path(__file__).resolve().parent / ".cache")
 
 
 def smollm2_gguf() -> Path:
@@ -269,7 +267,6 @@ def main(argv=None) -> None:
     ap.add_argument("--precision", choices=["fp32", "int4"], default="fp32")
     ap.add_argument("--openvino-python", type=Path)
     args = ap.parse_args(argv)
-    renamed.show_warnings()
     t0 = time.perf_counter()
     if args.what == "hf":
         out = hf_dir(args.gguf)

@@ -44,7 +44,6 @@ from pair_workers import Pool, WorkerError, mem_available
 import peers
 import real_models
 import reports
-from spec_runtime import renamed
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "pair_prompts.json"
@@ -466,7 +465,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.from_json:
         return from_json(args)
-    renamed.show_warnings()  # the old names of the model caches
     target = args.target_gguf or real_models.fetch("qwen-1.5b")
     draft = args.draft_gguf or real_models.fetch("qwen-0.5b")
     started, up_before = time.time(), uptime()

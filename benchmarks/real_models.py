@@ -12,10 +12,7 @@ hub ids or your own files to `specexport build` instead; nothing in draftproof n
     python benchmarks/real_models.py --where qwen-1.5b   # print the path (fetching if missing)
 
 The cache is $DRAFTPROOF_MODELS, else ~/.cache/draftproof/models. Each file is written under a
-temporary name and renamed into place once its hash is right. Until the next release (the
-project was called specedge), $SPECEDGE_MODELS stands in for an unset $DRAFTPROOF_MODELS, and
-without either a file already in ~/.cache/specedge/models is used where it is (never moved),
-each with a warning.
+temporary name and renamed into place once its hash is right.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec_runtime import renamed
 
 
 @dataclass(frozen=True)
@@ -60,33 +56,18 @@ MODELS = {
 }
 
 
-def cache_dirs() -> list[Path]:
-    """Where fetched files are written (the first) and looked for: $DRAFTPROOF_MODELS (or
-    $SPECEDGE_MODELS), else ~/.cache/draftproof/models and then specedge's
-    ~/.cache/specedge/models."""
-    _, value = renamed.getenv("DRAFTPROOF_MODELS")
-    if value:
-        return [Path(value)]
-    return [Path.home() / ".cache" / name / "models" for name in (renamed.NEW, renamed.OLD)]
-
-
 def cache_dir() -> Path:
-    return cache_dirs()[0]
+    """Where fetched files are written and looked for: $DRAFTPROOF_MODELS, else
+    ~/.cache/draftproof/models."""
+    value = os.environ.get("DRAFTPROOF_MODELS")
+    return Path(value) if value else Path.home() / ".cache" / "draftproof" / "models"
 
 
 def cached(name: str) -> Path | None:
     """The model's file if it is in the cache (its size checked; the hash was at fetch)."""
     m = MODELS[name]
-    new, *old = cache_dirs()
-    for directory in (new, *old):
-        path = directory / m.file
-        if path.is_file() and path.stat().st_size == m.bytes:
-            if directory != new:
-                renamed.warn_once(f"{path}: read from specedge's model cache (specedge is now "
-                                  f"draftproof, whose cache is {new}; move the file there, "
-                                  f"the old cache is read until the next release)")
-            return path
-    return None
+    path = cache_dir() / m.file
+    return path if path.is_file() and path.stat().st_size == m.bytes else None
 
 
 def fetch(name: str, log=print) -> Path:
@@ -157,7 +138,6 @@ def main(argv=None) -> None:
     p.add_argument("names", nargs="*", choices=[*MODELS, []], help="default: all")
     p.add_argument("--where", action="store_true", help="print each file's path")
     args = p.parse_args(argv)
-    renamed.show_warnings()
     for name in args.names or MODELS:
         path = fetch(name, log=(lambda *a: print(*a, file=sys.stderr)) if args.where else print)
         if args.where:

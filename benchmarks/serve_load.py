@@ -404,10 +404,8 @@ def main(argv=None) -> None:
     from spec_runtime.apps import bench
 
     if args.bundle is None:
-        from spec_runtime import renamed
         from spec_runtime.bundle.reader import default_bundle_dir
 
-        renamed.show_warnings()  # the default bundle's old names
         args.bundle = str(default_bundle_dir())
     if not Path(args.bundle).is_dir():
         raise SystemExit(f"bundle {args.bundle!r} is not a directory: build it with specexport "

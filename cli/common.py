@@ -9,12 +9,10 @@ import shlex
 import signal
 import sys
 import threading
-import warnings
 
 import click
 
 from spec_runtime.errors import InputError
-from spec_runtime.renamed import RenamedWarning
 
 
 class BadInput(click.ClickException):
@@ -104,23 +102,3 @@ def library_messages(name: str, prefix: str):
         yield
     finally:
         logger.removeHandler(handler)
-
-
-@contextlib.contextmanager
-def renamed_warnings(prefix: str):
-    """While a command runs, the library's RenamedWarnings (a name from before specedge became
-    draftproof: an environment variable, the data directory) reach stderr as lines `prefix:
-    warning: message` (the library says each once); Python hides DeprecationWarnings from
-    library code. Other warnings are shown as before."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("always", RenamedWarning)
-        show = warnings.showwarning
-
-        def shown(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, RenamedWarning):
-                click.echo(f"{prefix}: warning: {message}", err=True)
-            else:
-                show(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = shown
-        yield

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import click
 
-from spec_runtime import renamed
 from spec_runtime.errors import install_extra
 
 from .common import BadInput, BundleCommand, input_errors, library_messages
@@ -31,7 +30,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-API_KEY_ENV = "DRAFTPROOF_API_KEY"  # $SPECEDGE_API_KEY stands in, for one release
+API_KEY_ENV = "DRAFTPROOF_API_KEY"
 PID_LINE = re.compile(r"[1-9][0-9]{0,9}\n?")  # what a pid file holds: one process id
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -213,8 +212,6 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
     elif threads is not None:
         raise BadInput(f"--threads {threads} applies to one server process; with --ray each "
                        f"replica takes its own machine's cores: leave --threads out")
-    if api_key is None:  # $SPECEDGE_API_KEY, until the next release (with a warning)
-        api_key = renamed.getenv(API_KEY_ENV)[1]
     with pid_file_of(pid_file):
         _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
                use_ray, replicas, ray_address, device, draft_device, threads)

@@ -8,8 +8,7 @@ import click
 
 from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
 
-from .common import (BundleCommand, input_errors, library_messages, renamed_warnings,
-                     sigterm_as_interrupt)
+from .common import BundleCommand, input_errors, library_messages, sigterm_as_interrupt
 from .options import in_cli_words
 
 BUNDLE_HELP = ("bundle directory [default: $DRAFTPROOF_BUNDLE, else "
@@ -30,7 +29,6 @@ def main(ctx):
     build` writes a bundle (the embedded default SmolLM2-135M-Instruct without options),
     `specexport verify` re-checks one against PyTorch, `specexport engine` builds TensorRT
     engines for one."""
-    ctx.with_resource(renamed_warnings("specexport"))
     if ctx.invoked_subcommand is None:
         click.echo(ctx.get_help())
 

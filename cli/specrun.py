@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from .common import BadInput, BundleCommand, input_errors, renamed_warnings
+from .common import BadInput, BundleCommand, input_errors
 from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
                       no_draft_option, parse_gammas, read_prompt, sampling_options)
@@ -38,7 +38,6 @@ def main(ctx):
     """Generate with exact speculative decoding from a draftproof bundle: `specrun generate
     "PROMPT"`, `specrun chat`, `specrun bench`, `specrun check`. Every command reads the bundle
     that `specexport build` wrote, or the one -b/--bundle names."""
-    ctx.with_resource(renamed_warnings("specrun"))
     if ctx.invoked_subcommand is None:
         click.echo(ctx.get_help())
 

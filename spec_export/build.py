@@ -301,7 +301,7 @@ def build_bundle(
                        draft_precision=draft_precision, draft_gguf_file=draft_gguf_file,
                        int4_weights=int4_weights, kernels=kernels, draft_vocab=draft_vocab,
                        draft_vocab_corpus=draft_vocab_corpus)
-    out = resolve_out(Path(out) if out is not None else default_bundle_dir(to_write=True))
+    out = resolve_out(Path(out) if out is not None else default_bundle_dir())
     with file_system_errors(out):
         check_out(out)  # before minutes of work: what is in the way, and why
         out.parent.mkdir(parents=True, exist_ok=True)

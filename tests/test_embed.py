@@ -131,15 +131,3 @@ def test_cpp_host_uses_the_virtual_environment_it_was_built_for(llama_pair, tmp_
     pth.unlink()
     out = run_host(exe, bundle, cwd=tmp_path, active=other)
     assert out.returncode == 1 and b"No module named 'spec_runtime'" in out.stderr, out.stderr
-
-
-def test_the_macros_old_name_still_builds_the_host_with_a_warning(llama_pair, tmp_path):
-    """-DSPECEDGE_PYTHON, the name before the project was renamed, builds the same host until
-    the next release; the compiler warns, naming DRAFTPROOF_PYTHON."""
-    exe, said = build_host(sys.executable, tmp_path / "host", macro="SPECEDGE_PYTHON")
-    assert "SPECEDGE_PYTHON is deprecated" in said and "define DRAFTPROOF_PYTHON" in said, said
-    other = tmp_path / "other"
-    make_venv(other)
-    out = run_host(exe, llama_pair[2], PROMPT, cwd=tmp_path, active=other)
-    assert out.returncode == 0, out.stderr.decode()
-    assert out.stdout == python_output(llama_pair[2], PROMPT)

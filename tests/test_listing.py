@@ -31,7 +31,6 @@ def test_the_default_bundle_and_those_beside_it(llama_pair, gpt2_pair, tmp_path,
     (home / "notes").mkdir()  # not a bundle: left out
     monkeypatch.setenv("XDG_DATA_HOME", str(data))
     monkeypatch.setenv("DRAFTPROOF_BUNDLE", str(llama_pair[2]))
-    monkeypatch.delenv("SPECEDGE_BUNDLE", raising=False)
     rows = listed()
     assert [r["path"] for r in rows] == [str(llama_pair[2]), str(home / "gpt2")]
     assert [r["default"] for r in rows] == [True, False]
@@ -49,24 +48,10 @@ def test_the_default_bundle_and_those_beside_it(llama_pair, gpt2_pair, tmp_path,
     assert [(Path(r["path"]).name, r["default"]) for r in rows] == [("default", True),
                                                                     ("gpt2", False)]
 
-    # specedge's data directory (before the rename, read until the next release): its bundles
-    # are listed after draftproof's, and its `default` is the default while draftproof's is not
-    # built (tests/test_renamed.py checks the warning)
-    old = data / "specedge"
-    shutil.copytree(llama_pair[2], old / "default")
-    rows = listed()
-    assert [(r["path"], r["default"]) for r in rows] == [
-        (str(home / "default"), True), (str(home / "gpt2"), False), (str(old / "default"), False)]
-    shutil.rmtree(home / "default")
-    rows = listed()
-    assert [(r["path"], r["default"]) for r in rows] == [
-        (str(old / "default"), True), (str(home / "gpt2"), False)]
-
 
 def test_given_directories_and_what_is_not_a_bundle(llama_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "empty"))
     monkeypatch.delenv("DRAFTPROOF_BUNDLE", raising=False)
-    monkeypatch.delenv("SPECEDGE_BUNDLE", raising=False)
     assert run(specrun, "list").stdout.startswith("no bundles found")
     folder = tmp_path / "bundles"
     shutil.copytree(llama_pair[2], folder / "a")

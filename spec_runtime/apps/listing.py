@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..bundle.reader import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir, old_data_dir
+from ..bundle.reader import DEFAULT_BUNDLE_ENV, data_dir, default_bundle_dir
 from ..errors import InputError
 from ..bundle.manifest import MANIFEST, Manifest, name_too_long, read_manifest
 
@@ -28,7 +28,7 @@ def describe(path: Path, manifest: Manifest) -> dict:
 def candidates(dirs) -> list[tuple[Path, bool]]:
     """(directory, named by the user) to look at: each given directory (a bundle, or a folder of
     bundles), else the default bundle ($DRAFTPROOF_BUNDLE, or the data directory's `default`)
-    and every bundle in the data directory, and in specedge's (read until the next release)."""
+    and every bundle in the data directory."""
     if dirs:
         out = []
         for d in map(Path, dirs):
@@ -41,8 +41,8 @@ def candidates(dirs) -> list[tuple[Path, bool]]:
             out += [(d, True)] if (d / MANIFEST).is_file() else \
                 [(c, False) for c in sorted(d.iterdir()) if c.is_dir()]
         return out
-    found = [c for home in (data_dir(), old_data_dir()) if home.is_dir()
-             for c in sorted(home.iterdir()) if c.is_dir()]
+    home = data_dir()
+    found = [c for c in sorted(home.iterdir()) if c.is_dir()] if home.is_dir() else []
     return [(default_bundle_dir(), True)] + [(c, False) for c in found]
 
 

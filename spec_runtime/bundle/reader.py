@@ -23,7 +23,6 @@ import json
 import os
 from pathlib import Path
 
-from .. import renamed
 from ..engines import devices, rows
 from ..chat import compile_chat_template
 from ..decode.drafts import draft_engines, open_draft
@@ -36,48 +35,24 @@ from .manifest import (MANIFEST, REBUILD, TokenizerEntry, name_too_long, read_ma
 from .files import check_file_hashes, check_unchanged, regular_file, snapshot
 from ..decode.stats import Costs
 
-DEFAULT_BUNDLE_ENV = "DRAFTPROOF_BUNDLE"  # $SPECEDGE_BUNDLE stands in, for one release
+DEFAULT_BUNDLE_ENV = "DRAFTPROOF_BUNDLE"
 
 
 def data_dir() -> Path:
     """$XDG_DATA_HOME/draftproof (~/.local/share/draftproof): where the default bundle lives."""
-    return _data_dir(renamed.NEW)
-
-
-def old_data_dir() -> Path:
-    """$XDG_DATA_HOME/specedge (~/.local/share/specedge): specedge's data directory, read until
-    the next release (renamed.py)."""
-    return _data_dir(renamed.OLD)
-
-
-def _data_dir(name: str) -> Path:
     data = os.environ.get("XDG_DATA_HOME")
-    return _usable("$XDG_DATA_HOME", data, Path(data) / name) if data \
-        else Path.home() / ".local" / "share" / name
+    return _usable("$XDG_DATA_HOME", data, Path(data) / "draftproof") if data \
+        else Path.home() / ".local" / "share" / "draftproof"
 
 
-def default_bundle_dir(*, to_write: bool = False) -> Path:
-    """Where `specexport build` writes and `specrun` looks without flags: $DRAFTPROOF_BUNDLE,
-    else $XDG_DATA_HOME/draftproof/default (~/.local/share/draftproof/default).
-
-    Until the next release (renamed.py): $SPECEDGE_BUNDLE when $DRAFTPROOF_BUNDLE is unset, and
-    specedge's default bundle ($XDG_DATA_HOME/specedge/default) when draftproof's does not exist
-    and that one does, unless `to_write` (a build writes draftproof's, which is then used);
-    each with a warning, once. The old directory is never moved or deleted."""
-    variable, value = renamed.getenv(DEFAULT_BUNDLE_ENV)
+def default_bundle_dir() -> Path:
+    """Where `specexport build` writes and `specrun` looks without flags: $DRAFTPROOF_BUNDLE
+    (when set and not empty), else $XDG_DATA_HOME/draftproof/default
+    (~/.local/share/draftproof/default)."""
+    value = os.environ.get(DEFAULT_BUNDLE_ENV)
     if value:
-        return _usable(f"${variable}", value, Path(value).expanduser())
-    new = data_dir() / "default"
-    if to_write or new.exists():
-        return new
-    old = old_data_dir() / "default"
-    if old.exists():
-        renamed.warn_once(f"the default bundle is specedge's {old}: specedge is now draftproof, "
-                          f"whose default {new} does not exist; move the bundle there, or "
-                          f"build one with `specexport build` (the old directory is read until "
-                          f"the next release)")
-        return old
-    return new
+        return _usable(f"${DEFAULT_BUNDLE_ENV}", value, Path(value).expanduser())
+    return data_dir() / "default"
 
 
 def _usable(variable: str, value: str, path: Path) -> Path:

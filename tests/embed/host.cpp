@@ -10,11 +10,6 @@
 
 #include <cstdio>
 
-// SPECEDGE_PYTHON, the name before the project was renamed, still works until the next release
-#if !defined(DRAFTPROOF_PYTHON) && defined(SPECEDGE_PYTHON)
-#warning "SPECEDGE_PYTHON is deprecated: specedge is now draftproof, define DRAFTPROOF_PYTHON"
-#define DRAFTPROOF_PYTHON SPECEDGE_PYTHON
-#endif
 #ifndef DRAFTPROOF_PYTHON
 #error "define DRAFTPROOF_PYTHON, the path of the Python to run as: see the build command above"
 #endif
