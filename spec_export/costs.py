@@ -65,7 +65,7 @@ def measure_costs(bundle_dir: Path) -> dict:
     model's 1-token step over the target's (0 for prompt lookup, which runs no graph), and the
     extra time of each row of a γ+1-row verify call (γ = max_gamma) past the first, over a
     1-token step; each clamped to the range the manifest reader accepts."""
-    from spec_runtime.bundle.reader import load_bundle
+    from spec_runtime.loading import load_bundle
 
     gen = load_bundle(bundle_dir, check_files=False)
     engines = [gen.target, *gen.draft.engines] if gen.draft is not None else [gen.target]

@@ -48,6 +48,6 @@ def load(bundle_dir=None, device: str = "cpu", **kwargs) -> Generator:
     """Open an exported bundle (see `specexport build`) and return its `Generator`; without
     `bundle_dir`, the default bundle (`$DRAFTPROOF_BUNDLE`, else where `specexport build` writes
     without --out: `specrun where` prints it)."""
-    from .bundle.reader import load_bundle
+    from .loading import load_bundle
 
     return load_bundle(bundle_dir, device=device, **kwargs)

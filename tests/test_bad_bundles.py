@@ -160,6 +160,13 @@ CASES = {
         shape=[1, -2, 97, 16])), ["target.graphs.decoder.inputs[3].shape", "[1, -2, 97, 16]"]),
     "input-renamed": (lambda b: edit_manifest(b, lambda m: graph(m)["inputs"][1].update(
         name="pos")), ["target.graphs.decoder", "position"]),
+    # the model's sampling defaults: a key SamplingParams does not read, a value it refuses
+    "generation-unknown-key": (lambda b: edit_manifest(b, lambda m: m.update(
+        generation={"beam_width": 4})), ["generation.beam_width", "the keys are"]),
+    "generation-bad-value": (lambda b: edit_manifest(b, lambda m: m.update(
+        generation={"top_p": 1.5})), ["generation.top_p", "1.5"]),
+    "generation-a-list": (lambda b: edit_manifest(b, lambda m: m.update(generation=[1])),
+                          ["manifest generation is [1]", "object"]),
     # optional fields of the wrong type
     "special-tokens-a-list": (tok(special_tokens=["<s>"]), ["tokenizer.special_tokens"]),
     "special-token-an-id": (tok(special_tokens={"eos_token": 2}), ["tokenizer.special_tokens"]),
@@ -361,7 +368,7 @@ def test_a_file_swapped_between_the_check_and_the_load_is_refused(bundle_copy, m
     altered = bundle_copy.parent / "altered.onnx"
     onnx.save(model, str(altered))
 
-    from spec_runtime.bundle import reader as bundle
+    from spec_runtime import loading as bundle
 
     load_tokenizer = bundle.load_tokenizer
 

@@ -218,7 +218,9 @@ def test_threads_sets_each_sessions_cpu_threads(llama_pair, monkeypatch):
     loaded = []
 
     def load(*args, **kwargs):
-        loaded.append(spec_runtime.bundle.reader.load_bundle(*args, **kwargs))
+        from spec_runtime.loading import load_bundle
+
+        loaded.append(load_bundle(*args, **kwargs))
         return loaded[-1]
 
     monkeypatch.setattr(spec_runtime, "load", load)

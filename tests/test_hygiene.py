@@ -135,6 +135,19 @@ def test_the_numeric_core_never_imports_its_apps():
         assert apps == [], (path.name, apps)
 
 
+def test_the_bundle_layer_points_only_down():
+    """bundle/ (the contract, the manifest, its checks and files, where bundles are) is the
+    layer just above errors: none of its modules imports the engines, the decoding, the model
+    or the loading that wires them (loading.py), not even inside a function."""
+    bundle = sorted((RUNTIME / "bundle").glob("*.py"))
+    assert RUNTIME / "bundle" / "reader.py" in bundle
+    for path in bundle:
+        imported = _runtime_imports(path) | _relative_imports(path)
+        up = sorted(m for m in imported if m.startswith("spec_runtime")
+                    and not m.startswith(("spec_runtime.bundle", "spec_runtime.errors")))
+        assert up == [], (path.name, up)
+
+
 WEB_STACK = {"fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn"}
 
 
@@ -299,12 +312,14 @@ def _is_module(name: str) -> bool:
 # contract, the manifest and the errors, written once for both sides; where bundles live and the
 # tokenizer's recorded identity (bundle); the devices and the builds that serve them (devices);
 # and, for its parity runs and measurements, the runtime's own engines and decoding through
-# their public entry points (engines.open_graph, engines.tensorrt_on, drafts, Generator), so
+# their public entry points (engines.open_graph, engines.tensorrt_on, drafts, Generator, and
+# loading for a whole bundle's costs), so
 # that a graph is checked exactly the way a loaded bundle runs it; a trimmed draft head's kept
 # ids are read and drafted with as a bundle does (draft_vocab); γ is read as a request reads it
 # (gamma); a speech model's parity input is the log-mel a request computes (audio).
 EXPORTER_USES = {"spec_runtime", "spec_runtime.bundle.contract", "spec_runtime.bundle.manifest", "spec_runtime.decode.gamma",
                  "spec_runtime.errors", "spec_runtime.engines.gqa_window", "spec_runtime.bundle.reader",
+                 "spec_runtime.loading",
                  "spec_runtime.engines.devices", "spec_runtime.engines.opener", "spec_runtime.decode.drafts",
                  "spec_runtime.decode.draft_vocab", "spec_runtime.audio"}
 

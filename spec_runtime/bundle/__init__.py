@@ -4,5 +4,8 @@
     manifest.py    manifest.json, typed and versioned: one writer (spec_export), one reader
     checks.py      what a manifest must say, and the files it names (hashes, regular files)
     onnx_refs.py   the external-data files a graph names, read without loading it
-    reader.py      a bundle directory -> a Generator (spec_runtime.load), checked at load
+    reader.py      where bundles are; a bundle's manifest and tokenizer, read and checked
+
+The layer just above errors: nothing here imports the engines, the decoding or the model;
+loading.py (spec_runtime.load) wires a bundle into a Generator.
 """

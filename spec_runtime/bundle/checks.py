@@ -17,7 +17,6 @@ from .contract import (DTYPES, KERNELS, KV_CACHE_LAYOUTS, MAX_LANES, PRECISIONS,
                        decoder_io, decoder_lanes_io, dims_of, encoder_io, hidden_size_of,
                        mismatch)
 from ..errors import BundleError
-from ..decode.sampling import GENERATION_CONFIG_KEYS as GENERATION_KEYS
 
 REBUILD = "re-run `specexport build`"
 ARCHITECTURES = ("decoder-only", "encoder-decoder")
@@ -179,21 +178,13 @@ def _check_costs(costs) -> None:
 
 
 def _check_generation(generation) -> None:
-    """The model's sampling defaults: known keys with values SamplingParams accepts."""
+    """The model's sampling defaults: an object whose keys are names; which names and values
+    SamplingParams takes is checked where the model is put together (loading.py), the layer
+    that knows SamplingParams."""
     if generation is None:
         return
     if not isinstance(generation, dict):
         raise _bad("generation", generation, "it must be an object")
-    from ..errors import InputError
-    from ..decode.sampling import SamplingParams
-
-    for key, value in generation.items():
-        if key not in GENERATION_KEYS:
-            raise _bad(f"generation.{key}", value, f"the keys are {list(GENERATION_KEYS)}")
-        try:
-            SamplingParams(**{key: value})
-        except InputError as e:
-            raise BundleError(f"manifest generation.{key}: {e}; {REBUILD}") from None
 
 
 def _check_engines(engines, files: dict) -> None:
