@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from .errors import CacheCapacityError, FieldError
-from .decode.gamma import Gamma, parse_gamma
+from .decode.gamma import AUTO, Gamma, parse_gamma
 from .decode.sampling import SAMPLING_FIELDS, SAMPLING_NAMES, SamplingParams, check_sampling
 from .decode.stats import Costs
 from .text import stop_strings
@@ -155,6 +155,11 @@ class Request:
     @property
     def max_new_tokens(self) -> int:
         return self.options.max_new_tokens
+
+    @property
+    def gamma_fixed(self) -> bool:
+        """The caller chose a γ (not auto): a batch does not choose whether it drafts."""
+        return self.options.gamma is not None and self.gamma != AUTO
 
     @property
     def use_draft(self) -> bool:

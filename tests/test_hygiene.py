@@ -135,17 +135,44 @@ def test_the_numeric_core_never_imports_its_apps():
         assert apps == [], (path.name, apps)
 
 
-def test_the_bundle_layer_points_only_down():
-    """bundle/ (the contract, the manifest, its checks and files, where bundles are) is the
-    layer just above errors: none of its modules imports the engines, the decoding, the model
-    or the loading that wires them (loading.py), not even inside a function."""
-    bundle = sorted((RUNTIME / "bundle").glob("*.py"))
-    assert RUNTIME / "bundle" / "reader.py" in bundle
-    for path in bundle:
+# spec_runtime's layers, bottom first: a module imports only from its own layer and those below
+# (DESIGN.md). By top-level name: a subpackage is one layer.
+LAYERS = [
+    {"errors"},
+    {"bundle"},  # the contract, manifest, checks, files, where bundles are
+    {"engines"},
+    {"decode"},  # sampling, the loop, drafts, γ, stats
+    {"request", "text", "chat", "chat_limits", "chat_sandbox", "limits", "audio", "speech"},
+    {"generator", "speech_requests", "batch", "longform", "vad"},  # the model and its sequences
+    {"loading"},  # the composition root: a bundle into a model
+    {"apps"},
+    {"__init__"},  # spec_runtime.load and the public names
+]
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")[1:]
+    name = parts[0] if parts else "__init__"
+    if not ((RUNTIME / name).is_dir() or (RUNTIME / f"{name}.py").is_file()):
+        name = "__init__"  # a name the package itself defines (spec_runtime.load)
+    found = [i for i, names in enumerate(LAYERS) if name in names]
+    assert found, f"{module}: put it in a layer of LAYERS"
+    return found[0]
+
+
+def test_the_layers_point_only_down():
+    """No module of spec_runtime imports one of a layer above its own, not even inside a
+    function (loading.py wires the layers; the bundle is the bottom, not also the top)."""
+    up = []
+    for path in sorted(RUNTIME.rglob("*.py")):
+        rel = path.relative_to(RUNTIME.parent).with_suffix("").parts
+        me = ".".join(rel)
         imported = _runtime_imports(path) | _relative_imports(path)
-        up = sorted(m for m in imported if m.startswith("spec_runtime")
-                    and not m.startswith(("spec_runtime.bundle", "spec_runtime.errors")))
-        assert up == [], (path.name, up)
+        up += [(me, m) for m in sorted(imported) if _layer(m) > _layer(me)]
+    assert up == []
+    # the oracle: a known arrow up is seen as one
+    assert _layer("spec_runtime.request") > _layer("spec_runtime.decode.loop")
+    assert _layer("spec_runtime.loading") > _layer("spec_runtime.bundle.reader")
 
 
 WEB_STACK = {"fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn"}
@@ -191,7 +218,8 @@ def _relative_imports(path) -> set[str]:
 
 def test_relative_import_naming_oracle(tmp_path):
     """_relative_imports names what a module two levels down imports, by hand."""
-    assert "spec_runtime.request" in _relative_imports(RUNTIME / "decode" / "loop.py")
+    assert "spec_runtime.decode.gamma" in _relative_imports(RUNTIME / "request.py")
+    assert "spec_runtime.engines.protocol" in _relative_imports(RUNTIME / "decode" / "loop.py")
     assert "spec_runtime.apps.openai_api" in _relative_imports(RUNTIME / "apps" / "server.py")
 
 

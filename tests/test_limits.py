@@ -212,7 +212,9 @@ def test_slots_past_the_memory_are_refused_before_the_load(llama_pair, monkeypat
     largest = (available - weights) // per_slot
     assert 100 < largest < 100000
     loads = []
-    monkeypatch.setattr(spec_runtime, "load", lambda *a, **k: loads.append(a) or 1 / 0)
+    from spec_runtime import loading
+
+    monkeypatch.setattr(loading, "load_bundle", lambda *a, **k: loads.append(a) or 1 / 0)
     for slots in (largest + 1, 100000):
         one_line(run(specrun, "serve", "-b", bundle, "--port", 0, "--slots", slots),
                  f"--slots {slots} needs", f"use at most {largest} slots", "64.0 MiB")

@@ -106,7 +106,7 @@ def create_app(bundle_dir=None, *, slots: int = 1, queue: int = DEFAULT_QUEUE,
     check_count("queue", queue, 0)
     drain_seconds = check_number("drain_seconds", drain_seconds, 0)
     if generator is None:
-        from .. import load
+        from ..loading import load_bundle as load
         from ..bundle.reader import read_bundle_manifest
 
         check_slots(slots, read_bundle_manifest(bundle_dir),

@@ -15,17 +15,32 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from .drafts import Draft
 from ..engines.protocol import Engine
-from ..request import Request
 from .sampling import SamplingParams, accept_drafts, accept_drafts_greedy, penalize, warp
 from .gamma import AUTO, Gamma
 from .stats import (Costs, DecodeStats, Recorder, batch_costs, best_gamma_and_speedup,
                     confidence_floor)
+
+class Requested(Protocol):
+    """What the loop reads of a request: request.Request, made in the layer above, is one."""
+
+    prompt: np.ndarray  # int64 [n]: the ids fed; an encoder's source
+    prefix: np.ndarray  # int64: what the decoder continues
+    params: SamplingParams
+    gamma: Gamma  # γ, or AUTO (re-chosen each round, from gamma_start)
+    gamma_start: int
+    gamma_fixed: bool  # the caller chose γ: a batch does not choose for it
+    max_gamma: int
+    max_new_tokens: int
+    logprobs: int | None
+    eos_token_ids: frozenset[int]
+    costs: Costs | None  # auto γ's prices when fixed (a seeded sample); None: measured
+
 
 AUTO_WARMUP_POSITIONS = 8  # verified positions before "auto" trusts its α estimate
 AUTO_START = 4  # the γ "auto" starts from where it is the bundle's default
@@ -200,17 +215,16 @@ class RequestState:
     With `request.logprobs` (the number of most likely alternatives to report, 0 for none)
     every emitted token's TokenLogprob is appended to `token_logprobs`."""
 
-    def __init__(self, request: Request, recorder: Recorder, token_logprobs: list | None = None,
+    def __init__(self, request: Requested, recorder: Recorder, token_logprobs: list | None = None,
                  batch: BatchRounds | None = None):
         self.request = request
         self.params = request.params
         self.max_new_tokens = request.max_new_tokens
         self.logprobs = request.logprobs
         # the batch decides whether a request drafts unless the request set its own γ
-        chosen = request.options.gamma is not None and request.gamma != AUTO
         self.gamma = GammaPolicy(request.gamma, request.gamma_start, request.max_gamma,
                                  request.params.greedy, request.costs,
-                                 None if chosen else batch)
+                                 None if request.gamma_fixed else batch)
         self.eos = np.fromiter(request.eos_token_ids, dtype=np.int64)
         self.rng = np.random.default_rng(request.params.seed)
         self.recorder = recorder
