@@ -77,7 +77,7 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1, help="runs per system and prompt")
     ap.add_argument("--threads", type=int, default=2, help="threads for every system "
                     "(physical cores of the reference machine)")
-    ap.add_argument("--gamma", default=None, help="draftproof γ: an integer or 'auto' "
+    ap.add_argument("--gamma", type=reports.gamma, default=None, help="draftproof γ: an integer or 'auto' "
                     "(default: the bundle's)")
     ap.add_argument("--prompt-lookup", type=int, default=10,
                     help="HF prompt_lookup_num_tokens for hf-lookup")
@@ -107,10 +107,6 @@ def parse_args(argv=None):
                     "system's greedy output follows the float model's (hf) before it differs")
     reports.add_options(ap, default="--out, beside compare-PRECISION.json; without --out, none")
     args = ap.parse_args(argv)
-    if args.gamma not in (None, "auto"):
-        if not args.gamma.isdigit():
-            ap.error(f"--gamma {args.gamma!r}: use an integer or 'auto'")
-        args.gamma = int(args.gamma)
     for name in ("max_new_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")

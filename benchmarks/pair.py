@@ -91,7 +91,7 @@ def parse_args(argv=None):
                     help="python whose spec_runtime runs our rows (default: this one)")
     ap.add_argument("--ours-default", metavar="NAME", help="the row of ours that is the "
                     "default bundle (target: within 10%% of our best mode)")
-    ap.add_argument("--gamma", default=None, help="γ for our rows: integer or 'auto' "
+    ap.add_argument("--gamma", type=reports.gamma, default=None, help="γ for our rows: integer or 'auto' "
                     "(default: each bundle's)")
     ap.add_argument("--openvino-python", type=Path, help="python of the OpenVINO environment")
     ap.add_argument("--draft-precisions", default="int4,fp32",
@@ -142,10 +142,6 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.from_json:
         return args  # nothing runs: the report of a stored race (main)
-    if args.gamma not in (None, "auto"):
-        if not str(args.gamma).isdigit():
-            ap.error(f"--gamma {args.gamma!r}: use an integer or 'auto'")
-        args.gamma = int(args.gamma)
     for name in ("max_new_tokens", "repeats", "threads", "sweep_prompts", "turn_prompts"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")

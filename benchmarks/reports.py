@@ -205,6 +205,24 @@ def speed_plot(summary: dict, names: list[str], plain_of: dict, *, ours=(), head
 
 # -- options ------------------------------------------------------------------------------------
 
+def gamma(value: str):
+    """An argparse type: --gamma as the runtime parses it (decode.gamma.parse_gamma: an
+    integer, or AUTO, which is the string "auto")."""
+    from spec_runtime.decode.gamma import parse_gamma
+    from spec_runtime.errors import FieldError
+
+    try:
+        return parse_gamma(value, "--gamma")
+    except FieldError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def gammas(value: str) -> list:
+    """An argparse type: a comma-separated list of γ (`gamma` each), e.g. "1,2,4,auto"."""
+    return [gamma(g.strip()) for g in value.split(",") if g.strip()]
+
+
+
 def add_options(ap: argparse.ArgumentParser, *, default: str, from_json: bool = True) -> None:
     """--report DIR and --no-report; with `from_json`, --from-json FILE, --date, --machine.
     `default` says where the report goes without --report (for --help)."""

@@ -325,7 +325,7 @@ def load_options(ap: argparse.ArgumentParser, *, requests: int, startup: int) ->
                     help="requests per client (rounds; even, so that both modes get as many)")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     ap.add_argument("--queue", type=int, default=16, help="our servers' --queue")
-    ap.add_argument("--gamma", default=None,
+    ap.add_argument("--gamma", type=reports.gamma, default=None,
                     help="the requests' gamma (an integer or auto) [default: the bundle's]")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="prompt file, as serve_load.py [default: the built-in chat prompts]")

@@ -182,7 +182,7 @@ def run_load(port: int, prompts: list[str], args, log=print) -> tuple[list, list
     concurrent requests. Returns (per-request records, per-round records)."""
     extra = {}
     if args.gamma is not None:
-        extra["gamma"] = args.gamma if args.gamma == "auto" else int(args.gamma)
+        extra["gamma"] = args.gamma
     K = args.clients
     requests, rounds = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=K) as pool:
@@ -362,7 +362,7 @@ def main(argv=None) -> None:
                     help="serve through Ray Serve: specrun serve --ray --replicas R")
     ap.add_argument("--ray-replicas", default="1,2",
                     help="replica counts with --ray, comma-separated")
-    ap.add_argument("--gamma", default=None,
+    ap.add_argument("--gamma", type=reports.gamma, default=None,
                     help="the requests' gamma (an integer or auto) [default: the bundle's]")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="prompt file, as specrun bench --prompts (its chat prompts, or every "

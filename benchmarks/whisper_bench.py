@@ -88,10 +88,6 @@ def transformers_language(model, features: np.ndarray) -> str:
 
 # ---- measuring --------------------------------------------------------------------------------
 
-def gammas(text: str) -> list:
-    return [g if g == "auto" else int(g) for g in (s.strip() for s in text.split(",")) if g]
-
-
 def transcripts(gen, model, paths: dict[str, Path]) -> list[dict]:
     """Each sample's greedy transcript, speculative and target-only, with transformers' tokens
     (from our features and from its feature extractor) and both detected languages."""
@@ -200,7 +196,7 @@ def measure(args) -> dict:
             entry["bench_command"] = dict(args.bench_command).get(label)
         else:
             prompts = speech_prompts(gen, [paths[name] for name, *_ in SAMPLES])
-            entry["bench"] = run_bench(gen, prompts, gammas(args.gamma),
+            entry["bench"] = run_bench(gen, prompts, args.gamma,
                                        max_new_tokens=MAX_NEW_TOKENS, repeats=args.repeats)
         entry["breakdown"] = breakdown(gen, paths, args.repeats)
         run["bundles"][label] = entry
@@ -391,7 +387,7 @@ def main(argv=None) -> None:
                     help="the transformers checkpoint [default: whisper_weights.py's]")
     ap.add_argument("--no-check", action="store_true",
                     help="no transcripts against transformers (no torch needed)")
-    ap.add_argument("--gamma", default="1,2,4,auto")
+    ap.add_argument("--gamma", type=reports.gammas, default="1,2,4,auto")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--out", type=Path, help="the run's JSON [default: "
