@@ -36,6 +36,7 @@ import numpy as np
 
 from . import speech
 from .audio import HOP_LENGTH, N_FFT, SAMPLE_RATE, Recording, log_mel, mel_filters
+from .bundle.contract import window_frames as frames_of_window
 from .errors import FieldError, InputError
 from .request import GenerationOptions
 
@@ -218,7 +219,7 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
         options = replace(options, max_new_tokens=gen.capacity(options.use_draft))
     gen.speech_only()
     _prompt_length(gen, language, task)  # its refusals before the recording is read
-    window_frames = 2 * gen.target.max_source_len
+    window_frames = frames_of_window(gen.target.max_source_len)
     if not isinstance(audio, (str, Path)):
         audio = speech.samples_of(audio, math.inf)
     with Recording(audio) as rec:
@@ -249,7 +250,7 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
                 longform: LongForm, cancel) -> Transcript:
     entry, eos = gen.audio, min(gen.eos_token_ids)
     begin = entry.no_timestamps_token_id + 1  # the first timestamp token
-    window_frames = 2 * gen.target.max_source_len
+    window_frames = frames_of_window(gen.target.max_source_len)
     capacity = gen.capacity(options.use_draft)
     cut_off = capacity // 2 - 1  # transformers: max_target_positions // 2 - 1
     prompt = _prompt_length(gen, language, task)

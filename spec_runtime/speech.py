@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .audio import SAMPLE_RATE, log_mel, read_audio, too_long, window_seconds
+from .bundle.contract import window_frames
 from .bundle.manifest import AudioEntry
 from .errors import FieldError, InputError
 
@@ -155,7 +156,7 @@ def samples_of(audio, window: float) -> np.ndarray:
 def features_of(audio, entry: AudioEntry, max_source_len: int) -> np.ndarray:
     """The encoder's input for `audio`: its log-mel window, float32 [n_mels, frames]. A 2-D
     float32 array of that shape is taken as the window's features already (longform.py)."""
-    frames = 2 * max_source_len
+    frames = window_frames(max_source_len)
     if isinstance(audio, np.ndarray) and audio.ndim == 2 and audio.dtype == np.float32:
         if audio.shape != (entry.n_mels, frames):
             raise InputError(f"features of shape {list(audio.shape)}: this bundle's window "

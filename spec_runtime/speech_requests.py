@@ -66,6 +66,14 @@ class SpeechRequests:
         return replace(self._bound(options, features, prefix, params, gamma),
                        detect_at=detect_at)
 
+    @property
+    def window_seconds(self) -> float:
+        """The seconds of audio one window of this speech bundle holds (30 for Whisper)."""
+        from .audio import window_seconds
+        from .bundle.contract import window_frames
+
+        return window_seconds(window_frames(self.target.max_source_len))
+
     def speech_only(self) -> None:
         """InputError naming the fix where this bundle is a text model."""
         if self.audio is None:

@@ -368,7 +368,7 @@ def test_an_upload_longer_than_the_server_reads_is_a_400(monkeypatch):
 
     class Gen:  # make_request reads the audio before it looks at more of the bundle
         audio = object()
-        target = type("T", (), {"max_source_len": 1500})()
+        window_seconds = 30.0
 
     job = Job(prompt=None, chat=False, max_tokens=None, stream=False, include_usage=False,
               prompt_field="file")

@@ -98,11 +98,10 @@ def _inputs(gen, prompts, audio) -> list[tuple[str, object]]:
                              "model: check it on prompts")
         ids = [[int(t) for t in gen.tokenize(p)] for p in prompts]
         return [(text, lambda o, p=p: gen.request(p, o)) for text, p in zip(prompts, ids)]
-    from ..audio import window_seconds
     from ..speech import check_signals, fixed_language
 
     sources = [(str(a), a) for a in audio] if audio else \
-        check_signals(window_seconds(2 * gen.target.max_source_len))
+        check_signals(gen.window_seconds)
     out = []
     for label, source in sources:
         lang = fixed_language(gen, source)

@@ -157,14 +157,14 @@ def make_request(gen, job: Job, upload: dict) -> None:
     """job.request: the transcription's Request, checked once (the audio read), before a slot
     is taken; a language not given is detected on that slot (Generator.transcription's
     detect_later)."""
-    from ..audio import SAMPLE_RATE, TooLong, read_audio, too_long, window_seconds
+    from ..audio import SAMPLE_RATE, TooLong, read_audio, too_long
     from ..speech import samples_of, transcript_tokens
 
     try:
         if gen.audio is None:
             raise InputError("this server's bundle is a text model: /v1/audio/transcriptions "
                              "needs a speech bundle (Whisper); send text to /v1/completions")
-        window = window_seconds(2 * gen.target.max_source_len)
+        window = gen.window_seconds
         # read whole (float samples: 64 KB a second); compressed, 25 MB can hold hours
         try:
             samples = samples_of(read_audio(upload["audio"], MAX_UPLOAD_SECONDS,

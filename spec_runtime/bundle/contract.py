@@ -37,7 +37,7 @@ description of it, and what ONNX Runtime itself reports).
     encoder  inputs   input_ids int64 [1, max_source_len] · attention_mask int64
                       [1, max_source_len]   (the source right-padded, padding masked)
                       or, for speech (Whisper), input_features float32 [1, n_mels, frames]
-                      (one log-mel window, frames = 2 * max_source_len: spec_runtime/audio.py)
+                      (one log-mel window, frames = window_frames(max_source_len))
              outputs  cross_key.{i} / cross_value.{i}, as the decoder's cross inputs
 
 CACHE is float16 for an fp16 graph and float32 otherwise (cache_dtype); logits are float32
@@ -240,6 +240,12 @@ def hidden_size_of(outputs: list[dict]) -> int | None:
         else None
 
 
+def window_frames(max_source_len: int) -> int:
+    """The log-mel frames of one speech window: twice the encoder's positions (its stride-2
+    convolution halves them); 3000 frames, 30 s, for Whisper's 1500."""
+    return 2 * max_source_len
+
+
 def encoder_io(dims: Dims, max_source_len: int, dtype: str = "float32",
                n_mels: int | None = None) -> tuple[list[dict], list[dict]]:
     """The encoder graph's description: of a token source, or with `n_mels` of an audio
@@ -247,7 +253,7 @@ def encoder_io(dims: Dims, max_source_len: int, dtype: str = "float32",
     ids = [1, max_source_len]
     cross = [1, dims.kv_heads, max_source_len, dims.head_dim]
     inputs = [_io("input_ids", "int64", ids), _io("attention_mask", "int64", ids)] \
-        if n_mels is None else [_io(FEATURES, "float32", [1, n_mels, 2 * max_source_len])]
+        if n_mels is None else [_io(FEATURES, "float32", [1, n_mels, window_frames(max_source_len)])]
     return inputs, [_io(n, dtype, cross) for n in kv_names("cross", dims.n_layers)]
 
 
