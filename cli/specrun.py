@@ -196,7 +196,7 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
     exactly the target's transcript. A recording longer than one window (30 s for Whisper) is
     transcribed window after window, as Whisper's long-form transcription does."""
     import spec_runtime
-    from spec_runtime.speech import language_code, transcript_tokens
+    from spec_runtime.speech import transcript_tokens
 
     # checked now, before the load; without --max-new-tokens the bundle's room sets it below
     options = generation_options(max_new_tokens=max_new_tokens or 1, **request)
@@ -220,7 +220,7 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
         options = replace(options, max_new_tokens=transcript_tokens(gen, options.use_draft))
     req = in_cli_words(gen.transcription, audio, options, language=language, task=task)
     result = gen.generate(req)
-    lang = language_code(gen.audio, int(req.prefix[1])) if len(req.prefix) > 2 else None
+    lang = gen.language_of(req)
     if as_json:
         click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "language": lang,
                                "stats": result.stats}))

@@ -252,5 +252,4 @@ def fixed_language(gen, audio, language: str | None = None) -> str | None:
     afterwards are alike); None for an English-only model."""
     if language is not None or not gen.audio.languages:
         return language
-    request = gen.transcription(audio, max_new_tokens=1)
-    return language_code(gen.audio, int(request.prefix[1]))
+    return gen.language_of(gen.transcription(audio, max_new_tokens=1))

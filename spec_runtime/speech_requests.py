@@ -66,6 +66,20 @@ class SpeechRequests:
         return replace(self._bound(options, features, prefix, params, gamma),
                        detect_at=detect_at)
 
+    def language_of(self, request: Request) -> str | None:
+        """The language code a transcription request decodes in, given or detected when it was
+        made: the token after <|startoftranscript|> in its prompt (after any previous text).
+        None for an English-only model, or for a language the slot that decodes it detects
+        (`detect_later`)."""
+        from .speech import language_code
+
+        prefix = [int(t) for t in request.prefix]
+        if not self.audio.languages or request.detect_at is not None \
+                or self.decoder_start_token_id not in prefix:
+            return None
+        at = len(prefix) - 1 - prefix[::-1].index(self.decoder_start_token_id)
+        return language_code(self.audio, prefix[at + 1]) if at + 1 < len(prefix) else None
+
     @property
     def window_seconds(self) -> float:
         """The seconds of audio one window of this speech bundle holds (30 for Whisper)."""

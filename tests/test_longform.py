@@ -434,3 +434,24 @@ def test_bad_values_are_refused_before_the_recording_is_read(pair, monkeypatch):
         longform.transcribe(gen, speech_like(0, 1.3), language="xx")
     with pytest.raises(FieldError, match="'summarize'"):
         longform.transcribe(gen, speech_like(0, 1.3), language="en", task="summarize")
+
+
+def test_a_requests_language_is_read_from_its_prompt(pair):
+    """Generator.language_of: the language given, the one detected (transformers'
+    detect_language), after the previous text too; none while the slot is still to detect it."""
+    model, gen = pair
+    x = speech_like(1, 0.25)
+    window = longform.Padded(x, 80, FRAMES).whole
+    from tiny_models import WHISPER_TS_SPECIALS
+
+    with torch.no_grad():
+        want = WHISPER_TS_SPECIALS[int(model.detect_language(torch.tensor(window)[None])[0])
+                                   - 256].strip("<|>")
+    n = {"max_new_tokens": 4}
+    assert gen.language_of(gen.transcription(window, language="fr", **n)) == "fr"
+    assert gen.language_of(gen.transcription(window, **n)) == want
+    prev = int(model.generation_config.prev_sot_token_id)
+    after = gen.transcription(window, language="de", timestamps=True, previous=[prev, 40, 41],
+                              **n)
+    assert int(after.prefix[0]) == prev and gen.language_of(after) == "de"
+    assert gen.language_of(gen.transcription(window, detect_later=True, **n)) is None
