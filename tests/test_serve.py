@@ -171,6 +171,10 @@ def test_bad_input_gets_openai_errors_never_a_500(tiny, llama_pair):
     assert_error(post(chat, content=b" " * (2 << 20), headers={"content-type":
                                                                 "application/json"}),
                  413, "limit", code="request_too_large")
+    # chunked, so no content-length to refuse it by: the body reader counts as it reads
+    chunked = (b" " * (64 << 10) for _ in range(20))
+    assert_error(post(chat, content=chunked, headers={"content-type": "application/json"}),
+                 413, "exceeds 1048576 bytes", code="request_too_large")
     assert_error(httpx.get(url + "/v1/nothing-here"), 404, "/v1/nothing-here")
     assert_error(httpx.get(url + chat), 405)
     r = post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True,

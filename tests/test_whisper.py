@@ -509,6 +509,15 @@ def test_the_server_answers_a_bad_wav_upload_with_400(pair, tmp_path):
                 assert r.status_code == 200, (name, r.text)
                 text = gen.transcribe(want, language="fr", max_new_tokens=8).text
                 assert r.json()["text"] == text.strip(), name
+        # past the upload limit, chunked (no content-length): refused as it is read
+        from spec_runtime.apps.transcriptions import MAX_AUDIO_BYTES
+
+        head = (b'--b\r\ncontent-disposition: form-data; name="file"; filename="big.wav"\r\n'
+                b'content-type: audio/wav\r\n\r\n')
+        body = (head if i == 0 else b"\0" * (1 << 20)
+                for i in range(MAX_AUDIO_BYTES // (1 << 20) + 2))
+        assert_error(httpx.post(post, content=body, timeout=60, headers={
+            "content-type": "multipart/form-data; boundary=b"}), 413, "send a shorter recording")
 
 
 def test_a_manifest_whose_tasks_lack_transcribe_is_refused_at_load(pair, tmp_path):

@@ -116,13 +116,18 @@ class Job:
 OPTIONS = SAMPLING_NAMES + ("gamma", "use_draft", "response_format")
 
 
+def check_model(model: str | None, model_name: str) -> None:
+    """Every route's `model`: this server's, or absent; else OpenAI's 404."""
+    if model is not None and model != model_name:
+        raise APIError(404, f"The model {model!r} does not exist: this server serves "
+                            f"{model_name!r} (GET /v1/models)", param="model",
+                       code="model_not_found")
+
+
 def parse_common(req: CommonRequest, model_name: str) -> dict:
     """What the API allows of the fields both routes take (their values' ranges are the
     library's: Server.check), as Job's fields."""
-    if req.model is not None and req.model != model_name:
-        raise APIError(404, f"The model {req.model!r} does not exist: this server serves "
-                            f"{model_name!r} (GET /v1/models)", param="model",
-                       code="model_not_found")
+    check_model(req.model, model_name)
     if req.n not in (None, 1):
         raise APIError(400, f"n {req.n} is not supported: use n = 1 (send several requests for "
                             f"several choices)", param="n", code="invalid_value")

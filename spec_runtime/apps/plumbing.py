@@ -42,19 +42,28 @@ class Gate:
         await self.app(scope, receive, send)
 
 
-async def read_json(request) -> Any:
+async def body_chunks(request, limit: int, too_large: str):
+    """The request's body as it arrives (a chunked one too), each route's one reader: a 413
+    saying `too_large` once it passes `limit` bytes, the client gone (client_gone) when it
+    disconnects."""
     from starlette.requests import ClientDisconnect
 
-    body, size = bytearray(), 0
+    size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
-                               code="request_too_large")
-            body += chunk
+            if size > limit:
+                raise APIError(413, too_large, code="request_too_large")
+            yield chunk
     except ClientDisconnect:
         raise client_gone() from None
+
+
+async def read_json(request) -> Any:
+    body = bytearray()
+    async for chunk in body_chunks(request, MAX_BODY_BYTES,
+                                   f"the request body exceeds {MAX_BODY_BYTES} bytes"):
+        body += chunk
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:

@@ -16,8 +16,8 @@ from typing import Any
 
 from ..errors import FieldError, InputError, install_extra
 from ..request import GenerationOptions
-from .openai_api import APIError, Job, extensions, input_error
-from .plumbing import client_gone
+from .openai_api import APIError, Job, check_model, extensions, input_error
+from .plumbing import body_chunks
 
 ROUTE = "/v1/audio/transcriptions"
 MAX_AUDIO_BYTES = 25 << 20  # OpenAI's limit for an upload: 13 minutes of 16 kHz 16-bit WAV
@@ -57,7 +57,6 @@ async def read_form(request) -> Any:
     FIELD_BYTES, so that an upload holds little memory however large it is. Its files are the
     caller's to close (close_form)."""
     from starlette.formparsers import MultiPartException, MultiPartParser
-    from starlette.requests import ClientDisconnect
 
     kind = request.headers.get("content-type", "")
     if not kind.startswith("multipart/form-data"):
@@ -65,20 +64,10 @@ async def read_form(request) -> Any:
                             f"the audio as `file` (what OpenAI's clients send)",
                        code="invalid_request")
 
-    async def body():
-        size = 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_AUDIO_BYTES:
-                    raise APIError(413, f"the upload exceeds {MAX_AUDIO_BYTES} bytes: send at "
-                                        f"most one 30-second window of audio",
-                                   code="request_too_large")
-                yield chunk
-        except ClientDisconnect:
-            raise client_gone() from None
-
-    parser = MultiPartParser(request.headers, body(), max_files=1, max_fields=MAX_FIELDS,
+    body = body_chunks(request, MAX_AUDIO_BYTES,
+                       f"the upload exceeds {MAX_AUDIO_BYTES} bytes: send a shorter recording, "
+                       f"or the same one compressed (FLAC, Ogg)")
+    parser = MultiPartParser(request.headers, body, max_files=1, max_fields=MAX_FIELDS,
                              max_part_size=FIELD_BYTES)
     parser.spool_max_size = SPOOL_BYTES
     try:
@@ -119,11 +108,7 @@ def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
     if upload is None or isinstance(upload, str):
         raise APIError(400, "the audio is missing: send it as the form's `file` field",
                        param="file", code="invalid_value")
-    model = form.get("model")
-    if model not in (None, "", model_name):
-        raise APIError(404, f"The model {model!r} does not exist: this server serves "
-                            f"{model_name!r} (GET /v1/models)", param="model",
-                       code="model_not_found")
+    check_model(form.get("model") or None, model_name)
     fmt = form.get("response_format") or "json"
     if fmt not in FORMATS:
         raise APIError(400, f"response_format {fmt!r} is not supported: use "
