@@ -199,7 +199,8 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
     from spec_runtime.speech import transcript_tokens
 
     # checked now, before the load; without --max-new-tokens the bundle's room sets it below
-    options = generation_options(max_new_tokens=max_new_tokens or 1, **request)
+    given = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    options = generation_options(**given, **request)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     # a model without timestamp tokens transcribes one window: a longer one is refused below
     if gen.audio is not None and (timestamps or vad or fmt != "txt" or (
