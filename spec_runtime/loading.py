@@ -45,6 +45,7 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     on this machine (rows.py); "as-is" or "padded" takes that form unmeasured. `threads`: each
     CPU session's, at most the CPUs this process may run on (default: the physical cores)."""
     threads = check_threads(threads)
+    one_row = rows.parse_one_row(one_row)  # a bad value is refused before anything is read
     target_device = devices.device(device)
     draft_device = devices.device(draft_device or device, "draft_device" if draft_device
                                   else "device")
@@ -59,8 +60,6 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
     check_tokenizer(tokenizer, tok)
     if tok.chat_template:
         compile_chat_template(tok.chat_template)  # syntax and a test render, before sessions
-    if one_row != "auto":
-        rows.given(one_row)  # a bad value is refused before the sessions open
     if manifest.draft.options.get("shared_encoder") and draft_device != target_device:
         raise InputError(f"this bundle's draft reads the target's encoder output "
                          f"(draft.shared_encoder), so it runs where the target runs: leave "

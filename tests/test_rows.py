@@ -13,7 +13,7 @@ from toy_models import ToyEngine
 
 from spec_runtime import Generator, ModelDraft, NgramDraft
 from spec_runtime.engines.protocol import ChunkedEngine
-from spec_runtime.engines.rows import choose_one_row, given, probe
+from spec_runtime.engines.rows import choose_one_row, probe
 
 
 class KernelEngine(ChunkedEngine):
@@ -127,8 +127,20 @@ def test_a_given_form_is_taken_unmeasured_and_a_bad_one_refused():
     check = choose_one_row(engine, "padded")
     assert (check.chosen_by, check.identical, engine.one_row) == ("given", None, "padded")
     assert choose_one_row(ToyEngine(), "auto") is None  # an engine without forms
-    with pytest.raises(ValueError, match="one_row='sideways'"):
-        given("sideways")
+    from spec_runtime.errors import FieldError
+
+    for bad in ("sideways", "AS-IS", None, 1):
+        with pytest.raises(FieldError, match=f"one_row={bad!r} is invalid") as e:
+            choose_one_row(engine, bad)
+        assert e.value.field == "one_row"
+    assert engine.one_row == "padded" and str(engine.one_row) == "padded"  # unchanged
+    import spec_runtime
+
+    with pytest.raises(FieldError, match="one_row='sideways'"):  # before the bundle is read
+        spec_runtime.load(ENGINE_LESS, one_row="sideways")
+
+
+ENGINE_LESS = "/nonexistent/bundle"  # no such bundle: the value is refused first
 
 
 def test_forks_keep_the_form():

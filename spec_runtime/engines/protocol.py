@@ -21,13 +21,29 @@ and sets the form.
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import CacheCapacityError
 
-ONE_ROW_FORMS = ("as-is", "padded")
+
+
+class OneRow(str, enum.Enum):
+    """The form of an engine's 1-token calls (see above; rows.py chooses it). A str, so that
+    JSON (a request's stats) writes it as its value."""
+
+    AS_IS = "as-is"
+    PADDED = "padded"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __repr__ = __str__
+
+
+ONE_ROW_FORMS = tuple(f.value for f in OneRow)
 
 
 @runtime_checkable
@@ -54,16 +70,14 @@ class ChunkedEngine:
 
     max_len: int
     prefill_chunk: int
-    one_row: str = "as-is"  # the form of a 1-token call: ONE_ROW_FORMS, set by rows.py
+    one_row: OneRow = OneRow.AS_IS  # the form of a 1-token call, set by rows.py
     _fed: np.ndarray | None = None  # the token last written at each slot (for "padded")
 
     def _run(self, tokens: np.ndarray, pos: int, num_logits: int) -> np.ndarray:
         raise NotImplementedError
 
-    def set_one_row(self, form: str) -> None:
-        if form not in ONE_ROW_FORMS:
-            raise ValueError(f"one_row {form!r}: use one of {ONE_ROW_FORMS}")
-        self.one_row = form
+    def set_one_row(self, form: OneRow | str) -> None:
+        self.one_row = OneRow(form)  # a ValueError here is the caller's bug: rows.py parses
 
     def _same_form(self, fork):
         """`fork` (another engine over the same graphs) with this engine's 1-row form."""

@@ -34,7 +34,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .protocol import ONE_ROW_FORMS
+from ..errors import FieldError
+from .protocol import ONE_ROW_FORMS, OneRow
+
+ROW_AUTO = "auto"  # load(one_row=...): measure the form at load
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class RowCheck:
     """What the load-time check found and chose. Differences are the largest absolute logit
     difference from the verify call's rows (0.0: bit-identical); None where not measured."""
 
-    one_row: str  # the form 1-token target calls take: "as-is" or "padded"
+    one_row: OneRow  # the form 1-token target calls take
     chosen_by: str  # "probe" (measured at load) or "given" (load(one_row=...))
     identical: bool | None  # rows bit-identical in the chosen form; None: not measured
     as_is_diff: float | None = None
@@ -76,11 +79,21 @@ class RowCheck:
                 f"leave target-only output at near-ties")
 
 
-def given(form: str) -> RowCheck:
+def parse_one_row(value) -> OneRow | str:
+    """`load(one_row=...)` parsed once: ROW_AUTO ("auto", measured at load) or a OneRow;
+    FieldError naming one_row for anything else."""
+    if value == ROW_AUTO:
+        return ROW_AUTO
+    try:
+        return OneRow(value)
+    except ValueError:
+        raise FieldError("one_row", f"one_row={value!r} is invalid: use 'auto' (measured at "
+                                    f"load) or one of {list(ONE_ROW_FORMS)}") from None
+
+
+def given(form: OneRow) -> RowCheck:
     """The form a caller chose instead of the check."""
-    if form not in ONE_ROW_FORMS:
-        raise ValueError(f"one_row={form!r}: use one of {ONE_ROW_FORMS} or 'auto'")
-    return RowCheck(form, "given", None)
+    return RowCheck(OneRow(form), "given", None)
 
 
 def _diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -128,12 +141,13 @@ def probe(engine, rows: int = PROBE_ROWS, prefix: int = PROBE_PREFIX,
     return check
 
 
-def choose_one_row(engine, one_row: str = "auto") -> RowCheck | None:
-    """`one_row` "auto" probes the engine (engines without step forms, such as hand-written
-    test engines, get None); "as-is" or "padded" sets that form unmeasured."""
+def choose_one_row(engine, one_row: OneRow | str = ROW_AUTO) -> RowCheck | None:
+    """`one_row` ROW_AUTO probes the engine (engines without step forms, such as hand-written
+    test engines, get None); a OneRow sets that form unmeasured."""
     if not hasattr(engine, "set_one_row"):
         return None
-    if one_row == "auto":
+    one_row = parse_one_row(one_row)
+    if one_row == ROW_AUTO:
         return probe(engine)
     check = given(one_row)
     engine.set_one_row(one_row)
