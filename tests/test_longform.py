@@ -316,14 +316,21 @@ def test_the_server_answers_long_uploads_with_segments(pair, tmp_path):
         assert r.status_code == 200 and r.text == longform.render(want, "srt")
         r = httpx.post(post, files=upload, timeout=120, data=post_args)
         assert r.status_code == 200 and r.json()["text"] == want.text.strip()
+        # the form's fields as openai_protocol.TranscriptionForm reads them: a value shown as
+        # the JSON routes show theirs, and what to send instead
         assert_error(httpx.post(post, files=upload, data={
             "response_format": "verbose_json", "timestamp_granularities[]": "word"}), 400,
-            "'word'", param="timestamp_granularities[]")
+            '"word" is invalid', "'segment'", param="timestamp_granularities[0]")
         assert_error(httpx.post(post, files=upload, data={
             "timestamp_granularities[]": "segment"}), 400, "verbose_json",
-            param="timestamp_granularities[]")
+            param="timestamp_granularities")
         assert_error(httpx.post(post, files=upload, data={"response_format": "doc"}), 400,
-                     "'doc'", param="response_format")
+                     '"doc" is invalid', "verbose_json, srt", param="response_format")
+        for field, value, words in (("temperature", "hot", "a number"),
+                                    ("use_draft", "maybe", "true or false"),
+                                    ("max_tokens", "8.5", "an integer")):
+            assert_error(httpx.post(post, files=upload, data={field: value}), 400,
+                         f'{field} "{value}" is invalid: use {words}', param=field)
 
 
 def test_a_cancelled_transcription_stops_between_rounds(pair, monkeypatch):

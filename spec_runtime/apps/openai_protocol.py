@@ -205,6 +205,29 @@ def locate(model: type[BaseModel], loc: tuple, body) -> tuple[str, str | None, A
     return path, words, value
 
 
+TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+
+
+class TranscriptionForm(BaseModel):
+    """POST /v1/audio/transcriptions' fields other than the file, as a multipart form sends
+    them: text, from which numbers and booleans are read (lax, unlike the JSON routes); an
+    empty field is left out (the default)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="the name GET /v1/models gives")
+    language: str | None = Field(None, description="a language code such as 'en'")
+    response_format: Literal[TRANSCRIPTION_FORMATS] = Field(
+        "json", description=", ".join(TRANSCRIPTION_FORMATS))
+    timestamp_granularities: list[Literal["segment"]] = Field(
+        [], description="'segment' (word timestamps are not made)")
+    temperature: float | None = Field(None, description="a number")
+    seed: int | None = Field(None, description="an integer")
+    gamma: str | None = Field(None, description="an integer or 'auto'")
+    use_draft: bool | None = Field(None, description=TRUE_OR_FALSE)
+    max_tokens: int | None = Field(None, description="an integer")
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 class _Sparse(BaseModel):

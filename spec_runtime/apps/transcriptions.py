@@ -27,14 +27,11 @@ MAX_FIELDS = 32
 # the longest upload read (held as float samples: 115 MB for 30 minutes); a 16 kHz 16-bit WAV
 # file of the upload limit is 13 minutes, a compressed one can hold hours
 MAX_UPLOAD_SECONDS = 30 * 60
-FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 SEGMENTED = ("verbose_json", "srt", "vtt")  # the formats that need timestamps
 GRANULARITIES = ("timestamp_granularities[]", "timestamp_granularities")
 UNSUPPORTED = ("prompt", "stream", "chunking_strategy", "include[]")
-# form fields -> (GenerationOptions' field, its type)
-OPTIONS = {"temperature": ("temperature", float), "seed": ("seed", int),
-           "gamma": ("gamma", str), "use_draft": ("use_draft", bool),
-           "max_tokens": ("max_new_tokens", int)}
+# the form's fields that GenerationOptions takes as they are
+OPTIONS = ("temperature", "seed", "gamma", "use_draft")
 
 
 def require_form_uploads() -> None:
@@ -84,22 +81,14 @@ def close_form(form) -> None:
             value.file.close()
 
 
-def _value(name: str, text, kind):
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise APIError(400, f"{name} {text!r} is invalid: use true or false", param=name,
-                           code="invalid_value")
-        return text.lower() in ("true", "1")
-    try:
-        return kind(text)
-    except ValueError:
-        raise APIError(400, f"{name} {text!r} is invalid: use a {kind.__name__}", param=name,
-                       code="invalid_value") from None
-
-
 def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
-    """(Job, {"audio": the upload's spooled file, "name", "language", "format"}) of a form;
-    APIError for a field it cannot take."""
+    """(Job, {"audio": the upload's spooled file, "name", "language", "format"}) of a form
+    (openai_protocol.TranscriptionForm); APIError for a field it cannot take."""
+    from pydantic import ValidationError
+
+    from .openai_api import invalid_request
+    from .openai_protocol import TranscriptionForm
+
     for name in form.keys():
         if name in UNSUPPORTED:
             raise APIError(400, f"{name} is not supported by this server: leave it out",
@@ -108,34 +97,27 @@ def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
     if upload is None or isinstance(upload, str):
         raise APIError(400, "the audio is missing: send it as the form's `file` field",
                        param="file", code="invalid_value")
-    check_model(form.get("model") or None, model_name)
-    fmt = form.get("response_format") or "json"
-    if fmt not in FORMATS:
-        raise APIError(400, f"response_format {fmt!r} is not supported: use "
-                            f"{', '.join(FORMATS)}", param="response_format",
+    fields = {k: v for k, v in form.multi_items()
+              if isinstance(v, str) and v != "" and k not in GRANULARITIES}
+    granularities = [v for name in GRANULARITIES for v in form.getlist(name)]
+    if granularities:
+        fields["timestamp_granularities"] = granularities
+    try:
+        given = TranscriptionForm.model_validate(fields)
+    except ValidationError as e:
+        raise invalid_request(TranscriptionForm, e.errors(), fields) from None
+    check_model(given.model, model_name)
+    if given.timestamp_granularities and given.response_format != "verbose_json":
+        raise APIError(400, f"timestamp_granularities needs response_format verbose_json, not "
+                            f"{given.response_format!r}", param="timestamp_granularities",
                        code="invalid_value")
-    for name in GRANULARITIES:
-        for value in form.getlist(name):
-            if value != "segment":
-                raise APIError(400, f"timestamp_granularities {value!r} is not offered: use "
-                                    f"'segment' (word timestamps are not made)", param=name,
-                               code="invalid_value")
-            if fmt != "verbose_json":
-                raise APIError(400, f"timestamp_granularities needs response_format "
-                                    f"verbose_json, not {fmt!r}", param=name,
-                               code="invalid_value")
-    kwargs = {}
-    for name, (field, kind) in OPTIONS.items():
-        text = form.get(name)
-        if text not in (None, ""):
-            kwargs[field] = _value(name, text, kind)
-    max_tokens = kwargs.pop("max_new_tokens", None)
+    kwargs = {name: getattr(given, name) for name in OPTIONS if getattr(given, name) is not None}
     audio = upload.file
     audio.seek(0)
-    job = Job(prompt=None, chat=False, max_tokens=max_tokens, stream=False,
+    job = Job(prompt=None, chat=False, max_tokens=given.max_tokens, stream=False,
               include_usage=False, kwargs=kwargs, prompt_field="file")
     return job, {"audio": audio, "name": upload.filename or "file",
-                 "language": form.get("language") or None, "format": fmt}
+                 "language": given.language, "format": given.response_format}
 
 
 def make_request(gen, job: Job, upload: dict) -> None:
