@@ -150,8 +150,9 @@ def follows_float(hf_model, encoder_path, decoder_path, source, prompt: list[int
     return followed_tokens(engine, [(list(prompt), continuation)])[0], len(continuation)
 
 
-def _open(encoder_path, decoder_path, threads: int | None, seed: int):
-    """The runtime's engine over an exported encoder and decoder graph."""
+def _open(encoder_path, decoder_path, threads: int | None, seed: int, one_row: str = "as-is"):
+    """The runtime's engine over an exported encoder and decoder graph (`one_row`: the form of
+    its 1-token calls, opener.open_graph's)."""
     decoder, encoder = graph_entry(decoder_path), graph_entry(encoder_path)
     max_len, vocab = graph_dims(decoder)
     first = encoder.inputs[0]["shape"]
@@ -160,7 +161,7 @@ def _open(encoder_path, decoder_path, threads: int | None, seed: int):
     S = first[2] // 2 if len(first) == 3 else first[1]
     return open_graph(decoder_path, decoder, encoder=(encoder_path, encoder), vocab_size=vocab,
                       max_len=max_len, max_source_len=S, prefill_chunk=max_len, threads=threads,
-                      where="exported", garbage_seed=seed)
+                      where="exported", garbage_seed=seed, one_row=one_row)
 
 
 def _source_inputs(engine, source) -> tuple[dict, int]:

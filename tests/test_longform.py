@@ -19,6 +19,7 @@ import spec_runtime  # noqa: E402
 from spec_export.build import build_bundle  # noqa: E402
 from spec_runtime import longform  # noqa: E402
 from spec_runtime.audio import SAMPLE_RATE  # noqa: E402
+from test_whisper import write_wav  # noqa: E402
 from toy_models import joint_p_value  # noqa: E402
 
 THREADS = 1
@@ -225,7 +226,6 @@ def test_specrun_transcribe_long_audio_writes_subtitles(pair, tmp_path):
     (its stereo 16-bit samples, averaged) and gives transformers' segments as JSON, SRT and
     VTT; a text file given as audio, and an unknown --format, are one line and exit 2."""
     import re
-    import wave
 
     from draftproof.cli.specrun import main as specrun
     from helpers import run
@@ -233,13 +233,7 @@ def test_specrun_transcribe_long_audio_writes_subtitles(pair, tmp_path):
 
     model, gen = pair
     x = speech_like(1, 1.3)
-    stereo = np.stack([x, 0.5 * x], 1)
-    path = tmp_path / "long.wav"
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(2)
-        f.setsampwidth(2)
-        f.setframerate(SAMPLE_RATE)
-        f.writeframes((np.clip(stereo, -1, 1) * 32767).astype("<i2").tobytes())
+    path = write_wav(tmp_path / "long.wav", np.stack([x, 0.5 * x], 1))  # stereo
     with Recording(path) as rec:
         read = rec.read(0, rec.n)
     want = hf_segments(model, read, "en", condition_on_prev_tokens=True)
@@ -283,18 +277,11 @@ def test_the_server_answers_long_uploads_with_segments(pair, tmp_path):
     verbose_json are a 400 naming the field."""
     pytest.importorskip("multipart", reason="the serve extra installs python-multipart")
     import httpx
-    import wave
-
     from test_serve import assert_error, server
 
     _, gen = pair
     x = speech_like(1, 1.3)
-    path = tmp_path / "long.wav"
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(SAMPLE_RATE)
-        f.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    path = write_wav(tmp_path / "long.wav", x)
     # the tiny model's windows fail the default thresholds: the fallback samples, seeded
     want = longform.transcribe(gen, str(path), language="en", seed=11)
     assert len(want.segments) > 1 and want.stats["fallbacks"] > 0

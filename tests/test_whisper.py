@@ -43,9 +43,10 @@ def signal(seed: int, seconds: float = 0.25) -> np.ndarray:
 
 
 def write_wav(path, samples, rate=SAMPLE_RATE):
+    """16-bit PCM of `samples`: [n] mono, or [n, channels]."""
     pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2")
     with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
+        f.setnchannels(1 if pcm.ndim == 1 else pcm.shape[1])
         f.setsampwidth(2)
         f.setframerate(rate)
         f.writeframes(pcm.tobytes())
