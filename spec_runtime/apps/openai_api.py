@@ -192,11 +192,6 @@ def extension(stats: dict) -> dict:
     return {k: stats[k] for k in STATS_FIELDS if k in stats}
 
 
-def extensions(stats: dict) -> dict:
-    """The response's statistics field, `draftproof`, holding `extension(stats)`."""
-    return {"draftproof": extension(stats)}
-
-
 def usage(result) -> Usage:
     """OpenAI's `usage` of a finished request."""
     prompt, completion = result.stats["prompt_tokens"], len(result.tokens)
@@ -249,7 +244,7 @@ def completion_body(result, rid: str, chat: bool, model_name: str,
         CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=reason)
     return (ChatCompletion if chat else Completion)(
         id=rid, created=int(time.time()), model=model_name, choices=[choice],
-        usage=usage(result), **extensions(result.stats))
+        usage=usage(result), draftproof=extension(result.stats))
 
 
 class StreamEvents:
@@ -295,7 +290,7 @@ class StreamEvents:
         """The stats ride on the stream's last chunk: OpenAI's usage chunk, when asked for,
         comes last before [DONE] (choices empty), else the chunk that ends the choice."""
         reason = FINISH.get(result.finish_reason, result.finish_reason)
-        stats = extensions(result.stats)
+        stats = {"draftproof": extension(result.stats)}
         rest = result.logprobs[logprobs_sent:] if result.logprobs is not None else None
         usage_wanted = self.job.include_usage
         out = [self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats))]

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import FieldError, InputError, install_extra
 from ..request import GenerationOptions
-from .openai_api import APIError, Job, check_model, extensions, input_error
+from .openai_api import APIError, Job, check_model, extension, input_error
 from .plumbing import body_chunks
 
 ROUTE = "/v1/audio/transcriptions"
@@ -195,5 +195,5 @@ def transcription_body(result, fmt: str):
         body = result.to_json()
         body.pop("stats", None)
         return JSONResponse({"task": "transcribe", **body, "text": text,
-                             **extensions(result.stats)})
-    return JSONResponse({"text": text, **extensions(result.stats)})
+                             "draftproof": extension(result.stats)})
+    return JSONResponse({"text": text, "draftproof": extension(result.stats)})
