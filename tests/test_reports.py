@@ -498,22 +498,3 @@ def test_a_serve_race_report_rebuilt_from_its_json_has_its_ratios(tmp_path):
     assert "--spec-draft-n-max 12 --spec-draft-p-min 0.75" in text and "- a note" in text
     assert "    python benchmarks/serve_race.py -b /b\n" in text
     assert md.with_suffix(".png").stat().st_size > 0
-
-
-def test_the_benchmarks_parse_gamma_as_the_runtime_does(capsys):
-    """--gamma through decode.gamma.parse_gamma: an integer or AUTO; anything else is an
-    argparse error (exit 2) that names the value."""
-    import argparse
-
-    import pair
-    from spec_runtime.decode.gamma import AUTO
-
-    assert reports.gamma("3") == 3 and reports.gamma("auto") is AUTO
-    assert reports.gammas("1, 4,auto") == [1, 4, AUTO]
-    for bad in ("x", "-1", "2.5", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="use an integer or 'auto'"):
-            reports.gamma(bad)
-    assert pair.parse_args(["--gamma", "auto"]).gamma is AUTO
-    with pytest.raises(SystemExit) as e:
-        pair.parse_args(["--gamma", "three"])
-    assert e.value.code == 2 and "'three'" in capsys.readouterr().err
