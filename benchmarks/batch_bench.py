@@ -68,7 +68,7 @@ def measure(gen, items: list, batched: bool) -> tuple[dict, list]:
     wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in results)
     # an encoder-decoder's encoder passes (one a request), which batching leaves as they are
-    encode = sum(r.stats.get("encode_time_s", 0.0) for r in results)
+    encode = sum(r.stats.encode_time_s for r in results)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "encode_s": encode}, \
         results
 

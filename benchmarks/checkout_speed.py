@@ -76,7 +76,9 @@ for i, p in enumerate(prompts * 2):
     order = (True, False) if i % 2 == 0 else (False, True)
     r = {}
     for use_draft in order:
-        r[use_draft] = gen.generate(p, max_new_tokens=tokens, use_draft=use_draft).stats
+        stats = gen.generate(p, max_new_tokens=tokens, use_draft=use_draft).stats
+        # a checkout from before the typed statistics has them as a dict
+        r[use_draft] = stats if isinstance(stats, dict) else stats.to_json()
     ratios.append(r[True]["tokens_per_s"] / r[False]["tokens_per_s"])
     overheads.append(r[True]["loop_overhead"])
 out["speedup"] = float(np.median(ratios))

@@ -165,7 +165,7 @@ def systems(args):
             got = longform.transcribe(gen, str(path), language="en", use_draft=use_draft,
                                       vad=vad)
             return {"seconds": time.perf_counter() - t0, "text": got.text,
-                    "segments": len(got.segments), "stats": got.stats}
+                    "segments": len(got.segments), "stats": got.stats.to_json()}
         return run
 
     def transformers_(path):

@@ -56,9 +56,9 @@ class Draftproof:
                               chat=False)
         wall = time.perf_counter() - t0
         s = r.stats
-        info = {"prefill_s": s["prefill_time_s"], "target_calls": s["target_calls"]}
+        info = {"prefill_s": s.prefill_time_s, "target_calls": s.target_calls}
         if self.use_draft:
-            info.update(accepted=s["accepted"], proposed=s["proposed"])
+            info.update(accepted=s.accepted, proposed=s.proposed)
         return Run(list(r.tokens), wall, info)
 
 

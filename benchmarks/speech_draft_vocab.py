@@ -73,12 +73,12 @@ def measure(args) -> dict:
             seconds = time.perf_counter() - t0
             rows[label]["seconds"].append(seconds)
             s = got.stats
-            rows[label].update(acceptance=s["acceptance_rate"], target_calls=s["target_calls"],
-                               proposed=s["proposed"], accepted=s["accepted"],
-                               new_tokens=s["new_tokens"])
+            rows[label].update(acceptance=s.acceptance_rate, target_calls=s.target_calls,
+                               proposed=s.proposed, accepted=s.accepted,
+                               new_tokens=s.new_tokens)
             texts.setdefault(label, got.text)
             print(f"round {r + 1} {label}: {seconds:.2f} s, acceptance "
-                  f"{s['acceptance_rate']:.3f}", file=sys.stderr)
+                  f"{s.acceptance_rate:.3f}", file=sys.stderr)
     differ = sorted(label for label in texts if texts[label] != next(iter(texts.values())))
     if differ:
         raise SystemExit(f"transcripts differ ({', '.join(differ)}): the outputs must be the "

@@ -137,30 +137,30 @@ def breakdown(gen, paths: dict[str, Path], repeats: int) -> dict:
                 for _ in range(repeats) for n in paths]
 
         def mean_ms(key):
-            return 1e3 * float(np.mean([s[key] for s in runs]))
+            return 1e3 * float(np.mean([getattr(s, key) for s in runs]))
 
-        steps = sum(s["target_calls"] - 1 for s in runs)
-        draft_steps = sum(s["draft_step_calls"] for s in runs)
-        positions = sum(s["alpha_positions"] for s in runs)
+        steps = sum(s.target_calls - 1 for s in runs)
+        draft_steps = sum(s.draft_step_calls for s in runs)
+        positions = sum(s.alpha_positions for s in runs)
         out[mode] = {
             "requests": len(runs),
-            "new_tokens": float(np.mean([s["new_tokens"] for s in runs])),
+            "new_tokens": float(np.mean([s.new_tokens for s in runs])),
             "wall_ms": mean_ms("wall_time_s"), "encode_ms": mean_ms("encode_time_s"),
             "prefill_ms": mean_ms("prefill_time_s"), "target_ms": mean_ms("target_time_s"),
             "draft_ms": mean_ms("draft_time_s"),
-            "target_calls": float(np.mean([s["target_calls"] for s in runs])),
-            "target_step_ms": 1e3 * sum(s["target_time_s"] for s in runs) / max(1, steps),
-            "draft_step_ms": 1e3 * sum(s["draft_step_time_s"] for s in runs) / draft_steps
+            "target_calls": float(np.mean([s.target_calls for s in runs])),
+            "target_step_ms": 1e3 * sum(s.target_time_s for s in runs) / max(1, steps),
+            "draft_step_ms": 1e3 * sum(s.draft_step_time_s for s in runs) / draft_steps
             if draft_steps else None,
-            "loop_overhead": float(np.mean([s["loop_overhead"] for s in runs])),
-            "tokens_per_s": float(np.mean([s["tokens_per_s"] for s in runs])),
-            "decode_tokens_per_s": float(np.mean([s["new_tokens"] / (s["wall_time_s"]
-                                                                    - s["encode_time_s"])
+            "loop_overhead": float(np.mean([s.loop_overhead for s in runs])),
+            "tokens_per_s": float(np.mean([s.tokens_per_s for s in runs])),
+            "decode_tokens_per_s": float(np.mean([s.new_tokens / (s.wall_time_s
+                                                                    - s.encode_time_s)
                                                   for s in runs])),
-            "alpha": sum(s["alpha"] * s["alpha_positions"] for s in runs) / positions
+            "alpha": sum(s.alpha * s.alpha_positions for s in runs) / positions
             if positions else None,
-            "acceptance_rate": sum(s["accepted"] for s in runs)
-            / max(1, sum(s["proposed"] for s in runs)),
+            "acceptance_rate": sum(s.accepted for s in runs)
+            / max(1, sum(s.proposed for s in runs)),
         }
     spec, base = out["speculative"], out["target-only"]
     out["c"] = spec["draft_step_ms"] / base["target_step_ms"] if spec["draft_step_ms"] else None

@@ -85,4 +85,4 @@ def result_line(number: int, piece) -> str:
         return json.dumps({"line": number, "error": str(piece.error)})
     result = piece.result
     return json.dumps({"line": number, "text": result.text, "tokens": result.tokens,
-                       "finish_reason": result.finish_reason, "stats": result.stats})
+                       "finish_reason": result.finish_reason, "stats": result.stats.to_json()})

@@ -20,12 +20,13 @@ from .serve import serve
 
 
 
-def stats_line(stats: dict) -> str:
-    s = (f"{stats['new_tokens']} tokens ({stats['finish_reason']}) · "
-         f"{stats['tokens_per_s']:.1f} tok/s · {stats['tokens_per_target_call']:.2f} tokens/target call")
-    if stats["mode"] == "speculative":
-        s += (f" · α {stats['alpha']:.2f} · accepted {stats['accepted']}/{stats['proposed']}"
-              f" · draft {stats['draft_kind']}")
+def stats_line(stats) -> str:
+    """A generation's statistics (decode.stats.GenerationStats) in one line."""
+    s = (f"{stats.new_tokens} tokens ({stats.finish_reason}) · "
+         f"{stats.tokens_per_s:.1f} tok/s · {stats.tokens_per_target_call:.2f} tokens/target call")
+    if stats.mode == "speculative":
+        s += (f" · α {stats.alpha:.2f} · accepted {stats.accepted}/{stats.proposed}"
+              f" · draft {stats.draft_kind}")
     else:
         s += " · target-only"
     return s
@@ -86,7 +87,8 @@ def generate(prompt, prompt_file, prompts_file, bundle, stream, as_json, device,
         result = gen.generate(req)
         if as_json:
             click.echo(json.dumps({"tokens": result.tokens, "text": result.text,
-                                   "stats": result.stats}))
+                                   "finish_reason": result.finish_reason,
+                                   "stats": result.stats.to_json()}))
         else:
             click.echo(result.text)
             click.echo(stats_line(result.stats), err=True)
@@ -102,7 +104,7 @@ def generate(prompt, prompt_file, prompts_file, bundle, stream, as_json, device,
     last = pieces.result
     if as_json:
         click.echo(json.dumps({"done": True, "text": last.text, "tokens": last.tokens,
-                               "finish_reason": last.finish_reason, "stats": last.stats}))
+                               "finish_reason": last.finish_reason, "stats": last.stats.to_json()}))
     else:
         click.echo()
         click.echo(stats_line(last.stats), err=True)
@@ -224,7 +226,7 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
     lang = gen.language_of(req)
     if as_json:
         click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "language": lang,
-                               "stats": result.stats}))
+                               "stats": result.stats.to_json()}))
     else:
         click.echo(result.text.strip())
         click.echo(stats_line(result.stats), err=True)
@@ -249,10 +251,10 @@ def _transcribe_long(gen, audio, options, max_new_tokens, language, task, form, 
     else:
         click.echo(text, nl=False)
     st = result.stats
-    click.echo(f"{len(result.segments)} segments · {st['windows']} windows "
-               f"({st['windows_skipped']} silent, {st['fallbacks']} fallbacks) · "
-               f"{st['new_tokens']} tokens · {st['real_time_factor']:.3f}x real time · "
-               f"{st['tokens_per_target_call']:.2f} tokens/target call", err=True)
+    click.echo(f"{len(result.segments)} segments · {st.windows} windows "
+               f"({st.windows_skipped} silent, {st.fallbacks} fallbacks) · "
+               f"{st.new_tokens} tokens · {st.real_time_factor:.3f}x real time · "
+               f"{st.tokens_per_target_call:.2f} tokens/target call", err=True)
 
 
 def _longer_than_a_window(gen, audio) -> bool:

@@ -489,7 +489,7 @@ class Generator(SpeechRequests):
 def _result(tokens: list[int], text: str | None, stats: DecodeStats,
             token_logprobs: list | None) -> GenerationResult:
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
-    return GenerationResult(list(tokens), text, stats.to_dict(), stats.finish_reason, logprobs)
+    return GenerationResult(list(tokens), text, stats.summary(), stats.finish_reason, logprobs)
 
 
 def unmeasured_costs(draft) -> Costs:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +37,7 @@ import numpy as np
 from . import speech
 from .audio import HOP_LENGTH, N_FFT, SAMPLE_RATE, Recording, log_mel, mel_filters
 from .bundle.contract import window_frames as frames_of_window
+from .decode.stats import Counts, GenerationStats, summed
 from .errors import FieldError, InputError
 from .request import GenerationOptions
 
@@ -45,8 +46,6 @@ FRAME_SECONDS = HOP_LENGTH / SAMPLE_RATE  # 0.01: one feature frame
 INPUT_STRIDE = 2  # feature frames an encoder position covers (Whisper's two convolutions)
 FALLBACK = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 CHUNK_FRAMES = 3000  # frames the maximum pass computes at once
-# the decodes' statistics a transcript sums (of the kept decode of each window)
-SUMMED = ("new_tokens", "target_calls", "accepted", "proposed", "wall_time_s", "encode_time_s")
 
 
 @dataclass(frozen=True)
@@ -114,13 +113,28 @@ class Transcript:
     language: str | None
     language_probability: float | None
     duration: float
-    stats: dict = field(default_factory=dict)
+    stats: TranscriptStats
 
     def to_json(self) -> dict:
         return {"text": self.text, "language": self.language,
                 "language_probability": self.language_probability,
                 "duration": self.duration, "segments": [asdict(s) for s in self.segments],
-                "stats": self.stats}
+                "stats": self.stats.to_json()}
+
+
+@dataclass(frozen=True)
+class TranscriptStats(Counts):
+    """A transcription's statistics: the counts of each window's kept decode summed (the
+    decodes a fallback replaced are counted in `fallbacks` only), its windows, and the time it
+    took (`seconds`) over the recording's duration and over its speech (all of it without
+    VAD)."""
+
+    windows: int = 0
+    windows_skipped: int = 0  # silence: decoded, and nothing of it kept
+    fallbacks: int = 0
+    seconds: float = 0.0
+    real_time_factor: float = 0.0  # seconds over the recording's duration
+    speech_seconds: float = 0.0
 
 
 class Features:
@@ -196,7 +210,7 @@ class _Decode:
     avg_logprob: float | None
     compression_ratio: float
     no_speech_prob: float | None
-    stats: dict
+    stats: GenerationStats
     fallbacks: int = 0  # decodes before this one that failed a threshold
 
 
@@ -231,14 +245,13 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
                                                         rec.n, vad))
             if source.n == 0:  # no speech at all: nothing to decode
                 return Transcript("", [], language, None, round(duration, 3),
-                                  {**_rates(_no_decode(), 0.0, duration),
-                                   "speech_seconds": 0.0})
+                                  TranscriptStats(finish_reason="eos"))
         if source.n <= window_frames * HOP_LENGTH:
             feats = Padded(source.read(0, source.n), gen.audio.n_mels, window_frames)
         else:
             feats = Features(source.read, source.n, gen.audio.n_mels)
-        out = _transcribe(gen, feats, duration, options, language, task, longform, cancel)
-    out.stats["speech_seconds"] = source.n / SAMPLE_RATE
+        out = _transcribe(gen, feats, duration, source.n / SAMPLE_RATE, options, language,
+                          task, longform, cancel)
     if vad is not None:
         for segment in out.segments:
             segment.start = source.original_time(segment.start)
@@ -246,8 +259,8 @@ def transcribe(gen, audio, options: GenerationOptions | None = None, *,
     return out
 
 
-def _transcribe(gen, feats, duration: float, options: GenerationOptions, language, task,
-                longform: LongForm, cancel) -> Transcript:
+def _transcribe(gen, feats, duration: float, speech_seconds: float, options: GenerationOptions,
+                language, task, longform: LongForm, cancel) -> Transcript:
     entry, eos = gen.audio, min(gen.eos_token_ids)
     begin = entry.no_timestamps_token_id + 1  # the first timestamp token
     window_frames = frames_of_window(gen.target.max_source_len)
@@ -264,11 +277,11 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
         probability = float(p.max())
     prev_sot = speech.prev_sot_token(entry)
     seek, done, kept, condition = 0, [], [], longform.condition_on_previous_text
-    totals = _no_decode()
+    decodes, skipped, fallbacks, finish = [], 0, 0, "eos"
     t0 = gen.clock()
     while seek < feats.frames:
         if cancel is not None and cancel.is_set():
-            totals["finish_reason"] = "cancelled"
+            finish = "cancelled"
             break
         count = min(feats.frames - seek, window_frames)
         window = first if seek == 0 else feats.window(seek, count, window_frames)
@@ -281,15 +294,12 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
                              f"takes {capacity - most + 1}: build the bundle with a larger "
                              f"--max-len")
         best = _with_fallback(gen, window, options, language, task, previous, longform, most,
-                              totals["windows"], sot_row if seek == 0 else None, cancel)
-        for k in SUMMED:
-            totals[k] += best.stats.get(k, 0)
-        totals["mode"] = best.stats.get("mode")
-        totals["windows"] += 1
-        totals["fallbacks"] += best.fallbacks
+                              len(decodes), sot_row if seek == 0 else None, cancel)
+        decodes.append(best.stats)
+        fallbacks += best.fallbacks
         condition = longform.condition_on_previous_text and best.temperature < 0.5
         if _skipped(best, longform):
-            totals["windows_skipped"] += 1
+            skipped += 1
             seek += count
             continue
         tokens = best.tokens[:-1] if best.tokens and best.tokens[-1] == eos else best.tokens
@@ -306,8 +316,12 @@ def _transcribe(gen, feats, duration: float, options: GenerationOptions, languag
                     )[-cut_off:]
         seek += advance
     text = "".join(s.text for s in done)
-    return Transcript(text, done, language, probability, round(duration, 3),
-                      _rates(totals, gen.clock() - t0, duration))
+    seconds = gen.clock() - t0
+    stats = TranscriptStats(
+        mode=decodes[-1].mode if decodes else None, finish_reason=finish, **summed(decodes),
+        windows=len(decodes), windows_skipped=skipped, fallbacks=fallbacks, seconds=seconds,
+        real_time_factor=seconds / duration if duration else 0.0, speech_seconds=speech_seconds)
+    return Transcript(text, done, language, probability, round(duration, 3), stats)
 
 
 def _prompt_length(gen, language: str | None, task: str) -> int:
@@ -320,24 +334,6 @@ def _prompt_length(gen, language: str | None, task: str) -> int:
         lang = next(iter(entry.languages.values()))  # detected later: any holds its place
     return len(speech.decoder_prompt(entry, gen.decoder_start_token_id, lang,
                                      speech.task_token(entry, task), True))
-
-
-def _no_decode() -> dict:
-    """A transcript's statistics before any window is decoded."""
-    return {"windows": 0, "windows_skipped": 0, "fallbacks": 0, "finish_reason": "eos",
-            "mode": None, **{k: 0 for k in SUMMED}}
-
-
-def _rates(totals: dict, seconds: float, duration: float) -> dict:
-    """`totals` with the rates made of its sums: the real-time factor (`seconds` taken over
-    the recording's `duration`), tokens per target call, the acceptance rate."""
-    totals["seconds"] = seconds
-    totals["real_time_factor"] = seconds / duration if duration else 0.0
-    totals["tokens_per_target_call"] = totals["new_tokens"] / totals["target_calls"] \
-        if totals["target_calls"] else 0.0
-    totals["acceptance_rate"] = totals["accepted"] / totals["proposed"] \
-        if totals["proposed"] else 0.0
-    return totals
 
 
 def _skipped(best: _Decode, longform: LongForm) -> bool:
@@ -378,7 +374,7 @@ def _with_fallback(gen, window, options: GenerationOptions, language, task, prev
         if longform.logprob_threshold is not None:
             avg = _avg_logprob(gen, window, request, result, tokens)
         ratio = compression_ratio(tokens, gen.vocab_size)
-        out = _Decode(tokens, temperature, avg, ratio, no_speech, dict(result.stats), k)
+        out = _Decode(tokens, temperature, avg, ratio, no_speech, result.stats, k)
         failed = (longform.compression_ratio_threshold is not None
                   and ratio > longform.compression_ratio_threshold) or \
                  (avg is not None and avg < longform.logprob_threshold)

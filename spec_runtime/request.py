@@ -25,7 +25,7 @@ import numpy as np
 from .errors import CacheCapacityError, FieldError
 from .decode.gamma import AUTO, Gamma, parse_gamma
 from .decode.sampling import SAMPLING_FIELDS, SAMPLING_NAMES, SamplingParams, check_sampling
-from .decode.stats import Costs
+from .decode.stats import Costs, GenerationStats
 from .text import stop_strings
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
@@ -196,7 +196,7 @@ def check_capacity(engines, prefix_len: int, max_new_tokens: int,
 class GenerationResult:
     tokens: list[int]  # the new token ids (an EOS that ended generation included)
     text: str | None  # decoded new text, special tokens skipped; None without a tokenizer
-    stats: dict
+    stats: GenerationStats  # what the generation did (decode.stats)
     finish_reason: str  # "eos", "length", "stop", or "cancelled"
     # with logprobs=N: one per token, the target's own log-probability of it and its N most
     # likely alternatives, exactly as target-only decoding computes them (loop.TokenLogprob)

@@ -63,10 +63,10 @@ def test_a_batch_gives_each_request_what_it_gets_alone(draft_kind):
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
     for a, b, o in zip(alone, together, options):
-        assert b.stats["new_tokens"] == a.stats["new_tokens"]
+        assert b.stats.new_tokens == a.stats.new_tokens
         if "gamma" in o or "seed" in o:  # else the batch may stop drafting (BatchRounds)
-            assert (b.stats["rounds"], b.stats["accepted"]) == \
-                (a.stats["rounds"], a.stats["accepted"])
+            assert (b.stats.rounds, b.stats.accepted) == \
+                (a.stats.rounds, a.stats.accepted)
     assert max(toy.carried) >= 2, toy.carried  # calls carried several requests at once
     if draft_kind == "model":  # and the model drafts stepped together (a hybrid's steps
         # are too, when two of its requests are drafting with the model at once)
@@ -202,20 +202,20 @@ def test_auto_gamma_falls_to_zero_where_a_batchs_rows_cost_as_much_as_steps(row_
     got = gen.generate_batch(PROMPTS[:3], options)
     assert [r.tokens for r in got] == alone
     # a request's last round may draft nothing anyway: one token was left to emit
-    zeros = [r.stats["gammas_used"][:-1].count(0) for r in got]
+    zeros = [r.stats.gammas_used[:-1].count(0) for r in got]
     print(f"row_delay {row_delay}: rounds without drafts {zeros}")
     assert all(z >= 10 for z in zeros) if falls else not any(zeros)
     # the next batch starts from what this one found: no draft from its first round on
     again = gen.generate_batch(PROMPTS[3:6], options)
     assert [r.tokens for r in again] == [gen.generate(p, options).tokens for p in PROMPTS[3:6]]
-    firsts = [r.stats["gammas_used"][0] for r in again]
+    firsts = [r.stats.gammas_used[0] for r in again]
     assert all(g == 0 for g in firsts) if falls else all(g > 0 for g in firsts)
     # the bundle's fixed γ falls with the batch too; a γ the request sets is kept
     for own, stays in ((None, not falls), (3, True)):
         kept = gen.generate_batch(PROMPTS[:3], GenerationOptions(max_new_tokens=30, gamma=own))
-        assert all((0 not in r.stats["gammas_used"][:-1]) == stays for r in kept), own
+        assert all((0 not in r.stats.gammas_used[:-1]) == stays for r in kept), own
     # alone (no batch prices), auto γ always drafts: its lowest γ is 1 there
-    assert 0 not in gen.generate(PROMPTS[0], options).stats["gammas_used"][:-1]
+    assert 0 not in gen.generate(PROMPTS[0], options).stats.gammas_used[:-1]
 
 
 def test_a_batch_forks_engine_called_outside_a_request_runs_alone():

@@ -37,7 +37,7 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
     for prompt in PROMPTS:
         r = gen.generate(prompt, max_new_tokens=40, gamma=gamma, chat=False)
         assert r.tokens == hf_greedy(target_dir, prompt, 40), prompt
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     if pair.startswith("llama"):
         assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
 
@@ -143,7 +143,7 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
     # the exported graph differs from PyTorch by < 1e-3 in logits, so a cell of exact
     # probability 0 (top-p) may differ only where the truncation boundary is a near-tie
     p = joint_p_value(counts, exact)
-    print(f"γ={gamma} {setting}: p-value={p:.4f} accepted-rate={r.stats['acceptance_rate']:.2f}")
+    print(f"γ={gamma} {setting}: p-value={p:.4f} accepted-rate={r.stats.acceptance_rate:.2f}")
     assert p > 1e-4
 
 

@@ -27,7 +27,8 @@ def test_build_then_generate_json(tmp_path):
             "--no-chat", "--gamma", "auto")
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
-    assert set(obj) == {"tokens", "text", "stats"}
+    assert set(obj) == {"tokens", "text", "finish_reason", "stats"}
+    assert obj["finish_reason"] == obj["stats"]["finish_reason"]
     assert obj["stats"]["new_tokens"] == len(obj["tokens"]) and obj["stats"]["mode"] == "speculative"
 
     r = run(specrun, "generate", "hello", "--bundle", out, "--max-new-tokens", 5, "--no-draft")

@@ -188,11 +188,11 @@ def test_a_stopped_answer_counts_as_an_answer_and_a_turn(llama_pair):
             pass
     del gen.target.forward
     seen.append(session.last_stats)
-    assert seen[0]["finish_reason"] == "length"
-    assert [s["finish_reason"] for s in seen[1:]] == ["cancelled", "cancelled"]
-    assert len({id(s) for s in seen}) == 3 and all(0 < s["new_tokens"] < 8 for s in seen[1:])
+    assert seen[0].finish_reason == "length"
+    assert [s.finish_reason for s in seen[1:]] == ["cancelled", "cancelled"]
+    assert len({id(s) for s in seen}) == 3 and all(0 < s.new_tokens < 8 for s in seen[1:])
     assert session.totals["answers"] == len(session.turns) == 3
-    assert session.totals["tokens"] == sum(s["new_tokens"] for s in seen)
+    assert session.totals["tokens"] == sum(s.new_tokens for s in seen)
     line = session.totals_line()
     assert line.startswith("3 answer(s)") and line.endswith("3 turn(s) in the conversation")
 

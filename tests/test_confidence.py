@@ -50,7 +50,7 @@ def test_rounds_cut_by_the_drafts_confidence_keep_the_targets_joint(monkeypatch,
     for seed in range(DRAWS):
         r = gen.generate(PROMPT, max_new_tokens=8, temperature=0.9, seed=seed, gamma="auto")
         counts[tuple(r.tokens[:3])] += 1
-        lengths.update(r.stats["gammas_used"])
+        lengths.update(r.stats.gammas_used)
     p = joint_p_value(counts, exact)
     print(f"{kind} floor {floor}: p-value {p:.4f}, round lengths {sorted(lengths)}")
     assert p > P_MIN
@@ -139,4 +139,4 @@ def test_a_bundle_built_with_gamma_auto_runs_auto_by_default(tmp_path):
     gen = spec_runtime.load(bundle)
     r = gen.generate([1, 2, 3, 4], max_new_tokens=60)
     assert r.tokens == gen.generate([1, 2, 3, 4], max_new_tokens=60, use_draft=False).tokens
-    assert r.stats["gammas_used"][0] == 4 and len(set(r.stats["gammas_used"])) >= 2
+    assert r.stats.gammas_used[0] == 4 and len(set(r.stats.gammas_used)) >= 2

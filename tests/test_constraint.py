@@ -55,7 +55,7 @@ def test_greedy_output_follows_the_schema_and_equals_target_only(gen, llama_pair
     base = gen.generate(PROMPT, max_new_tokens=24, response_format=FLAGS, logprobs=0,
                         use_draft=False)
     assert spec.tokens == base.tokens and spec.logprobs == base.logprobs
-    assert spec.stats["proposed"] > 0
+    assert spec.stats.proposed > 0
     m = matcher(gen, FLAGS)
     assert m.validate_tokens(spec.tokens) == len(spec.tokens)  # every token is the grammar's
     assert spec.finish_reason == "eos", spec.text  # the grammar closes; then only EOS is left

@@ -132,8 +132,8 @@ def test_a_new_draft_kind_is_one_class_and_one_registry_entry(bundle_copy, monke
     assert isinstance(gen.draft, EchoDraft)
     r = gen.generate("aaaa", max_new_tokens=12, gamma=3)
     assert r.tokens == gen.generate("aaaa", max_new_tokens=12, use_draft=False).tokens
-    assert r.stats["draft_kind"] == "echo"
-    assert r.stats["draft_calls"] == sum(g > 0 for g in r.stats["gammas_used"])  # a 0 is no call
+    assert r.stats.draft_kind == "echo"
+    assert r.stats.draft_calls == sum(g > 0 for g in r.stats.gammas_used)  # a 0 is no call
     monkeypatch.delitem(drafts.DRAFTS, "echo")
     with pytest.raises(BundleError, match="'echo' is not one this runtime knows"):
         spec_runtime.load(bundle_copy)

@@ -98,8 +98,8 @@ def test_greedy_speculative_equals_greedy_target_only(draft_kind, gamma):
         spec = gen.generate(prompt, max_new_tokens=60, gamma=gamma)
         base = gen.generate(prompt, max_new_tokens=60, use_draft=False)
         assert spec.tokens == base.tokens
-        assert spec.stats["target_calls"] <= base.stats["target_calls"]
-        assert base.stats["target_calls"] == 60  # one target call per token
+        assert spec.stats.target_calls <= base.stats.target_calls
+        assert base.stats.target_calls == 60  # one target call per token
 
 
 def test_greedy_sampling_matches_argmax_of_target_logits():
@@ -141,13 +141,13 @@ def test_stats_invariants():
     gen = make("model", max_gamma=8)
     r = gen.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=3, gamma=4)
     s = r.stats
-    assert s["new_tokens"] == len(r.tokens) == 40
-    assert sum(s["accept_histogram"]) == s["rounds"] == s["target_calls"]
-    assert sum(n * c for n, c in enumerate(s["accept_histogram"])) == s["accepted"]
+    assert s.new_tokens == len(r.tokens) == 40
+    assert sum(s.accept_histogram) == s.rounds == s.target_calls
+    assert sum(n * c for n, c in enumerate(s.accept_histogram)) == s.accepted
     # each round emits its accepted drafts + one token, except that the last may be cut
-    assert s["accepted"] + s["rounds"] >= s["new_tokens"]
-    assert s["accepted"] < s["proposed"]  # an unrelated draft: some proposals are rejected
-    assert s["draft_calls"] >= s["proposed"] - s["rounds"]
+    assert s.accepted + s.rounds >= s.new_tokens
+    assert s.accepted < s.proposed  # an unrelated draft: some proposals are rejected
+    assert s.draft_calls >= s.proposed - s.rounds
 
 
 def test_stats_equal_hand_computed_values_for_known_costs():
@@ -157,14 +157,14 @@ def test_stats_equal_hand_computed_values_for_known_costs():
     (1 − α^5)/((1 − α)(4c + 1)) → 5/2 at α = 1. Wall time: 8·4 + 32·1 ms, all in the engines."""
     r = timed(mix=0.0).generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=3, gamma=4)
     s = r.stats
-    assert s["rounds"] == s["target_calls"] == 8 and s["accept_histogram"] == [0] * 4 + [8]
-    assert s["alpha"] == 1.0 and s["acceptance_rate"] == 1.0
-    assert s["draft_calls"] == 32 and s["draft_step_calls"] == 31
-    assert s["c"] == pytest.approx(0.25) and s["row_cost"] == 0.0
-    assert s["predicted_speedup"] == pytest.approx(2.5)
-    assert s["tokens_per_target_call"] == 5.0
-    assert s["wall_time_s"] == pytest.approx(0.064) and s["tokens_per_s"] == pytest.approx(625)
-    assert s["prefill_time_s"] == pytest.approx(0.004) and s["loop_overhead"] == 0.0
+    assert s.rounds == s.target_calls == 8 and s.accept_histogram == (0,) * 4 + (8,)
+    assert s.alpha == 1.0 and s.acceptance_rate == 1.0
+    assert s.draft_calls == 32 and s.draft_step_calls == 31
+    assert s.c == pytest.approx(0.25) and s.row_cost == 0.0
+    assert s.predicted_speedup == pytest.approx(2.5)
+    assert s.tokens_per_target_call == 5.0
+    assert s.wall_time_s == pytest.approx(0.064) and s.tokens_per_s == pytest.approx(625)
+    assert s.prefill_time_s == pytest.approx(0.004) and s.loop_overhead == 0.0
 
 
 @pytest.mark.parametrize("draft_kind", ["model", None])
@@ -217,14 +217,14 @@ def test_auto_gamma_grows_with_a_perfect_draft_and_stays_small_with_a_poor_one()
     allowed; an unrelated one is kept short, at the γ the paper's formula gives for its α."""
     r = live(timed(mix=0.0, draft_s=0.0002, max_gamma=6),
              PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
-    assert r.stats["alpha"] == 1.0 and r.stats["c"] == pytest.approx(0.05)
-    assert max(r.stats["gammas_used"]) == 6  # (the last rounds are cut to max_new_tokens)
+    assert r.stats.alpha == 1.0 and r.stats.c == pytest.approx(0.05)
+    assert max(r.stats.gammas_used) == 6  # (the last rounds are cut to max_new_tokens)
 
     r = live(timed(mix=1.0, draft_s=0.0002, max_gamma=6),  # an unrelated draft
              PROMPT, max_new_tokens=50, temperature=1.0, seed=2, gamma="auto")
-    alpha, c = r.stats["alpha"], r.stats["c"]
+    alpha, c = r.stats.alpha, r.stats.c
     assert alpha < 0.7 and c == pytest.approx(0.05)
-    settled = r.stats["gammas_used"][-4:-1]  # α measured over most of the run by then
+    settled = r.stats.gammas_used[-4:-1]  # α measured over most of the run by then
     # kept at most at the γ the paper's formula gives for its α (2 here); the acceptance counted
     # at each position (below) may keep it shorter still
     assert all(g <= best_gamma(alpha, c, 6) < 6 for g in settled), (alpha, settled)
@@ -238,12 +238,12 @@ def test_auto_gamma_counts_what_each_verified_row_costs():
     for row_delay in (0.0, 0.0024):
         gen = timed(mix=0.35, draft_s=0.0002, row_s=row_delay, max_gamma=6)
         r = live(gen, PROMPT, max_new_tokens=60, temperature=1.0, seed=2, gamma="auto")
-        assert 0.5 < r.stats["alpha"] < 0.95, r.stats["alpha"]
-        used[row_delay] = sorted(r.stats["gammas_used"][4:-2])
-        print(f"row_delay {row_delay}: alpha {r.stats['alpha']:.2f} row_cost "
-              f"{r.stats['row_cost']:.2f} gammas {used[row_delay]}")
+        assert 0.5 < r.stats.alpha < 0.95, r.stats.alpha
+        used[row_delay] = sorted(r.stats.gammas_used[4:-2])
+        print(f"row_delay {row_delay}: alpha {r.stats.alpha:.2f} row_cost "
+              f"{r.stats.row_cost:.2f} gammas {used[row_delay]}")
         # the fitted slope over a 1-row call: exactly the cost model's 2.4 / 4 ms
-        assert r.stats["row_cost"] == pytest.approx(row_delay / 0.004)
+        assert r.stats.row_cost == pytest.approx(row_delay / 0.004)
     assert np.median(used[0.0]) >= 4 and np.median(used[0.0024]) <= 2
 
 
@@ -335,17 +335,17 @@ def test_the_hybrid_draft_looks_up_where_the_context_repeats_and_drafts_elsewher
     expected speedup at each source's own acceptance so far and its step cost."""
     poor = make("hybrid", max_len=160, mix=1.0, max_gamma=8)
     r = poor.generate([0], max_new_tokens=120, temperature=0.0, gamma=2)
-    rounds, tail = r.stats["draft_rounds"], r.tokens[-60:]
+    rounds, tail = r.stats.draft_rounds, r.tokens[-60:]
     period = next(p for p in range(1, 30) if tail[:-p] == tail[p:])  # the output cycles
-    print("poor model:", rounds, "tokens/call", r.stats["tokens_per_target_call"], period)
-    assert rounds["ngram"] > rounds["model"] and r.stats["tokens_per_target_call"] > 3
+    print("poor model:", rounds, "tokens/call", r.stats.tokens_per_target_call, period)
+    assert rounds["ngram"] > rounds["model"] and r.stats.tokens_per_target_call > 3
     only_model = make("model", max_len=160, mix=1.0, max_gamma=8)
     m = only_model.generate([0], max_new_tokens=120, temperature=0.0, gamma=2)
-    assert m.tokens == r.tokens and m.stats["tokens_per_target_call"] < 2
+    assert m.tokens == r.tokens and m.stats.tokens_per_target_call < 2
 
     # a draft that is the target and costs 1/40 of it: model rounds yield more per step
     good = timed(mix=0.0, draft_s=0.0001)
     good.draft = HybridDraft(good.draft, NgramDraft(VOCAB), draft_cost=0.025)
     g = good.generate([0, 5, 3], max_new_tokens=30, temperature=0.0, gamma=4)
-    assert g.stats["draft_rounds"]["model"] > g.stats["draft_rounds"]["ngram"], g.stats
-    assert sum(g.stats["draft_rounds"].values()) <= g.stats["rounds"]
+    assert g.stats.draft_rounds["model"] > g.stats.draft_rounds["ngram"], g.stats
+    assert sum(g.stats.draft_rounds.values()) <= g.stats.rounds

@@ -50,7 +50,7 @@ def test_a_hybrid_over_a_draft_model_from_its_gguf_file(pair, tmp_path):
     assert q["embedding"] == "Q8_0 blocks of the GGUF (GatherBlockQuantized)"
     assert 0 < m["draft_cost"] and m["dims"]["n_layers"] == 1
     same, spec = greedy_equal(bundle)
-    assert same and spec.stats["draft_kind"] == "hybrid"
+    assert same and spec.stats.draft_kind == "hybrid"
 
 
 def test_a_draft_model_from_a_directory_beside_a_gguf_target(pair, tmp_path):

@@ -144,7 +144,7 @@ def test_greedy_with_a_trimmed_draft_equals_target_only(kind, gamma):
             base = gen.generate(prompt, max_new_tokens=60, use_draft=False, **extra)
             assert spec.tokens == base.tokens
             assert set(spec.tokens) - set(KEPT)  # ids the draft can never propose
-            accepted += spec.stats["accepted"]
+            accepted += spec.stats.accepted
     assert accepted > 0
 
 
@@ -219,7 +219,7 @@ def test_fp32_trimmed_draft_greedy_equals_hf_generate(models, tmp_path):
         prompt_ids = gen.prompt_ids(prompt, chat=False).tolist()
         r = gen.generate(prompt_ids, max_new_tokens=40, gamma=3)
         assert r.tokens == hf_greedy(models["t"], prompt_ids, 40), prompt
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     assert accepted > 0
     from spec_export.verify import verify_bundle
 

@@ -84,7 +84,7 @@ def test_greedy_equals_hf_generate(family, kernels, tmp_path):
                             chat=False).tokens == ref, prompt
         spec = gen.generate(prompt, max_new_tokens=NEW_TOKENS, gamma=4, chat=False)
         assert spec.tokens == ref, prompt
-        accepted += spec.stats["accepted"]
+        accepted += spec.stats.accepted
         assert len(set(ref)) > 5  # a real continuation, not one token repeated
     assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
     if kernels == "fused":  # one GroupQueryAttention per layer, windowed where HF slides

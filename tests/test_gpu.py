@@ -125,7 +125,7 @@ def test_greedy_parity_and_specrun_check(path):
         spec = gen.generate(prompt, max_new_tokens=24, gamma=4, chat=False)
         base = gen.generate(prompt, max_new_tokens=24, use_draft=False, chat=False)
         assert spec.tokens == base.tokens, prompt
-        accepted += spec.stats["accepted"]
+        accepted += spec.stats.accepted
     assert accepted > 0
     args = ["check", "--bundle", str(bundle), "--device", device, "--samples", "200",
             "--seconds", "60"] + (["--draft-device", draft_device] if draft_device else [])

@@ -57,7 +57,7 @@ def test_greedy_speculative_equals_target_only_on_the_int4_bundle(int4_pair, gam
         spec = gen.generate(prompt, max_new_tokens=30, gamma=gamma)
         base = gen.generate(prompt, max_new_tokens=30, use_draft=False)
         assert spec.tokens == base.tokens, prompt
-        accepted += spec.stats["accepted"]
+        accepted += spec.stats.accepted
     assert accepted > 0
 
 

@@ -39,7 +39,7 @@ def test_greedy_logprobs_are_the_targets_log_softmax_in_both_modes(gen, llama_pa
     base = gen.generate(PROMPT, max_new_tokens=N, chat=False, logprobs=5, use_draft=False)
     plain = gen.generate(PROMPT, max_new_tokens=N, chat=False)
     assert spec.tokens == base.tokens == plain.tokens and plain.logprobs is None
-    assert spec.stats["accepted"] > 0  # verify rows, not only step rows, were read
+    assert spec.stats.accepted > 0  # verify rows, not only step rows, were read
     assert spec.logprobs == base.logprobs  # identical, not close: the same rows
     ids = gen.prompt_ids(PROMPT, chat=False)
     for entry, logits, tok in zip(spec.logprobs, reference_rows(llama_pair[2], ids, spec.tokens),

@@ -83,7 +83,7 @@ SKIPPED: dict = {}
 
 def ours(gen, x, language, form, **kw):
     got = longform.transcribe(gen, x, language=language, longform=form, **kw)
-    SKIPPED[form] = SKIPPED.get(form, 0) + got.stats.get("windows_skipped", 0)
+    SKIPPED[form] = SKIPPED.get(form, 0) + got.stats.windows_skipped
     return [(s.tokens, s.start, s.end) for s in got.segments]
 
 
@@ -178,7 +178,7 @@ def sampled_pairs(gen, x, exact, gamma, draws=2000):
                                     temperature=1.0, seed=seed, max_new_tokens=gamma + 1)
         r = gen.generate(request)
         counts[r.tokens[0], r.tokens[1]] += 1
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     return joint_p_value(counts, exact), accepted
 
 
@@ -199,7 +199,7 @@ def test_every_temperature_failing_keeps_the_last_decode(pair):
     _, gen = pair
     form = longform.LongForm(False, (0.0, 0.5, 1.0), None, 0.0, None)
     got = longform.transcribe(gen, speech_like(0, 0.6), language="en", longform=form, seed=7)
-    assert got.segments and got.stats["fallbacks"] == 2 * got.stats["windows"]
+    assert got.segments and got.stats.fallbacks == 2 * got.stats.windows
     assert {s.temperature for s in got.segments} == {1.0}
     again = longform.transcribe(gen, speech_like(0, 0.6), language="en", longform=form, seed=7)
     assert [s.tokens for s in again.segments] == [s.tokens for s in got.segments]
@@ -284,7 +284,7 @@ def test_the_server_answers_long_uploads_with_segments(pair, tmp_path):
     path = write_wav(tmp_path / "long.wav", x)
     # the tiny model's windows fail the default thresholds: the fallback samples, seeded
     want = longform.transcribe(gen, str(path), language="en", seed=11)
-    assert len(want.segments) > 1 and want.stats["fallbacks"] > 0
+    assert len(want.segments) > 1 and want.stats.fallbacks > 0
     upload = {"file": ("long.wav", path.read_bytes())}
     post_args = {"language": "en", "seed": "11"}
     with server(str(gen.bundle_dir)) as (url, _):
@@ -329,7 +329,7 @@ def test_a_cancelled_transcription_stops_between_rounds(pair, monkeypatch):
     _, gen = pair
     x = speech_like(0, 1.3)
     whole = longform.transcribe(gen, x, language="en")
-    assert whole.stats["windows"] > 2 and whole.stats["finish_reason"] == "eos"
+    assert whole.stats.windows > 2 and whole.stats.finish_reason == "eos"
     cancel = threading.Event()
     plain = gen.generate
 
@@ -339,7 +339,7 @@ def test_a_cancelled_transcription_stops_between_rounds(pair, monkeypatch):
         return out
     monkeypatch.setattr(gen, "generate", generate_then_cancel)
     got = longform.transcribe(gen, x, language="en", cancel=cancel)
-    assert got.stats["finish_reason"] == "cancelled" and got.stats["windows"] == 1
+    assert got.stats.finish_reason == "cancelled" and got.stats.windows == 1
 
 
 def test_an_upload_longer_than_the_server_reads_is_a_400(monkeypatch):

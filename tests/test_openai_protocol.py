@@ -16,6 +16,7 @@ from spec_runtime.apps.openai_protocol import (  # noqa: E402
     CompletionRequest,
 )
 from spec_runtime.decode.sampling import SAMPLING_FIELDS  # noqa: E402
+from spec_runtime.decode.stats import GenerationStats  # noqa: E402
 
 HELLO = [{"role": "user", "content": "hello"}]
 MODEL = "target"
@@ -151,13 +152,14 @@ def test_the_responses_are_what_the_openai_client_reads():
 
     entry = SimpleNamespace(token=5, logprob=float("-inf"), top=[(5, -0.25), (6, -2.0)])
     result = SimpleNamespace(finish_reason="eos", text="héllo", tokens=[5], logprobs=[entry],
-                             stats={"prompt_tokens": 3, "mode": "speculative"})
+                             stats=GenerationStats(prompt_tokens=3, mode="speculative"))
     text = lambda t: f"<{t}>"  # noqa: E731
     chat = openai.types.chat.ChatCompletion.model_validate(
         completion_body(result, "chatcmpl-1", True, MODEL, text).model_dump(mode="json"))
     assert chat.choices[0].message.content == "héllo" and chat.usage.total_tokens == 4
     assert chat.choices[0].logprobs.content[0].logprob == -9999.0
-    assert chat.model_extra["draftproof"] == {"prompt_tokens": 3, "mode": "speculative"}
+    assert chat.model_extra["draftproof"] == result.stats.api()
+    assert chat.model_extra["draftproof"]["prompt_tokens"] == 3
     assert "specedge" not in chat.model_extra
     legacy = openai.types.Completion.model_validate(
         completion_body(result, "cmpl-1", False, MODEL, text).model_dump(mode="json"))

@@ -38,12 +38,12 @@ def test_a_seeded_sample_does_not_follow_the_machines_timings():
     same sample, round for round."""
     fast, slow = timed(0.0002, 0.0), timed(0.001, 0.0024)
     live = [g.generate(replace(g.request(PROMPT, **SAMPLE), costs=None)) for g in (fast, slow)]
-    assert live[0].stats["gammas_used"] != live[1].stats["gammas_used"]  # timings do decide
+    assert live[0].stats.gammas_used != live[1].stats.gammas_used  # timings do decide
     assert live[0].tokens != live[1].tokens
     fixed = [g.generate(PROMPT, **SAMPLE) for g in (fast, slow)]
-    assert fixed[0].stats["gammas_used"] == fixed[1].stats["gammas_used"]
+    assert fixed[0].stats.gammas_used == fixed[1].stats.gammas_used
     assert fixed[0].tokens == fixed[1].tokens
-    assert len(set(fixed[0].stats["gammas_used"][:-2])) >= 2  # still chosen round by round
+    assert len(set(fixed[0].stats.gammas_used[:-2])) >= 2  # still chosen round by round
 
 
 def test_only_a_seeded_sample_takes_the_fixed_costs():
@@ -84,7 +84,7 @@ def test_a_bundle_records_its_costs_and_its_seeded_samples_repeat(llama_pair):
         gen.clock = clock
         r = gen.generate("hello", max_new_tokens=48, temperature=0.9, top_p=0.9, seed=11,
                          gamma="auto", chat=False)
-        runs.append((r.tokens, r.stats["gammas_used"]))
+        runs.append((r.tokens, r.stats.gammas_used))
     assert runs[0] == runs[1] == runs[2]
 
 
@@ -103,7 +103,7 @@ def test_fixed_cost_rounds_keep_the_targets_joint(monkeypatch, costs):
     for seed in range(8000):
         r = gen.generate(PROMPT, max_new_tokens=8, temperature=0.9, seed=seed, gamma="auto")
         counts[tuple(r.tokens[:3])] += 1
-        second.update(r.stats["gammas_used"][1:2])
+        second.update(r.stats.gammas_used[1:2])
     p = joint_p_value(counts, exact)
     print(f"{costs}: p-value {p:.4f}, second rounds' γ {sorted(second)}")
     assert p > 1e-4

@@ -176,4 +176,4 @@ def test_greedy_speculative_equals_target_only_in_the_form_the_check_chose(draft
     probe(engine)
     for spec, base, stats in _greedy_pair(engine, d):
         assert spec == base
-        assert stats["target_one_row"] == "padded"
+        assert stats.target_one_row == "padded"

@@ -87,6 +87,6 @@ def test_greedy_speculative_equals_target_only(bundle, one_row):
         spec = gen.generate(prompt, max_new_tokens=24, gamma=4, chat=False)
         base = gen.generate(prompt, max_new_tokens=24, use_draft=False, chat=False)
         assert spec.tokens == base.tokens, prompt
-        assert spec.stats["target_one_row"] == gen.target.one_row
-        proposed += spec.stats["proposed"]
+        assert spec.stats.target_one_row == gen.target.one_row
+        proposed += spec.stats.proposed
     assert proposed > 0  # the verify path ran

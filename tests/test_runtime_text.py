@@ -103,10 +103,10 @@ def test_stream_and_generate_agree_on_tokens_and_stats_after_a_stop():
     timing = {"wall_time_s", "prefill_time_s", "target_time_s", "draft_time_s",
               "draft_step_time_s", "tokens_per_s", "c", "row_cost", "loop_overhead",
               "predicted_speedup"}
-    assert {k: v for k, v in streamed.items() if k not in timing} == \
-        {k: v for k, v in r.stats.items() if k not in timing}
-    assert streamed["new_tokens"] == len(r.tokens) < len(free.tokens)
-    assert streamed["finish_reason"] == r.finish_reason == "stop"
+    assert {k: v for k, v in streamed.to_json().items() if k not in timing} == \
+        {k: v for k, v in r.stats.to_json().items() if k not in timing}
+    assert streamed.new_tokens == len(r.tokens) < len(free.tokens)
+    assert streamed.finish_reason == r.finish_reason == "stop"
 
 
 def test_text_is_decoded_incrementally_and_adds_up_to_the_whole():

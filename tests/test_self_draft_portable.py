@@ -79,5 +79,5 @@ def test_a_portable_self_draft_decodes_as_its_target_alone(kind, args, tmp_path)
         base = gen.generate(prompt, max_new_tokens=24, use_draft=False, chat=False)
         spec = gen.generate(prompt, max_new_tokens=24, gamma=3, chat=False)
         assert spec.tokens == base.tokens, prompt
-        accepted += spec.stats["accepted"]
+        accepted += spec.stats.accepted
     assert accepted > 0

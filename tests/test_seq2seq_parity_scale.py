@@ -68,7 +68,7 @@ def assert_greedy_is_hf_generate(target_dir, bundle):
         for gamma in (1, 3, 6):
             r = gen.generate(source, max_new_tokens=40, gamma=gamma)
             assert r.tokens == want, (source, gamma)
-            accepted += r.stats["accepted"]
+            accepted += r.stats.accepted
     return accepted
 
 

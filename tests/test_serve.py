@@ -271,6 +271,42 @@ def test_metrics_count_requests_and_tokens(tiny):
     assert "specedge" not in text
 
 
+def _series(text: str, name: str) -> dict:
+    """{labels: value} of one Prometheus series in /metrics' text."""
+    return {m.group(1) or "": float(m.group(2)) for m in re.finditer(
+        rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+
+
+def test_metrics_add_what_each_responses_statistics_say(tiny):
+    """/metrics' counters grow by what the response's own `draftproof` field says it did, and
+    its acceptance by draft position adds up to the accepted tokens: each accepted draft token
+    was accepted at exactly one position."""
+    url, _, _ = tiny
+    c = client(url)
+    names = ("draftproof_draft_tokens_accepted_total", "draftproof_draft_tokens_proposed_total",
+             "draftproof_generated_tokens_total", "draftproof_prompt_tokens_total",
+             "draftproof_draft_position_accepted_total", "draftproof_draft_position_reached_total")
+    before = httpx.get(url + "/metrics").text
+    r = c.completions.create(model="target", prompt="one two three one two three one two",
+                             max_tokens=24, temperature=0)
+    after = httpx.get(url + "/metrics").text
+    grew = {n: {k: v - _series(before, n).get(k, 0.0) for k, v in _series(after, n).items()}
+            for n in names}
+    stats = r.model_extra["draftproof"]
+    assert stats["proposed"] > 0, stats
+    assert grew["draftproof_draft_tokens_accepted_total"][""] == stats["accepted"]
+    assert grew["draftproof_draft_tokens_proposed_total"][""] == stats["proposed"]
+    assert grew["draftproof_generated_tokens_total"][""] == r.usage.completion_tokens
+    assert grew["draftproof_prompt_tokens_total"][""] == r.usage.prompt_tokens
+    assert sum(grew["draftproof_draft_position_accepted_total"].values()) == stats["accepted"]
+    reached = grew["draftproof_draft_position_reached_total"]
+    # a round reaches position 1 whenever it drafts, and position j+1 only after accepting j
+    assert 0 < reached['{position="1"}'] <= stats["target_calls"]
+    accepted = grew["draftproof_draft_position_accepted_total"]
+    for j in range(1, 9):
+        assert reached.get(f'{{position="{j + 1}"}}', 0) <= accepted.get(f'{{position="{j}"}}', 0)
+
+
 # -- on the real default bundle: requests long enough to overlap ---------------------------------
 
 def chat_body(n, **kw):

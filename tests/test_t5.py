@@ -166,7 +166,7 @@ def test_greedy_speculative_equals_hf_generate(pair, gamma, request):
     for source in SOURCES:
         r = gen.generate(source, max_new_tokens=40, gamma=gamma)
         assert r.tokens == hf_greedy(target_dir, source, 40), source
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     if pair == "v10_pair":
         assert accepted > 0  # the truncated draft agrees sometimes: the accept path ran
 
@@ -185,7 +185,7 @@ def test_a_self_draft_reads_the_targets_encoder_output(v10_pair, tmp_path):
     for source in SOURCES:
         r = gen.generate(source, max_new_tokens=40, gamma=3)
         assert r.tokens == hf_greedy(target_dir, source, 40), source
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     assert accepted > 0
 
 
@@ -213,7 +213,7 @@ def test_stats_count_the_source_as_the_prompt(v10_pair):
     for source in SOURCES:
         for use_draft in (True, False):
             r = gen.generate(source, max_new_tokens=2, use_draft=use_draft)
-            assert r.stats["prompt_tokens"] == len(gen.tokenizer.encode(source).ids) > 1, source
+            assert r.stats.prompt_tokens == len(gen.tokenizer.encode(source).ids) > 1, source
 
 
 def test_eos_ends_generation_like_hf(v10_pair):
@@ -240,7 +240,7 @@ def test_ngram_draft_on_a_t5_target(v10_pair, tmp_path):
     for source in SOURCES[:2]:
         r = gen.generate(source, max_new_tokens=40, gamma=4)
         assert r.tokens == hf_greedy(target_dir, source, 40)
-        assert r.stats["draft_kind"] == "ngram"
+        assert r.stats.draft_kind == "ngram"
 
 
 def test_too_long_source_and_target_are_refused_clearly(v10_pair):
@@ -322,7 +322,7 @@ def test_joint_of_three_tokens_on_exported_graphs(small_vocab_bundle, gamma, set
         # gamma + 1 tokens: the first round drafts a full γ; only 3 tokens are counted
         r = gen.generate(SOURCE, max_new_tokens=max(3, gamma + 1), gamma=gamma, seed=seed, **setting)
         counts[tuple(r.tokens[:3])] += 1
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     p = joint_p_value(counts, exact)
     print(f"γ={gamma} {setting}: p-value={p:.4f} accepted={accepted}")
     assert p > 1e-4 and accepted > 0

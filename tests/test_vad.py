@@ -115,7 +115,7 @@ def test_transcribe_with_vad_is_the_speech_alone_at_the_recordings_times(tmp_pat
         silent = chunks[0][0] if s.start * SAMPLE_RATE < first else \
             chunks[0][0] + chunks[1][0] - chunks[0][1]
         assert g.start == round(s.start + silent / SAMPLE_RATE, 3)
-    assert got.stats["speech_seconds"] == pytest.approx(len(joined) / SAMPLE_RATE)
+    assert got.stats.speech_seconds == pytest.approx(len(joined) / SAMPLE_RATE)
     silent_only = longform.transcribe(gen, silence, language="en", longform=form,
                                       vad=vad.VadOptions())
     assert silent_only.segments == [] and silent_only.text == ""

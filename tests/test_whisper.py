@@ -124,7 +124,7 @@ def test_greedy_transcripts_are_hugging_faces(pair, seed):
             spec = gen.transcribe(x, max_new_tokens=N, language=language, task=task,
                                   gamma=gamma)
             assert spec.tokens == want and spec.text == plain.text, (language, task, gamma)
-        assert spec.stats["prompt_tokens"] == 4 and spec.stats["encode_time_s"] > 0
+        assert spec.stats.prompt_tokens == 4 and spec.stats.encode_time_s > 0
         seen.add(tuple(want))
     assert len(seen) > 1  # the prompt matters to this model: the comparison can fail
 
@@ -230,7 +230,7 @@ def test_sampled_pairs_follow_the_suppressed_target(suppressed, gamma):
         r = gen.transcribe(x, max_new_tokens=max(2, gamma + 1), language="en", gamma=gamma,
                            temperature=1.0, top_k=top_k, seed=seed)
         counts[r.tokens[0], r.tokens[1]] += 1
-        accepted += r.stats["accepted"]
+        accepted += r.stats.accepted
     p = joint_p_value(counts, exact)
     print(f"γ={gamma}: p-value={p:.4f} accepted={accepted}")
     assert p > 1e-4 and accepted > 0

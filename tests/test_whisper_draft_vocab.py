@@ -68,7 +68,7 @@ def test_greedy_long_form_with_a_trimmed_draft_is_transformers(trimmed, draft, c
         want = hf_segments(trimmed["hf"], x, "en", **hf_kw)
         got = longform.transcribe(gen, x, language="en", longform=form, gamma=3)
         assert [(s.tokens, s.start, s.end) for s in got.segments] == want
-        accepted += got.stats["accepted"]
+        accepted += got.stats.accepted
     assert accepted > 0, "no draft token was accepted: the draft went untested"
 
 

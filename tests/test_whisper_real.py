@@ -61,7 +61,7 @@ def test_speculative_equals_target_only_equals_transformers(whisper_base, name):
                                  max_new_tokens=wb.MAX_NEW_TOKENS, use_draft=False)
     print(f"{name}: {speculative.text!r} {theirs}")
     assert speculative.finish_reason == "eos"
-    assert speculative.stats["mode"] == "speculative" and speculative.stats["rounds"] > 0
+    assert speculative.stats.mode == "speculative" and speculative.stats.rounds > 0
     assert text_tokens(speculative.tokens, eos) == text_tokens(target_only.tokens, eos) == theirs
     assert speculative.text == target_only.text
     assert speculative.text.strip() == ww.decode(Path(model.name_or_path), theirs)
@@ -136,4 +136,4 @@ def test_long_form_is_transformers_and_silence_is_empty(whisper_base, tmp_path):
     from spec_runtime.vad import VadOptions
 
     quiet = longform.transcribe(gen, zeros, language="en", vad=VadOptions())
-    assert quiet.segments == [] and quiet.text == "" and quiet.stats["windows"] == 0
+    assert quiet.segments == [] and quiet.text == "" and quiet.stats.windows == 0

@@ -70,31 +70,34 @@ def _quantiles(values) -> dict:
 
 
 def _summarise(gamma, kind, pairs) -> dict:
-    spec = [s for _, s in pairs]
-    base = [b for b, _ in pairs]
+    """One row of the report: `pairs` of (target-only stats, speculative stats, whether their
+    tokens were identical: None where sampled) of one γ and prompt kind."""
+    spec = [s for _, s, _ in pairs]
+    base = [b for b, _, _ in pairs]
     # per-token costs from the runs themselves: a target step (target-only, after prefill), a
     # verify call (speculative, after prefill), a draft step
-    step = sum(b["target_time_s"] for b in base) / max(1, sum(b["target_calls"] - 1 for b in base))
-    verify = sum(s["target_time_s"] for s in spec) / max(1, sum(s["target_calls"] - 1 for s in spec))
-    draft_steps = sum(s["draft_step_calls"] for s in spec)
-    draft_step = sum(s["draft_step_time_s"] for s in spec) / draft_steps if draft_steps else 0.0
-    positions = sum(s["alpha_positions"] for s in spec)
-    alpha = sum(s["alpha"] * s["alpha_positions"] for s in spec) / positions if positions else 0.0
+    step = sum(b.target_time_s for b in base) / max(1, sum(b.target_calls - 1 for b in base))
+    verify = sum(s.target_time_s for s in spec) / max(1, sum(s.target_calls - 1 for s in spec))
+    draft_steps = sum(s.draft_step_calls for s in spec)
+    draft_step = sum(s.draft_step_time_s for s in spec) / draft_steps if draft_steps else 0.0
+    positions = sum(s.alpha_positions for s in spec)
+    alpha = sum(s.alpha * s.alpha_positions for s in spec) / positions if positions else 0.0
     c = draft_step / step if step > 0 else 0.0
     v = verify / step if step > 0 else 0.0
-    mean_gamma = float(np.mean([s["mean_gamma"] for s in spec]))
+    mean_gamma = float(np.mean([s.mean_gamma for s in spec]))
     g = max(1, round(mean_gamma))
-    new_tokens = sum(s["new_tokens"] for s in spec)
-    target_calls = sum(s["target_calls"] for s in spec)
+    new_tokens = sum(s.new_tokens for s in spec)
+    target_calls = sum(s.target_calls for s in spec)
+    identical = [same for _, _, same in pairs]
     return {
         "gamma": gamma,
         "kind": kind,
         "runs": len(pairs),
-        "speculative_tokens_per_s": _quantiles([s["tokens_per_s"] for s in spec]),
-        "target_only_tokens_per_s": _quantiles([b["tokens_per_s"] for b in base]),
-        "speedup": _quantiles([s["tokens_per_s"] / b["tokens_per_s"] for b, s in pairs]),
+        "speculative_tokens_per_s": _quantiles([s.tokens_per_s for s in spec]),
+        "target_only_tokens_per_s": _quantiles([b.tokens_per_s for b in base]),
+        "speedup": _quantiles([s.tokens_per_s / b.tokens_per_s for b, s, _ in pairs]),
         "alpha": alpha,
-        "acceptance_rate": sum(s["accepted"] for s in spec) / max(1, sum(s["proposed"] for s in spec)),
+        "acceptance_rate": sum(s.accepted for s in spec) / max(1, sum(s.proposed for s in spec)),
         "c": c,
         "verify_cost_ratio": v,
         "mean_gamma": mean_gamma,
@@ -102,17 +105,16 @@ def _summarise(gamma, kind, pairs) -> dict:
         "predicted_speedup": expected_speedup(alpha, g, c),
         "predicted_speedup_with_verify_cost": expected_tokens_per_round(alpha, g) / (g * c + v)
         if v > 0 else 0.0,
-        "loop_overhead": float(np.mean([s["loop_overhead"] for s in spec])),
+        "loop_overhead": float(np.mean([s.loop_overhead for s in spec])),
         "new_tokens": new_tokens,
         "target_calls": target_calls,
         "target_step_ms": step * 1e3,
         "verify_call_ms": verify * 1e3,
         "draft_step_ms": draft_step * 1e3,
         # an encoder-decoder's encoders per request (both modes; speculative runs the draft's)
-        "encode_ms": float(np.mean([s.get("encode_time_s", 0.0) for s in spec + base])) * 1e3,
+        "encode_ms": float(np.mean([s.encode_time_s for s in spec + base])) * 1e3,
         # greedy runs whose speculative tokens equal the target-only tokens (None: sampled)
-        "identical": sum(s["identical"] for s in spec) if all("identical" in s for s in spec)
-        else None,
+        "identical": None if None in identical else sum(identical),
     }
 
 
@@ -161,11 +163,11 @@ def run_bench(gen, prompts: list[dict], gammas: list, options: GenerationOptions
                 for use_draft in order:
                     r = _decode(gen, prompt, replace(options, gamma=gamma,
                                                      use_draft=use_draft, seed=rep))
-                    assert r.stats["new_tokens"] == len(r.tokens)
+                    assert r.stats.new_tokens == len(r.tokens)
                     out[use_draft], tokens[use_draft] = r.stats, r.tokens
-                if temperature == 0:  # greedy: speculative output must be target-only output
-                    out[True] = dict(out[True], identical=tokens[True] == tokens[False])
-                pairs.setdefault(prompt["kind"], []).append((out[False], out[True]))
+                # greedy: speculative output must be target-only output
+                same = tokens[True] == tokens[False] if temperature == 0 else None
+                pairs.setdefault(prompt["kind"], []).append((out[False], out[True], same))
                 if progress:
                     progress(1)
         for kind, kind_pairs in pairs.items():
@@ -218,7 +220,7 @@ def run_concurrent(gen, prompts: list[dict], gammas: list, options: GenerationOp
                 raise failed[0]
             results = [p.result for p in sorted(pieces, key=lambda p: p.index)]
             new = sum(len(r.tokens) for r in results)
-            per_token = [1e3 * r.stats["wall_time_s"] / len(r.tokens) for r in results
+            per_token = [1e3 * r.stats.wall_time_s / len(r.tokens) for r in results
                          if r.tokens]
             measured[use_draft] = {"tokens_per_s": new / wall, "new_tokens": new, "wall_s": wall,
                                    "ms_per_token_p50": float(np.percentile(per_token, 50)),

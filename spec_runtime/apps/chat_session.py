@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from ..decode.stats import GenerationStats
 from ..errors import InputError
 from ..request import GenerationOptions
 
@@ -34,7 +35,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation and its totals."""
         self.turns: list[tuple[str, str]] = []
-        self.last_stats: dict | None = None
+        self.last_stats: GenerationStats | None = None
         self.totals = {"answers": 0, "tokens": 0, "seconds": 0.0, "proposed": 0, "accepted": 0,
                        "target_calls": 0}
 
@@ -79,15 +80,15 @@ class ChatSession:
                 if stream.result is not None:  # it started: its result says what it did
                     self._count(stream.result.stats)
 
-    def _count(self, stats: dict) -> None:
+    def _count(self, stats: GenerationStats) -> None:
         self.last_stats = stats
         t = self.totals
         t["answers"] += 1
-        t["tokens"] += stats["new_tokens"]
-        t["seconds"] += stats["wall_time_s"]
-        t["proposed"] += stats["proposed"]
-        t["accepted"] += stats["accepted"]
-        t["target_calls"] += stats["target_calls"]
+        t["tokens"] += stats.new_tokens
+        t["seconds"] += stats.wall_time_s
+        t["proposed"] += stats.proposed
+        t["accepted"] += stats.accepted
+        t["target_calls"] += stats.target_calls
 
     def totals_line(self) -> str:
         t = self.totals

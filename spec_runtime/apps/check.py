@@ -178,8 +178,8 @@ def run_check(gen, options: GenerationOptions | None = None, *, tokens: int = DE
                                       seed=int(seeds.integers(2**62)))))
         drawn_spec[j].append(tuple(s.tokens))
         drawn_base[j].append(tuple(b.tokens))
-        proposed += s.stats["proposed"]
-        accepted += s.stats["accepted"]
+        proposed += s.stats.proposed
+        accepted += s.stats.accepted
         drawn += 1
         if progress is not None:
             progress(1)

@@ -8,6 +8,7 @@ Each metric is named `draftproof_*`.
 
 import time
 
+from ..decode.stats import Counts
 from .slots import Slots
 
 
@@ -57,16 +58,17 @@ class Metrics:
         if slots.gate is not None:
             r.register(_BatchCollector(slots.gate))
 
-    def finished(self, stats: dict, started: float, first: float | None) -> None:
-        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
-        self.generated.inc(stats.get("new_tokens", 0))
-        self.proposed.inc(stats.get("proposed", 0))
-        self.accepted.inc(stats.get("accepted", 0))
-        for j, (reached, accepted) in enumerate(stats.get("accepted_by_position") or ()):
+    def finished(self, stats: Counts, started: float, first: float | None) -> None:
+        """A request answered: `stats`, a generation's or a transcription's."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generated.inc(stats.new_tokens)
+        self.proposed.inc(stats.proposed)
+        self.accepted.inc(stats.accepted)
+        for j, (reached, accepted) in enumerate(stats.accepted_by_position):
             self.position_reached.labels(str(j + 1)).inc(reached)
             self.position_accepted.labels(str(j + 1)).inc(accepted)
-        if stats.get("tokens_per_s"):
-            self.tokens_per_s.observe(stats["tokens_per_s"])
+        if stats.tokens_per_s:
+            self.tokens_per_s.observe(stats.tokens_per_s)
         now = time.monotonic()
         if first is not None:
             self.ttft.observe(first - started)

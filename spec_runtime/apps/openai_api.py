@@ -180,21 +180,15 @@ def _in_range(name: str, value, high: int) -> None:
 
 # -- responses ----------------------------------------------------------------------------------
 
-STATS_FIELDS = ("mode", "draft_kind", "alpha", "acceptance_rate", "proposed", "accepted",
-                "tokens_per_target_call", "target_calls", "draft_calls", "tokens_per_s",
-                "predicted_speedup", "new_tokens", "prompt_tokens")
-
-
-
-
-def extension(stats: dict) -> dict:
-    """The request's speculative statistics, as the `draftproof` field of a response."""
-    return {k: stats[k] for k in STATS_FIELDS if k in stats}
+def extension(stats) -> dict:
+    """The request's speculative statistics (decode.stats.Counts), as the `draftproof` field
+    of a response."""
+    return stats.api()
 
 
 def usage(result) -> Usage:
     """OpenAI's `usage` of a finished request."""
-    prompt, completion = result.stats["prompt_tokens"], len(result.tokens)
+    prompt, completion = result.stats.prompt_tokens, len(result.tokens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
 

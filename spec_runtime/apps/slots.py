@@ -125,7 +125,7 @@ class Decode:
                 result = job.work(self.gen, self.cancel_event)
             else:
                 result = self._streamed(job)
-            if result.stats.get("finish_reason") == "cancelled":
+            if result.stats.finish_reason == "cancelled":
                 end = ("error", self._error or APIError(
                     499, "the request was cancelled", code="cancelled"))
             else:

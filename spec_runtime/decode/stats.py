@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field, fields
 from typing import Callable
@@ -249,31 +248,128 @@ class DecodeStats:
             + self.draft_time_s
         return max(0.0, 1.0 - inside / self.wall_time_s)
 
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)
-             if f.name not in ("alpha_sum", "call_rows", "draft_counters")}
-        d = copy.deepcopy(d)
-        d["alpha_positions"] = d.pop("alpha_n")
+    def summary(self) -> "GenerationStats":
+        """What the generation did, as the frozen record its result carries."""
         gamma = round(sum(self.gammas_used) / len(self.gammas_used)) if self.gammas_used else 0
-        d.update(
-            draft_calls=self.draft_calls,
-            draft_time_s=self.draft_time_s,
-            draft_step_calls=self.draft_step_calls,
-            draft_step_time_s=self.draft_step_time_s,
-            draft_rounds=self.draft_rounds,
-            acceptance_rate=self.acceptance_rate,
-            alpha=self.alpha,
-            c=self.c,
-            row_cost=self.row_cost,
-            tokens_per_target_call=self.new_tokens / self.target_calls if self.target_calls else 0.0,
-            mean_gamma=sum(self.gammas_used) / len(self.gammas_used) if self.gammas_used else 0.0,
-            predicted_speedup=(
-                expected_speedup(self.alpha, gamma, self.c) if gamma and self.alpha_n else 1.0
-            ),
-            tokens_per_s=self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0,
-            loop_overhead=self.loop_overhead,
-        )
-        return d
+        return GenerationStats(
+            mode=self.mode, draft_kind=self.draft_kind, finish_reason=self.finish_reason,
+            target_one_row=self.target_one_row, new_tokens=self.new_tokens,
+            prompt_tokens=self.prompt_tokens, target_calls=self.target_calls,
+            rounds=self.rounds, proposed=self.proposed, accepted=self.accepted,
+            accept_histogram=tuple(self.accept_histogram), gammas_used=tuple(self.gammas_used),
+            accepted_by_position=tuple(tuple(p) for p in self.accepted_by_position),
+            alpha=self.alpha, alpha_positions=self.alpha_n,
+            encode_time_s=self.encode_time_s, prefill_time_s=self.prefill_time_s,
+            target_time_s=self.target_time_s, wall_time_s=self.wall_time_s,
+            draft_calls=self.draft_calls, draft_time_s=self.draft_time_s,
+            draft_step_calls=self.draft_step_calls, draft_step_time_s=self.draft_step_time_s,
+            draft_rounds=self.draft_rounds, c=self.c, row_cost=self.row_cost,
+            predicted_speedup=(expected_speedup(self.alpha, gamma, self.c)
+                               if gamma and self.alpha_n else 1.0),
+            loop_overhead=self.loop_overhead)
+
+
+API = {"api": True}  # a field every response carries in its `draftproof` object
+
+
+def _plain(value):
+    """A field's value as JSON has it: tuples as lists."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a request did, counted: the part a generation's and a transcription's statistics
+    share, which the server's response extension and /metrics read. The rates are made of the
+    counts (not given)."""
+
+    mode: str | None = field(default=None, metadata=API)  # "speculative" or "target-only"
+    finish_reason: str = ""  # "eos", "length", "stop" or "cancelled"
+    new_tokens: int = field(default=0, metadata=API)
+    prompt_tokens: int = field(default=0, metadata=API)
+    target_calls: int = field(default=0, metadata=API)  # the prefill included
+    proposed: int = field(default=0, metadata=API)  # draft tokens
+    accepted: int = field(default=0, metadata=API)
+    # accepted_by_position[j] = (rounds that reached draft position j+1, rounds that accepted it)
+    accepted_by_position: tuple[tuple[int, int], ...] = ()
+    # an encoder-decoder's encoders, run once per request on its source (a speech window)
+    encode_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    acceptance_rate: float = field(init=False, metadata=API)  # accepted / proposed
+    tokens_per_target_call: float = field(init=False, metadata=API)
+    tokens_per_s: float = field(init=False, metadata=API)  # new tokens / wall time
+
+    def __post_init__(self) -> None:
+        rate = object.__setattr__
+        rate(self, "acceptance_rate", self.accepted / self.proposed if self.proposed else 0.0)
+        rate(self, "tokens_per_target_call",
+             self.new_tokens / self.target_calls if self.target_calls else 0.0)
+        rate(self, "tokens_per_s",
+             self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0)
+
+    def to_json(self) -> dict:
+        """Every field, as `specrun --json` prints it."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    def api(self) -> dict:
+        """The fields a server response carries (its `draftproof` object)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)
+                if f.metadata.get("api")}
+
+
+def summed(parts) -> dict:
+    """The counts of `parts` (Counts) added up, as Counts' arguments: what requests that make
+    one answer (a recording's windows) did together."""
+    positions: list[list[int]] = []
+    for p in parts:
+        for j, (reached, accepted) in enumerate(p.accepted_by_position):
+            if j == len(positions):
+                positions.append([0, 0])
+            positions[j][0] += reached
+            positions[j][1] += accepted
+    out = {name: sum(getattr(p, name) for p in parts) for name in (
+        "new_tokens", "prompt_tokens", "target_calls", "proposed", "accepted", "encode_time_s",
+        "wall_time_s")}
+    return {**out, "accepted_by_position": tuple(tuple(p) for p in positions)}
+
+
+@dataclass(frozen=True)
+class GenerationStats(Counts):
+    """What one generation did (GenerationResult.stats): its counts, the speculative rounds
+    (γ, acceptances by position), the paper's α and c as measured, and the times."""
+
+    draft_kind: str | None = field(default=None, metadata=API)
+    # the form of the target's 1-token calls (rows.py: "as-is" or "padded"), None for an
+    # engine without forms
+    target_one_row: str | None = None
+    rounds: int = 0
+    # accept_histogram[n] = rounds in which exactly n draft tokens were accepted
+    accept_histogram: tuple[int, ...] = ()
+    gammas_used: tuple[int, ...] = ()
+    # mean of β = Σ min(p_target, p_draft) over the `alpha_positions` positions examined
+    alpha: float = field(default=0.0, metadata=API)
+    alpha_positions: int = 0
+    prefill_time_s: float = 0.0
+    target_time_s: float = 0.0  # target calls after the prefill
+    draft_calls: int = field(default=0, metadata=API)
+    draft_time_s: float = 0.0  # all draft work, its prefill included
+    draft_step_calls: int = 0
+    draft_step_time_s: float = 0.0
+    draft_rounds: dict | None = None  # rounds drafted by each source of a hybrid draft
+    c: float = 0.0  # a draft step's cost over a target call's (after the prefill)
+    row_cost: float = 0.0  # each scored row's extra cost over a 1-row call's
+    predicted_speedup: float = field(default=1.0, metadata=API)  # the paper's, at the mean γ
+    loop_overhead: float = 0.0  # the wall time's share outside engine and draft calls
+    mean_gamma: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "mean_gamma", sum(self.gammas_used) / len(self.gammas_used)
+                           if self.gammas_used else 0.0)
 
 
 class Recorder:
