@@ -188,10 +188,14 @@ def in_cli_words(fn, *args, **kwargs):
     the option that sets the field (FLAGS) where the library says the field's name."""
     from spec_runtime.errors import FieldError
 
+    from spec_runtime.decode.sampling import cli_flag
+
     try:
         return fn(*args, **kwargs)
     except FieldError as e:
-        raise BadInput(e.in_words(FLAGS.get(e.field, e.field))) from None
+        # a field without an option of its own (a build option's) is the flag of its name
+        raise BadInput(e.in_words(FLAGS.get(e.field, cli_flag(e.field)),
+                                  words=lambda name: FLAGS.get(name, cli_flag(name)))) from None
 
 
 def _flags() -> dict:

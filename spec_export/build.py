@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import platform
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from spec_runtime.decode.gamma import AUTO
-from spec_runtime.bundle.contract import KERNELS, MAX_LANES, PRECISIONS
 from spec_runtime.bundle.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
                                    write_manifest)
 
@@ -27,21 +24,10 @@ from .journal import will_write
 from .leftovers import clean_stale_temporaries
 from .output import BuildDir, check_out, file_system_errors, resolve_out
 from .quality import check_inputs
+from .options import MIN_MAX_LEN, BuildOptions, Kernels, OptionError, Precision, not_a_gguf
 from .sources import BuildError, default_target, load_model, model_spec
 
-# "auto": fused ONNX Runtime kernels where the architecture has them (onnx_fused.FUSED_FAMILIES),
-# else portable
-KERNEL_CHOICES = ("auto", *KERNELS)
-# int4 weights: "gguf" repacks a GGUF source's own blocks (Q4_0 ... Q6_K: gguf_blocks.py),
-# "gguf-4bit" its 4-bit blocks (Q4_0, Q4_1, Q4_K) and re-quantizes the weights held in wider
-# ones to 4 bits, "quantize" quantizes the float weights with MatMulNBitsQuantizer; "auto":
-# gguf for a GGUF target, gguf-4bit for a GGUF draft model, quantize for other sources
-INT4_WEIGHTS = ("auto", "gguf", "gguf-4bit", "quantize")
-GGUF_WEIGHTS = ("gguf", "gguf-4bit")  # the values that need a GGUF source
-
-
 MAX_LEN = 2048  # the default cache capacity, where the model allows as many positions
-MIN_MAX_LEN = 16
 
 
 def default_max_len(configs, encoder_decoder: bool) -> int:
@@ -165,12 +151,6 @@ def peak_rss_mb() -> int | None:
     return round(peak / (1e6 if platform.system() == "Darwin" else 1e3))
 
 
-def _one_of(values) -> str:
-    """("a", "b", "c") -> "a, b or c": choices as a message names them."""
-    values = [str(v) for v in values]
-    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
-
-
 # messages of the libraries a build drives that no specexport user can act on, by the logger
 # that emits them: filters on those loggers, which hold where levels do not (torch resets its
 # loggers' levels when an export starts)
@@ -214,31 +194,13 @@ def _quiet_libraries():
 
 
 @_quiet_libraries()
-def build_bundle(
-    target: str | None = None,
-    draft: str = "auto",
-    out: str | os.PathLike | None = None,
-    *,
-    draft_model: str | None = None,
-    max_len: int | None = None,
-    max_source_len: int = 512,
-    gamma: int | str = 4,
-    max_gamma: int = 8,
-    prefill_chunk: int = 128,
-    precision: str = "fp32",
-    draft_precision: str | None = None,
-    block_size: int = 32,
-    kernels: str = "auto",
-    float_embedding: bool = False,
-    int4_weights: str = "auto",
-    gguf_file: str | None = None,
-    draft_gguf_file: str | None = None,
-    draft_vocab: int | None = None,
-    draft_vocab_corpus: str | None = None,
-    max_batch: int = 1,
-    progress: bool = True,
-) -> Path:
+def build_bundle(*where, options: BuildOptions | None = None, progress: bool = True,
+                 **values) -> Path:
     """Build a bundle and return its directory (default: spec_runtime's default location).
+    What to build is a BuildOptions (options.py, where each field is declared): `options`, with
+    `values` (field names) replacing its fields; `where`, up to three positional values, are
+    target, draft and out. A bad value is a FieldError naming its field. `progress`: the bar
+    on stderr.
     `draft`: a model source (a draft model of the target's family), "ngram" (prompt lookup),
     "self" (the target's own weights at `draft_precision`, int4 by default), "hybrid" (a model
     draft, and prompt lookup in the rounds where the context repeats: drafts.HybridDraft; the
@@ -270,33 +232,22 @@ def build_bundle(
 
     from .draft_plan import plan_drafts
 
-    t_spec = model_spec(target, gguf_file, "--target") if target else default_target()
-    for name, value in (("--precision", precision), ("--draft-precision", draft_precision)):
-        if value is not None and value not in PRECISIONS:
-            raise BuildError(f"{name} {value!r} is not supported: use {_one_of(PRECISIONS)}")
-    if int4_weights not in INT4_WEIGHTS:
-        raise BuildError(f"--int4-weights {int4_weights!r} is not supported: use "
-                         f"{_one_of(INT4_WEIGHTS)}")
-    if kernels not in KERNEL_CHOICES:
-        raise BuildError(f"--kernels {kernels!r} is not supported: use {_one_of(KERNEL_CHOICES)}")
-    if block_size not in (16, 32, 64, 128, 256):
-        raise BuildError(f"--block-size {block_size!r} is invalid: use 16, 32, 64, 128 or 256")
-    for name, value, low in (("--max-len", max_len, MIN_MAX_LEN),
-                             ("--max-source-len", max_source_len, 1),
-                             ("--gamma", 1 if gamma == AUTO else gamma, 1),
-                             ("--max-gamma", max_gamma, 1), ("--prefill-chunk", prefill_chunk, 1)):
-        if value is None and name == "--max-len":
-            continue  # the model's own position limit, once it is loaded
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise BuildError(f"{name} {'is missing' if value is None else f'{value!r} is invalid'}"
-                             f": use an integer >= {low}{' or auto' if name == '--gamma' else ''}")
-    _check_max_batch(max_batch)
-    if gamma != AUTO and gamma > max_gamma:
-        raise BuildError(f"--gamma {gamma} exceeds --max-gamma {max_gamma}: raise --max-gamma")
-    if int4_weights in GGUF_WEIGHTS and precision == "int4" and not t_spec.gguf_file:
-        raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and "
-                         f"--target {t_spec.source!r} is not a GGUF: use --int4-weights "
-                         f"quantize")
+    if len(where) > 3:
+        raise TypeError(f"build_bundle takes at most 3 positional values (target, draft, out), "
+                        f"not {len(where)}")
+    given = dict(zip(("target", "draft", "out"), where))
+    clash = sorted(set(given) & set(values))
+    if clash:
+        raise TypeError(f"build_bundle got {clash[0]} twice")
+    o = BuildOptions.given(options, {**given, **values})
+    target, draft, out, draft_model = o.target, o.draft, o.out, o.draft_model
+    precision, draft_precision, int4_weights, kernels = \
+        o.precision, o.draft_precision, o.int4_weights, o.kernels
+    draft_gguf_file, draft_vocab, draft_vocab_corpus = \
+        o.draft_gguf_file, o.draft_vocab, o.draft_vocab_corpus
+    t_spec = model_spec(target, o.gguf_file, "--target") if target else default_target()
+    if int4_weights.from_gguf and precision == Precision.INT4 and not t_spec.gguf_file:
+        raise not_a_gguf(int4_weights, "target=", t_spec.source)
     plan = plan_drafts(draft, draft_model, t_spec, precision=precision,
                        draft_precision=draft_precision, draft_gguf_file=draft_gguf_file,
                        int4_weights=int4_weights, kernels=kernels, draft_vocab=draft_vocab,
@@ -311,10 +262,11 @@ def build_bundle(
         with BuildDir(out) as work:
             try:
                 _write_bundle(work.bundle, stage, t_spec, plan, precision=precision,
-                              int4_weights=int4_weights, kernels=kernels, max_len=max_len,
-                              max_source_len=max_source_len, gamma=gamma, max_gamma=max_gamma,
-                              prefill_chunk=prefill_chunk, block_size=block_size,
-                              float_embedding=float_embedding, max_batch=max_batch)
+                              int4_weights=int4_weights, kernels=kernels, max_len=o.max_len,
+                              max_source_len=o.max_source_len, gamma=o.gamma,
+                              max_gamma=o.max_gamma, prefill_chunk=o.prefill_chunk,
+                              block_size=o.block_size, float_embedding=o.float_embedding,
+                              max_batch=o.max_batch)
             except Exception:
                 # an interrupt that a library turned into its own error on the way (onnxruntime
                 # interrupted while importing raises ImportError) is still the interrupt
@@ -353,9 +305,10 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     d_config = plan.check_draft_model(t_model, t_tok, eos)  # refused before work: a mismatch
     if max_len is None:
         max_len = default_max_len([t_model.config] + ([d_config] if d_config else []), encdec)
-    if max_gamma >= max_len:
-        raise BuildError(f"--max-gamma {max_gamma} leaves no room in a cache of --max-len "
-                         f"{max_len}: lower --max-gamma or raise --max-len")
+    if max_gamma >= max_len:  # max_len the model's (options.py checks one that was given)
+        raise OptionError("max_gamma", f"max_gamma={max_gamma} leaves no room in the model's "
+                                      f"cache of max_len={max_len}: lower max_gamma or raise "
+                                      f"max_len", others=("max_gamma", "max_len"))
     parity_ids, quant_prompts, inputs_note = check_inputs(t_tok, t_model.config.vocab_size)
     if encdec:
         _check_seq2seq_options(precision, plan, kernels)
@@ -422,48 +375,47 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     write_manifest(tmp, replace(manifest, costs=costs))
 
 
-def _check_max_batch(max_batch) -> None:
-    """--max-batch as given: an integer 1..MAX_LANES."""
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) \
-            or not 1 <= max_batch <= MAX_LANES:
-        raise BuildError(f"--max-batch {max_batch!r} is invalid: use an integer from 1 (no "
-                         f"batched graphs) to {MAX_LANES}")
-
-
 def _check_batching(max_batch: int, config, encdec: bool, kernels: str,
                     precision: str) -> None:
-    """--max-batch N > 1 for the loaded target: a decoder-only target's batched graph is the
-    fused decoder's (onnx_fused.py), which --kernels portable and the families without fused
+    """max_batch N > 1 for the loaded target: a decoder-only target's batched graph is the
+    fused decoder's (onnx_fused.py), which portable kernels and the families without fused
     kernels lack; an encoder-decoder's is its float32 decoder's (models/common.py, lanes)."""
     from .onnx_fused import fused_unsupported
 
     if encdec:
-        if precision != "fp32":
-            raise BuildError(f"--max-batch {max_batch} batches an encoder-decoder's float32 "
-                             f"graphs, and --precision {precision} quantizes each call's "
-                             f"activations as one tensor (a sequence's rows would depend on "
-                             f"the others'): use --precision fp32, or --max-batch 1")
+        if precision != Precision.FP32:
+            raise OptionError("max_batch", f"max_batch={max_batch} batches an encoder-decoder's "
+                                           f"float32 graphs, and precision={str(precision)!r} "
+                                           f"quantizes each call's activations as one tensor (a "
+                                           f"sequence's rows would depend on the others'): use "
+                                           f"precision='fp32', or max_batch=1",
+                              others=("precision", "max_batch"))
         return
-    if kernels == "portable":
-        raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, and --kernels "
-                         f"portable writes standard ONNX: use --kernels fused, or --max-batch 1")
+    if kernels == Kernels.PORTABLE:
+        raise OptionError("max_batch", f"max_batch={max_batch} needs fused decoder graphs, and "
+                                       f"kernels='portable' writes standard ONNX: use "
+                                       f"kernels='fused', or max_batch=1",
+                          others=("kernels", "max_batch"))
     why = fused_unsupported(config)
     if why:
-        raise BuildError(f"--max-batch {max_batch} needs fused decoder graphs, which the "
-                         f"target cannot have: {why}; use --max-batch 1")
+        raise OptionError("max_batch", f"max_batch={max_batch} needs fused decoder graphs, which "
+                                       f"the target cannot have: {why}; use max_batch=1",
+                          others=("max_batch",))
 
 
 def _check_seq2seq_options(precision: str, plan, kernels: str) -> None:
     """What encoder-decoder (T5) bundles do not offer, said before the export."""
     precisions = {precision, *plan.precisions()}
-    if "int4" in precisions:
-        raise BuildError("--precision int4 is supported for decoder-only models so far: use "
-                         "fp32 or int8 for encoder-decoder bundles")
-    if "fp16" in precisions:
-        raise BuildError("--precision fp16 is not offered for T5: its activations overflow "
-                         "float16 (the reason T5 checkpoints are trained in bfloat16); use fp32 "
-                         "or int8 for encoder-decoder bundles")
-    if kernels == "fused":
-        raise BuildError("--kernels fused covers decoder-only models (llama, qwen2, qwen3, "
-                         "mistral, gemma3); encoder-decoder bundles are portable: use --kernels "
-                         "portable or auto")
+    if Precision.INT4 in precisions:
+        raise OptionError("precision", "precision='int4' is supported for decoder-only models "
+                                       "so far: use fp32 or int8 for encoder-decoder bundles")
+    if Precision.FP16 in precisions:
+        raise OptionError("precision", "precision='fp16' is not offered for T5: its "
+                                       "activations overflow float16 (the reason T5 checkpoints "
+                                       "are trained in bfloat16); use fp32 or int8 for "
+                                       "encoder-decoder bundles")
+    if kernels == Kernels.FUSED:
+        raise OptionError("kernels", "kernels='fused' covers decoder-only models (llama, qwen2, "
+                                     "qwen3, mistral, gemma3); encoder-decoder bundles are "
+                                     "portable: use kernels='portable' or 'auto'",
+                          others=("kernels",))

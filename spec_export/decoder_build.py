@@ -22,6 +22,7 @@ from spec_runtime.bundle.manifest import LANES_GRAPH, GraphEntry, ModelEntry
 
 from .quality import (FP16_TOLERANCE, broken_quantization, fp32_tolerance,
                       verify_thresholds)
+from .options import OptionError
 from .sources import BuildError
 
 PARITY = dict(prefill_chunk=16, steps=3, verify_len=5)  # the call sequence parity.plan_calls runs
@@ -34,8 +35,8 @@ def choose_kernels(module, kernels: str, role: str) -> str:
 
     why = fused_unsupported(module)
     if kernels == "fused" and why:
-        raise BuildError(f"--kernels fused is not available for the {role}: {why}; use --kernels "
-                         f"portable (or auto)")
+        raise OptionError("kernels", f"kernels='fused' is not available for the {role}: {why}; "
+                                     f"use kernels='portable' (or 'auto')", others=("kernels",))
     return ("portable" if why else "fused") if kernels == "auto" else kernels
 
 

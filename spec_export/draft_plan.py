@@ -37,9 +37,9 @@ from pathlib import Path
 
 from spec_runtime.bundle.manifest import DraftEntry, ModelEntry
 
+from .options import DraftKind, Int4Weights, OptionError, Precision, not_a_gguf, one_of
 from .sources import BuildError, ModelSpec, check_vocabularies, load_model, model_spec
 
-DRAFT_KINDS = ("auto", "ngram", "self", "hybrid")
 NGRAM = {"max_ngram": 3, "min_ngram": 1}
 # A 1-token match proposes poorly on chat prompts, and each proposed token costs a verify row:
 # little at fp32, several times more at int4 (benchmarks/results/step-time.json), so at int4
@@ -180,10 +180,11 @@ class DraftPlan:
         if own is None or not is_encoder_decoder(t_model.config):
             what = "the decoder-only target's own graph at a lower precision, whose head " \
                 "is the target's" if own else "prompt lookup"
-            raise BuildError(f"--draft-vocab {self.draft_vocab} trims a draft model's head, and "
-                             f"this build drafts with {what}: give a draft model (--draft "
-                             f"SOURCE, or --draft-model with hybrid or auto), or leave "
-                             f"--draft-vocab out")
+            raise OptionError("draft_vocab", f"draft_vocab={self.draft_vocab} trims a draft "
+                                             f"model's head, and this build drafts with {what}: "
+                                             f"give a draft model (draft=SOURCE, or draft_model "
+                                             f"with 'hybrid' or 'auto'), or leave draft_vocab out",
+                              others=("draft", "draft_model", "draft_vocab"))
         self._trim(own, t_model.config, t_model.config, t_tok, eos)
 
     def _trim(self, c: Candidate, t_config, d_config, t_tok, eos) -> None:
@@ -206,8 +207,9 @@ class DraftPlan:
             if c.name == "self" and not encdec:
                 stage("draft from the target")
                 if t_exported is None or t_exported.fp32_path is None:
-                    raise BuildError("--draft self needs a decoder-only target with a fused "
-                                     "graph: use --draft ngram or a draft model")
+                    raise OptionError("draft", "draft='self' needs a decoder-only target with a "
+                                               "fused graph: use draft='ngram' or a draft model",
+                                      others=("draft",))
                 c.entry = derive_draft(t_exported, tmp / c.file, precision=c.precision,
                                        quant_prompts=export["quant_prompts"],
                                        block_size=export["block_size"],
@@ -305,29 +307,34 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
     """The build's drafts from its options, before anything is loaded (refusing what cannot be
     made); DraftPlan.settle adjusts them once the target is loaded."""
     if not isinstance(draft, str) or not draft:
-        raise BuildError(f"--draft {draft!r} is invalid: use auto, ngram, self, hybrid or a model")
+        raise OptionError("draft", f"draft={draft!r} is invalid: use "
+                                   f"{one_of([*DraftKind, 'a model'])}")
     given = model_spec(draft_model, draft_gguf_file, "--draft-model") if draft_model else None
-    if draft not in DRAFT_KINDS:  # a model source
+    if DraftKind.of(draft) is None:  # a model source
         if given is not None:
-            raise BuildError(f"--draft {draft!r} names a model and --draft-model "
-                             f"{draft_model!r} another: give one of them")
+            raise OptionError("draft", f"draft={draft!r} names a model and "
+                                       f"draft_model={draft_model!r} another: give one of them",
+                              others=("draft_model",))
         given = model_spec(draft, draft_gguf_file, "--draft")
         draft = "model"
-    elif given is not None and draft in ("ngram", "self"):
-        raise BuildError(f"--draft-model {draft_model!r} is used by --draft hybrid or auto, not "
-                         f"by --draft {draft}: drop one of them")
+    elif given is not None and draft in (DraftKind.NGRAM, DraftKind.SELF):
+        raise OptionError("draft_model", f"draft_model={draft_model!r} is used by "
+                                         f"draft='hybrid' or 'auto', not by draft={draft!r}: "
+                                         f"drop one of them", others=("draft",))
     model = Candidate("model", given, draft_precision) if given else None
 
     def self_candidate() -> Candidate:
-        own = draft_precision or ("int4" if precision != "int4" else None)
+        own = draft_precision or (Precision.INT4 if precision != Precision.INT4 else None)
         if own in (None, precision):
-            raise BuildError(f"--draft self drafts with the target's own weights at a lower "
-                             f"precision, and --draft-precision is {own or precision} like "
-                             f"--precision: use --precision fp32 --draft-precision int4")
-        if int4_weights in ("gguf", "gguf-4bit") and own == "int4" and not t_spec.gguf_file:
-            raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and "
-                             f"--target {t_spec.source!r} is not a GGUF: use --int4-weights "
-                             f"quantize")
+            raise OptionError("draft", f"draft='self' drafts with the target's own weights at a "
+                                       f"lower precision, and draft_precision="
+                                       f"{str(own or precision)!r} equals precision="
+                                       f"{str(precision)!r}: use precision='fp32', "
+                                       f"draft_precision='int4'",
+                              others=("precision", "draft_precision"))
+        if Int4Weights(int4_weights).from_gguf and own == Precision.INT4 \
+                and not t_spec.gguf_file:
+            raise not_a_gguf(int4_weights, "target=", t_spec.source)
         return Candidate("self", t_spec, own)
 
     plan = DraftPlan(draft)
@@ -347,10 +354,9 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
         plan.why = why
         if not plan.candidates:
             plan.kind = "ngram"
-    if model is not None and int4_weights in ("gguf", "gguf-4bit") and model.precision == "int4" \
-            and not given.gguf_file:
-        raise BuildError(f"--int4-weights {int4_weights} repacks a GGUF file's blocks, and the "
-                         f"draft {given.source!r} is not a GGUF: use --int4-weights quantize")
+    if model is not None and Int4Weights(int4_weights).from_gguf \
+            and model.precision == Precision.INT4 and not given.gguf_file:
+        raise not_a_gguf(int4_weights, "the draft ", given.source)
     if len(plan.candidates) > 1:
         plan.candidates[0].file = "draft-self.onnx"
     if draft_vocab is not None or draft_vocab_corpus is not None:
@@ -372,9 +378,11 @@ def _plan_vocab(plan: DraftPlan, draft: str, draft_vocab: int | None,
         return
     what = "prompt lookup" if plan.kind == "ngram" or draft == "ngram" else \
         "the target's own weights"
-    raise BuildError(f"--draft-vocab {draft_vocab} trims a draft model's head, and --draft "
-                     f"{draft} drafts with {what}: give a draft model (--draft SOURCE, or "
-                     f"--draft-model with hybrid or auto), or leave --draft-vocab out")
+    raise OptionError("draft_vocab", f"draft_vocab={draft_vocab} trims a draft model's head, "
+                                     f"and draft={draft!r} drafts with {what}: give a draft "
+                                     f"model (draft=SOURCE, or draft_model with 'hybrid' or "
+                                     f"'auto'), or leave draft_vocab out",
+                      others=("draft", "draft_model", "draft_vocab"))
 
 
 def _no_self_draft(t_spec: ModelSpec, precision: str, draft_precision: str | None,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .options import OptionError
 from .sources import BuildError
 
 VOCAB_FILE = "draft-vocab.json"
@@ -61,12 +62,14 @@ def check_options(draft_vocab: int | None, corpus: str | None) -> None:
     """The options' values and the corpus file, before any model is loaded."""
     if draft_vocab is None:
         if corpus is not None:
-            raise BuildError(f"--draft-vocab-corpus {corpus!r} chooses the ids of a trimmed "
-                             f"draft head: give --draft-vocab N too")
+            raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={corpus!r} chooses the "
+                                                    f"ids of a trimmed draft head: give "
+                                                    f"draft_vocab too", others=("draft_vocab",))
         return
     if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1:
-        raise BuildError(f"--draft-vocab {draft_vocab!r} is invalid: use a number of token ids "
-                         f"(32000 is typical), or leave it out for the whole vocabulary")
+        raise OptionError("draft_vocab", f"draft_vocab={draft_vocab!r} is invalid: use a number "
+                                         f"of token ids (32000 is typical), or leave it out for "
+                                         f"the whole vocabulary")
     if corpus is not None:
         _corpus_size(Path(corpus))
 
@@ -79,7 +82,7 @@ KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
 
 def _not_a_file(path: Path, mode: int) -> BuildError:
     kind = next((name for test, name in KINDS if test(mode)), "not a regular file")
-    return BuildError(f"--draft-vocab-corpus {str(path)!r} is {kind}, not a file: {FIX}")
+    return OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} is {kind}, not a file: {FIX}")
 
 
 def _open_corpus(path: Path):
@@ -92,9 +95,9 @@ def _open_corpus(path: Path):
             # non-blocking: replaced by a FIFO since the stat, the open still returns
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except (FileNotFoundError, ValueError):  # ValueError: a NUL byte, which no path holds
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} does not exist: {FIX}") from None
+        raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} does not exist: {FIX}") from None
     except OSError as e:
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "
+        raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} cannot be read "
                          f"({e.strerror or type(e).__name__}): {FIX}") from None
     if not stat.S_ISREG(mode):
         raise _not_a_file(path, mode)
@@ -114,7 +117,7 @@ def _corpus_size(path: Path) -> int:
     f, size = _open_corpus(path)
     with f:
         if size == 0:
-            raise BuildError(f"--draft-vocab-corpus {str(path)!r} is empty: {FIX}")
+            raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} is empty: {FIX}")
         return size
 
 
@@ -130,7 +133,7 @@ def _pieces(f, path: Path, most: int):
         try:
             text += decoder.decode(data, final=not data)
         except UnicodeDecodeError as e:
-            raise BuildError(f"--draft-vocab-corpus {str(path)!r} is not UTF-8 text (byte "
+            raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} is not UTF-8 text (byte "
                              f"{read - pending + e.start}): {FIX}") from None
         read += len(data)
         while len(text) > CORPUS_PIECE:
@@ -170,10 +173,10 @@ def read_corpus(tok, path: Path, limit: int) -> CorpusCounts:
                 counts += np.bincount(ids[ids < limit], minlength=limit)
             read = f.tell()
     except OSError as e:
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} cannot be read "
+        raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} cannot be read "
                          f"({e.strerror or type(e).__name__}): {FIX}") from None
     if not counts.any():
-        raise BuildError(f"--draft-vocab-corpus {str(path)!r} holds no text the tokenizer "
+        raise OptionError("draft_vocab_corpus", f"draft_vocab_corpus={str(path)!r} holds no text the tokenizer "
                          f"reads as tokens: {FIX}")
     return CorpusCounts(counts, read, max(size, read))
 
@@ -225,19 +228,20 @@ def choose_ids(n: int, tok, eos, limit: int, corpus: str | None = None) -> Vocab
     """The `n` ids a trimmed head keeps among 0..limit-1 (the vocabulary both the target's
     logits and the draft's head cover)."""
     if n > limit:
-        raise BuildError(f"--draft-vocab {n} exceeds the vocabulary of {limit} ids that target "
-                         f"and draft share: use at most {limit}, or leave it out for the whole "
-                         f"vocabulary")
+        raise OptionError("draft_vocab", f"draft_vocab={n} exceeds the vocabulary of {limit} ids "
+                                         f"that target and draft share: use at most {limit}, or "
+                                         f"leave it out for the whole vocabulary")
     required = required_ids(tok, eos)
     past = sorted(i for i in required if i >= limit)
     if past:
-        raise BuildError(f"the target's special token id {past[0]} is past the draft head's "
-                         f"{limit} rows, so no --draft-vocab could hold it: leave --draft-vocab "
-                         f"out, or use a draft with the target's whole vocabulary")
+        raise OptionError("draft_vocab", f"draft_vocab={n} cannot be: the target's special token "
+                                         f"id {past[0]} is past the draft head's {limit} rows; "
+                                         f"leave draft_vocab out, or use a draft with the "
+                                         f"target's whole vocabulary", others=("draft_vocab",))
     if n < len(required):
-        raise BuildError(f"--draft-vocab {n} cannot hold the target's {len(required)} special, "
-                         f"end-of-sequence and chat-template tokens: use at least "
-                         f"{len(required)}")
+        raise OptionError("draft_vocab", f"draft_vocab={n} cannot hold the target's "
+                                         f"{len(required)} special, end-of-sequence and "
+                                         f"chat-template tokens: use at least {len(required)}")
     order, how = tokenizer_order(tok, limit)
     if corpus is not None:
         read = read_corpus(tok, Path(corpus), limit)

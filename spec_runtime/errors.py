@@ -8,6 +8,8 @@ from ValueError, so code that catches ValueError keeps working.
 
 from __future__ import annotations
 
+import re
+
 
 class InputError(ValueError):
     """Bad input; the message names the value and the fix."""
@@ -19,14 +21,24 @@ class FieldError(InputError):
     `logit_bias[5]=300.0 is invalid: ...`); a front end that names the field otherwise (the
     CLI's --top-p, the OpenAI API's max_tokens) says it in its own words with `in_words`."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, others: tuple[str, ...] = ()):
+        """`others`: the fields the message names past its start (`gamma=9 exceeds
+        max_gamma=8`), as field=value or, where the name has an underscore, by the name alone;
+        `in_words` renames those too."""
         super().__init__(message)
         self.field = field
+        self.others = others
 
-    def in_words(self, name: str, equals: str = " ") -> str:
+    def in_words(self, name: str, equals: str = " ", words=None) -> str:
         """The message with the field called `name`: "top_p=2.0 is invalid" -> "--top-p 2.0
-        is invalid" (`equals` " "), "logit_bias[5]=300.0" -> "--logit-bias 5=300.0"."""
+        is invalid" (`equals` " "), "logit_bias[5]=300.0" -> "--logit-bias 5=300.0"; and each
+        of `others` called words(other) where `words` is given."""
         rest = str(self)[len(self.field):]
+        for other in self.others if words is not None else ():
+            # `name=value` always; a bare name where it cannot be a word (max_len, not draft)
+            bare = r"\b" if "_" in other else "(?!)"
+            rest = re.sub(rf"\b{other}(=|{bare})",
+                          lambda m: words(other) + (equals if m.group(1) else ""), rest)
         if rest.startswith("["):
             key, _, value = rest[1:].partition("]=")
             return f"{name}{equals}{key}={value}"

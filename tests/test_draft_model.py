@@ -82,9 +82,9 @@ def test_auto_measures_each_draft_model_and_keeps_the_faster(pair, tmp_path):
 
 def test_what_a_draft_model_request_cannot_be(pair, tmp_path):
     root, t, d, d_dir = pair
-    with pytest.raises(BuildError, match="--draft .* names a model and --draft-model"):
+    with pytest.raises(BuildError, match="draft=.* names a model and draft_model="):
         build_bundle(str(t), str(d_dir), tmp_path / "x", draft_model=str(d), progress=False)
-    with pytest.raises(BuildError, match="--draft-model .* not by --draft ngram"):
+    with pytest.raises(BuildError, match="draft_model=.* not by draft='ngram'"):
         build_bundle(str(t), "ngram", tmp_path / "x", draft_model=str(d), progress=False)
     with pytest.raises(BuildError, match="--draft-model .*no such file"):
         build_bundle(str(t), "hybrid", tmp_path / "x", draft_model=str(root / "nope.gguf"),

@@ -293,7 +293,7 @@ def test_bad_draft_vocab_options_exit_2_with_one_line(models, tmp_path):
          ["is a directory"]),
         (["--draft", d, "--draft-vocab", "50", "--draft-vocab-corpus", latin],
          ["is not UTF-8 text"]),
-        (["--draft", d, "--draft-vocab-corpus", models["corpus"]], ["give --draft-vocab N"]),
+        (["--draft", d, "--draft-vocab-corpus", models["corpus"]], ["give --draft-vocab too"]),
         (["--draft", "ngram", "--draft-vocab", "50"], ["drafts with prompt lookup"]),
     ]
     for args, words in cases:

@@ -137,7 +137,7 @@ def test_self_draft_is_the_targets_own_weights_at_int4(q4_1, tmp_path):
     spec = gen.generate("hello world", max_new_tokens=24, gamma=4)
     assert spec.tokens == gen.generate("hello world", max_new_tokens=24, use_draft=False).tokens
     assert spec.stats.acceptance_rate > 0.5  # the same model, 4-bit: it mostly agrees
-    with pytest.raises(BuildError, match="--draft self.*--draft-precision int4"):
+    with pytest.raises(BuildError, match="draft='self'.*draft_precision='int4'"):
         build_bundle(str(q4_1[0]), "self", tmp_path / "b2", max_len=96, precision="int4",
                      progress=False)
 

@@ -263,7 +263,7 @@ def test_gguf_4bit_without_4bit_blocks_or_a_gguf_is_refused(tmp_path):
     r = CliRunner().invoke(specexport, ["build", "--target", str(t), "--precision", "int4",
                                         "--int4-weights", "gguf-4bit", "--out",
                                         str(tmp_path / "b"), "--quiet"])
-    assert r.exit_code == 2 and "--int4-weights gguf-4bit repacks a GGUF file's blocks" in r.output
+    assert r.exit_code == 2 and "--int4-weights 'gguf-4bit' repacks a GGUF file's blocks" in r.output
     assert "is not a GGUF: use --int4-weights quantize" in r.output and "Traceback" not in r.output
     (tmp_path / "g").mkdir()
     q8 = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf", qtype="Q8_0")

@@ -343,8 +343,8 @@ def test_max_batch_with_portable_kernels_is_refused(tmp_path, no_export):
     target = _saved(tmp_path / "t", llama(0, layers=1))
     r = run(specexport, "build", "--target", target, "--draft", "ngram", "--kernels",
             "portable", "--max-batch", "4", "--out", tmp_path / "b", "--quiet")
-    _one_line_refusal(r, "--max-batch 4 needs fused decoder graphs", "--kernels portable",
-                      "use --kernels fused, or --max-batch 1")
+    _one_line_refusal(r, "--max-batch 4 needs fused decoder graphs", "--kernels 'portable'",
+                      "use --kernels 'fused', or --max-batch 1")
 
 
 def _models():
