@@ -100,3 +100,20 @@ def test_build_bundle_takes_options_values_and_where(tmp_path):
     # values replace the options' fields, and the whole is checked again
     with pytest.raises(OptionError, match="^gamma=6 exceeds max_gamma=4"):
         build_bundle(options=base, gamma=6, out=tmp_path / "b", progress=False)
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--precision", "int4"], "--precision 'int4' is supported for decoder-only models"),
+    (["--precision", "fp16"], "--precision 'fp16' is not offered for T5"),
+    (["--kernels", "fused"], "--kernels 'fused' covers decoder-only models"),
+])
+def test_what_an_encoder_decoder_bundle_does_not_offer_is_said_in_flags(flags, said, tmp_path):
+    """Refused once the target is loaded, before anything is exported."""
+    from tiny_models import save, t5, t5_tokenizer
+
+    target = save(t5(0, layers=1), tmp_path / "t5", t5_tokenizer())
+    r = run(specexport, "build", "--target", target, "--draft", "ngram", *flags,
+            "--out", tmp_path / "b", "--quiet")
+    assert_input_error(r, "Error: " + said)
+    assert "precision=" not in r.output and "kernels=" not in r.output
+    assert not (tmp_path / "b").exists()
