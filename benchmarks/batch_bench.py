@@ -99,11 +99,7 @@ def plot(run: dict):
     return fig
 
 
-def dated(run: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
-    if directory is None:
-        return None
+def dated(run: dict, directory: Path, **given) -> Path:
     check = run["check"] or {}
     speech = bool(run.get("speech"))
     checked = ("lanes score as single calls, bit for bit" if check.get("identical") else
@@ -125,8 +121,7 @@ def dated(run: dict, directory: Path | None, *, command: str | None = None,
         run, directory, "batch-speech" if speech else "batch",
         title="Batched " + ("transcription" if speech else "decoding")
               + " against one request at a time",
-        head=head, table=table(run), figure=plot(run), command=command, date=date,
-        machine=machine, rebuilt_by=rebuilt_by)
+        sections=[head, table(run)], figure=plot(run), **given)
 
 
 def main(argv=None) -> None:
@@ -181,7 +176,7 @@ def main(argv=None) -> None:
         print("a batched output differed from its single one", file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps(run, indent=1))
-    reports.done(dated(run, reports.directory(a, Path(a.json).parent if a.json else None)))
+    reports.report(dated, run, reports.directory(a, Path(a.json).parent if a.json else None))
     if not equal:
         raise SystemExit(1)
 

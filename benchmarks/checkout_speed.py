@@ -150,20 +150,15 @@ def plot(run: dict):
     return fig
 
 
-def dated(run: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
-    """DIRECTORY/checkout-speed-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
+def dated(run: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/checkout-speed-<date>.md and .png."""
     passes = len(run["runs"]["old"])
     head = (f"`{run['old']}` (old) against `{run['new']}` (new) on the bundle "
             f"`{run['bundle']}`, {passes} passes alternating the checkouts; medians over the "
             "passes; per pass: the range of new / old over the passes.")
     return reports.write_run_report(
         run, directory, "checkout-speed", title="Two checkouts, one bundle: did a change slow the "
-        "runtime?", head=head, table=table(run),
-        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
+        "runtime?", sections=[head, table(run)], figure=plot(run), **given)
 
 
 def main(argv=None) -> None:
@@ -198,7 +193,7 @@ def main(argv=None) -> None:
            "old": str(a.old), "new": str(a.new), "bundle": a.bundle, "runs": runs, "median": med}
     if a.json:
         Path(a.json).write_text(json.dumps(run, indent=1))
-    reports.done(dated(run, reports.directory(a, Path(a.json).parent if a.json else None)))
+    reports.report(dated, run, reports.directory(a, Path(a.json).parent if a.json else None))
 
 
 if __name__ == "__main__":

@@ -387,7 +387,7 @@ def main(argv=None) -> None:
         stem = args.out / f"compare-{args.precision}"
         write_results(stem, report, table)
         print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
-    reports.done(compare_report.dated(report, reports.directory(args, args.out)))
+    reports.report(compare_report.dated, report, reports.directory(args, args.out))
 
 
 if __name__ == "__main__":

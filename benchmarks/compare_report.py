@@ -211,18 +211,12 @@ def write_results(stem: Path, report: dict, table: str) -> None:
     stem.with_suffix(".md").write_text(table)
 
 
-def dated(report: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
+def dated(report: dict, directory: Path, **given) -> Path:
     """The run's dated report: the table of markdown() and plot(), as
-    DIRECTORY/compare-<precision>-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
-    return reports.write_report(
-        directory, f"compare-{report['config']['precision']}", title=title(report),
-        command=command or report.get("command") or reports.command_line(),
-        machine=reports.machine_line(report.get("machine"), machine), sections=body(report),
-        figure=plot(report), date=reports.run_date(report, date), rebuilt_by=rebuilt_by)
+    DIRECTORY/compare-<precision>-<date>.md and .png."""
+    return reports.write_run_report(
+        report, directory, f"compare-{report['config']['precision']}", title=title(report),
+        sections=body(report), figure=plot(report), **given)
 
 
 def plot(report: dict):

@@ -305,7 +305,7 @@ def render(run: dict, directory, **given) -> Path:
         head += "\n\n" + extra
     return reports.write_run_report(run, directory, "longform", title="Long-form "
                                     "transcription: whisper-base against faster-whisper and "
-                                    "transformers", head=head, table=table(run),
+                                    "transformers", sections=[head, table(run)],
                                     figure=plot(run), **given)
 
 

@@ -268,7 +268,7 @@ def write(report: dict, args) -> None:
 
     report = build(report, args)
     write_results(args.out / f"pair-{args.precision}", report, markdown(report))
-    reports.done(dated(report, reports.directory(args, args.out)))
+    reports.report(dated, report, reports.directory(args, args.out))
 
 
 def complete(report: dict) -> dict:
@@ -283,19 +283,12 @@ def complete(report: dict) -> dict:
     return report
 
 
-def dated(report: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
+def dated(report: dict, directory: Path, **given) -> Path:
     """The race's dated report: the table of markdown() and plot(), as
-    DIRECTORY/pair-<precision>-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
-    return reports.write_report(
-        directory, f"pair-{report['config']['precision']}", title=title(report),
-        command=command or report.get("command") or reports.command_line(),
-        machine=reports.machine_line(report.get("machine"), machine),
-        sections=body(report), figure=plot(report), date=reports.run_date(report, date),
-        rebuilt_by=rebuilt_by)
+    DIRECTORY/pair-<precision>-<date>.md and .png."""
+    return reports.write_run_report(
+        report, directory, f"pair-{report['config']['precision']}", title=title(report),
+        sections=body(report), figure=plot(report), **given)
 
 
 def plot(report: dict):

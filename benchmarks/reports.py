@@ -47,15 +47,15 @@ def run_date(stored: dict, given: str | None = None) -> str:
     return date
 
 
-def write_run_report(run: dict, directory, name: str, *, title: str, head: str, table: str,
-                     figure, command: str | None = None, date: str | None = None,
+def write_run_report(run: dict, directory, name: str, *, title: str, sections, figure,
+                     command: str | None = None, date: str | None = None,
                      machine: str | None = None, rebuilt_by: str | None = None) -> Path:
-    """A stored run's report: its head and table, its plot, and the command, date and machine
-    the run recorded unless given (--command, --date, --machine: what older JSON files
-    lack)."""
+    """A stored run's report (every script's `dated` writes one): its sections, its plot, and
+    the command, date and machine the run recorded unless given (--command, --date, --machine:
+    what older JSON files lack)."""
     return write_report(
         directory, name, title=title, command=command or run.get("command") or command_line(),
-        machine=machine_line(run.get("machine"), machine), sections=[head, table],
+        machine=machine_line(run.get("machine"), machine), sections=sections,
         figure=figure, date=run_date(run, date), rebuilt_by=rebuilt_by)
 
 
@@ -272,11 +272,8 @@ def stored_command(stored: dict, given: str | None = None) -> str:
 def rebuilt(args, stored: dict, directory: Path | None, render) -> None:
     """--from-json: `render(stored, directory, command=..., date=..., machine=...)` writes the
     report of the stored run, with the command that measured it and this one."""
-    if directory is None:
-        return
-    done(render(stored, directory, command=stored_command(stored, args.command),
-                date=run_date(stored, args.date), machine=args.machine,
-                rebuilt_by=command_line()))
+    report(render, stored, directory, command=stored_command(stored, args.command),
+           date=run_date(stored, args.date), machine=args.machine, rebuilt_by=command_line())
 
 
 def finish(args, run: dict, table: str, render) -> None:
@@ -285,9 +282,14 @@ def finish(args, run: dict, table: str, render) -> None:
     if args.out:
         args.out.write_text(json.dumps(run, indent=1))
     print(table)
-    where = directory(args, args.out.parent if args.out else None)
-    if where is not None:
-        done(render(run, where))
+    report(render, run, directory(args, args.out.parent if args.out else None))
+
+
+def report(render, run: dict, directory: Path | None, **given) -> None:
+    """`render(run, directory, **given)` (a script's `dated`: command, date, machine,
+    rebuilt_by) where a report is wanted (`directory` not None), and the paths it wrote said."""
+    if directory is not None:
+        done(render(run, directory, **given))
 
 
 def done(path: Path | None) -> None:

@@ -54,7 +54,7 @@ SERVERS = ("batched", "per-slot")  # the run's keys; `baseline_label` names the 
 def other(report: dict) -> str:
     """What the baseline server is called in the report: "per-slot" unless the run was given
     --baseline-label (an older batched server, say)."""
-    return report["config"].get("baseline_label") or "per-slot"
+    return (report.get("config") or {}).get("baseline_label") or "per-slot"
 MODE_NAMES = serve_load.MODE_NAMES  # base: target-only, spec: speculative
 fmt = serve_load.fmt
 
@@ -292,14 +292,13 @@ def plot(report: dict):
     return fig
 
 
-def dated(report: dict, directory: Path | None, **given) -> Path | None:
-    """DIRECTORY/serve-batch-<date>.md and .png (None: no report); `given`: reports.rebuilt's
-    command, date, machine and rebuilt_by."""
-    return directory and reports.write_run_report(
+def dated(report: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/serve-batch-<date>.md and .png."""
+    return reports.write_run_report(
         report, directory, "serve-batch", title="specrun serve: continuous batching against "
         + ("a loop per slot" if other(report) == "per-slot" else other(report)),
-        head=head(report), figure=plot(report),
-        table="\n\n".join([ratio_table(report), table(report), notes(report)]), **given)
+        sections=[head(report), ratio_table(report), table(report), notes(report)],
+        figure=plot(report), **given)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -311,7 +310,7 @@ def finish(report: dict, args, render) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.out}")
-    reports.done(render(report, reports.directory(args, args.out.parent if args.out else None)))
+    reports.report(render, report, reports.directory(args, args.out.parent if args.out else None))
     if any(r.get("failed") or r.get("exit_code") != 0 for r in report["runs"]):
         sys.exit(1)
 

@@ -329,20 +329,13 @@ def plot(report: dict):
     return fig
 
 
-def dated(report: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
-    """DIRECTORY/serve-load[-ray]-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
+def dated(report: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/serve-load[-ray]-<date>.md and .png."""
     ray = report["config"].get("ray")
-    return reports.write_report(
-        directory, "serve-load-ray" if ray else "serve-load",
+    return reports.write_run_report(
+        report, directory, "serve-load-ray" if ray else "serve-load",
         title="Load on specrun serve" + (" --ray" if ray else "") + ": speculative and "
-        "target-only", command=command or report.get("command") or reports.command_line(),
-        machine=reports.machine_line(report.get("machine"), machine),
-        sections=markdown(report), figure=plot(report), date=reports.run_date(report, date),
-        rebuilt_by=rebuilt_by)
+        "target-only", sections=markdown(report), figure=plot(report), **given)
 
 
 def main(argv=None) -> None:
@@ -483,7 +476,7 @@ def main(argv=None) -> None:
         args.out.write_text(json.dumps(report, indent=1))
         args.out.with_suffix(".md").write_text(markdown(report))
         print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
-    reports.done(dated(report, reports.directory(args, args.out.parent if args.out else None)))
+    reports.report(dated, report, reports.directory(args, args.out.parent if args.out else None))
     failed = [c["name"] for c in report["configs"] if c.get("failed") or c.get("exit_code") != 0]
     if failed:
         sys.exit(1)

@@ -178,13 +178,13 @@ def plot(report: dict):
     return fig
 
 
-def dated(report: dict, directory: Path | None, **given) -> Path | None:
-    """DIRECTORY/serve-race-<date>.md and .png (None: no report)."""
-    return directory and reports.write_run_report(
+def dated(report: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/serve-race-<date>.md and .png."""
+    return reports.write_run_report(
         report, directory, "serve-race", title="specrun serve (continuous batching) against "
-        "llama-server --parallel, Qwen2.5-Coder 1.5B / 0.5B", head=head(report),
-        figure=plot(report),
-        table="\n\n".join([ratio_table(report), table(report), notes(report)]), **given)
+        "llama-server --parallel, Qwen2.5-Coder 1.5B / 0.5B",
+        sections=[head(report), ratio_table(report), table(report), notes(report)],
+        figure=plot(report), **given)
 
 
 def llama_build(binary: Path) -> str | None:

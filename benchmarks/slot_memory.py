@@ -92,18 +92,14 @@ def plot(run: dict):
     return fig
 
 
-def dated(run: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
-    """DIRECTORY/slot-memory-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
+def dated(run: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/slot-memory-<date>.md and .png."""
     head = (f"Resident memory of one process serving `{run['bundle']}`: after load, then after "
             "a long request on each slot (Generator.fork: the same sessions, KV caches of its "
             "own).")
     return reports.write_run_report(
-        run, directory, "slot-memory", title="What one more serve slot costs in memory", head=head, table=table(run),
-        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
+        run, directory, "slot-memory", title="What one more serve slot costs in memory", sections=[head, table(run)],
+        figure=plot(run), **given)
 
 
 def main(argv=None) -> None:
@@ -149,7 +145,7 @@ def main(argv=None) -> None:
     if a.out is not None:  # only when asked: never over the committed results by default
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
-    reports.done(dated(report, reports.directory(a, Path(a.out).parent if a.out else None)))
+    reports.report(dated, report, reports.directory(a, Path(a.out).parent if a.out else None))
 
 
 if __name__ == "__main__":

@@ -130,8 +130,8 @@ def render(run: dict, directory, **given) -> Path:
             f"decoder call at position 64, the best of 3 × 40. Load average before and after: "
             f"{', '.join(f'{x:.2f}' for x in run['load'])}.")
     return reports.write_run_report(run, directory, "speech-draft-vocab",
-                                    title="Whisper self drafts with trimmed heads", head=head,
-                                    table=table(run), figure=plot(run), **given)
+                                    title="Whisper self drafts with trimmed heads",
+                                    sections=[head, table(run)], figure=plot(run), **given)
 
 
 def main(argv=None) -> None:

@@ -98,20 +98,16 @@ def plot(run: dict):
     return fig
 
 
-def dated(run: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
-    """DIRECTORY/step-time-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
+def dated(run: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/step-time-<date>.md and .png."""
     where = (f"ONNX Runtime's CPU provider, {run['threads']} threads"
              if run.get("device", "cpu") == "cpu" else f"device {run['device']}")
     head = (f"The target's `forward` as the decode loop calls it, {where}: the median of "
             f"{run['runs']} calls per bundle and call (ms), and each call over the 1-token "
             "call at the same position (what verifying a draft costs against a step).")
     return reports.write_run_report(
-        run, directory, "step-time", title="The cost of one target call, by rows", head=head, table=table(run),
-        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
+        run, directory, "step-time", title="The cost of one target call, by rows", sections=[head, table(run)],
+        figure=plot(run), **given)
 
 
 def main(argv=None) -> None:
@@ -192,7 +188,7 @@ def main(argv=None) -> None:
            "median_ms": report}
     if args.json:
         args.json.write_text(json.dumps(run, indent=1))
-    reports.done(dated(run, reports.directory(args, args.json.parent if args.json else None)))
+    reports.report(dated, run, reports.directory(args, args.json.parent if args.json else None))
 
 
 if __name__ == "__main__":

@@ -145,18 +145,14 @@ def plot(run: dict):
     return fig
 
 
-def dated(run: dict, directory: Path | None, *, command: str | None = None,
-          date: str | None = None, machine: str | None = None,
-          rebuilt_by: str | None = None) -> Path | None:
-    """DIRECTORY/verify-cost-<date>.md and .png (None: no report)."""
-    if directory is None:
-        return None
+def dated(run: dict, directory: Path, **given) -> Path:
+    """DIRECTORY/verify-cost-<date>.md and .png."""
     head = (f"The int4 target of `{run['bundle']}`: a 1-, 5- and 9-token call at position 100 "
             "(median ms) as built and with what ONNX Runtime offers against a multi-row call's "
             "cost, and each call over the 1-token call.")
     return reports.write_run_report(
-        run, directory, "verify-cost", title="Where an int4 verify call's time goes", head=head, table=table(run),
-        figure=plot(run), command=command, date=date, machine=machine, rebuilt_by=rebuilt_by)
+        run, directory, "verify-cost", title="Where an int4 verify call's time goes", sections=[head, table(run)],
+        figure=plot(run), **given)
 
 
 def main(argv=None) -> None:
@@ -212,7 +208,7 @@ def main(argv=None) -> None:
            "bundle": str(args.bundle), "rows": rows, "kernel_share": shares}
     if args.json:
         args.json.write_text(json.dumps(run, indent=2) + "\n")
-    reports.done(dated(run, reports.directory(args, args.json.parent if args.json else None)))
+    reports.report(dated, run, reports.directory(args, args.json.parent if args.json else None))
 
 
 if __name__ == "__main__":

@@ -368,7 +368,7 @@ def render(run: dict, directory, **given) -> Path:
     return reports.write_run_report(
         run, directory, "whisper-base",
         title="whisper-base (72M, real weights): speculative transcription on espeak-ng speech",
-        head="\n".join(head), table="\n\n".join([*tables(run), notes(run)]), figure=plot(run),
+        sections=["\n".join(head), *tables(run), notes(run)], figure=plot(run),
         **given)
 
 
@@ -409,7 +409,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(run, indent=1))
     print(f"wrote {out}", file=sys.stderr)
-    reports.done(render(run, reports.directory(args, out.parent)))
+    reports.report(render, run, reports.directory(args, out.parent))
 
 
 def labelled(text: str) -> tuple[str, str]:
