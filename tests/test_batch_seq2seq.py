@@ -196,7 +196,7 @@ def test_int8_encoder_decoder_with_max_batch_is_refused(tmp_path):
             "--max-batch", "2", "--out", tmp_path / "b", "--quiet")
     assert r.exit_code == 2, r.output
     line = r.output.strip().splitlines()[-1]
-    assert "--max-batch 2" in line and "--precision int8" in line and "--precision fp32" in line
+    assert "--max-batch 2" in line and "--precision 'int8'" in line and "--precision 'fp32'" in line
     assert "Traceback" not in r.output and not (tmp_path / "b").exists()
 
 

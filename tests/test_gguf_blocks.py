@@ -114,7 +114,7 @@ def test_bad_int4_weights_requests(tmp_path, monkeypatch):
     r = CliRunner().invoke(specexport, ["build", "--target", str(t), "--precision", "int4",
                                         "--int4-weights", "gguf", "--out", str(tmp_path / "b"),
                                         "--quiet"])
-    assert r.exit_code == 2 and "is not a GGUF: use --int4-weights quantize" in r.output
+    assert r.exit_code == 2 and "is not a GGUF: use --int4-weights 'quantize'" in r.output
     assert "Traceback" not in r.output
 
     (tmp_path / "g").mkdir()

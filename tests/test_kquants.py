@@ -264,7 +264,7 @@ def test_gguf_4bit_without_4bit_blocks_or_a_gguf_is_refused(tmp_path):
                                         "--int4-weights", "gguf-4bit", "--out",
                                         str(tmp_path / "b"), "--quiet"])
     assert r.exit_code == 2 and "--int4-weights 'gguf-4bit' repacks a GGUF file's blocks" in r.output
-    assert "is not a GGUF: use --int4-weights quantize" in r.output and "Traceback" not in r.output
+    assert "is not a GGUF: use --int4-weights 'quantize'" in r.output and "Traceback" not in r.output
     (tmp_path / "g").mkdir()
     q8 = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf", qtype="Q8_0")
     with pytest.raises(BuildError, match=r"no tensor in Q4_0, Q4_1, Q4_K blocks.*--int4-weights "
