@@ -107,9 +107,6 @@ class Generator(SpeechRequests):
         self._gate = None  # engines.gate.Gate its engines' calls go through, if any
         self._batch_rounds = None  # loop.BatchRounds of the requests in flight at that gate
         self._owner: int | None = None  # thread id of the request holding the lock
-        # (features, seconds): the window language detection encoded in the target, which the
-        # request made with it need not encode again, and what that took
-        self._detected = None
 
     def fork(self, target=None, draft_engine=None) -> "Generator":
         """Another generator over the same loaded bundle: the same ONNX Runtime sessions (one
@@ -244,15 +241,7 @@ class Generator(SpeechRequests):
         one place a request is checked against it, in this order: the sampling values with the
         bundle's defaults, response_format, γ's range, the prompt's ids, the cache's capacity.
         The Request runs as it is on this generator or any of its forks."""
-        options = GenerationOptions.given(options, values)
-        if self.audio is not None:
-            raise InputError("this bundle is a speech model (Whisper): it transcribes audio, "
-                             "it does not continue text; use `specrun transcribe AUDIO` or "
-                             "Generator.transcribe(audio)")
-        if options.stop and self.tokenizer is None:
-            raise InputError("stop strings need a tokenizer: this generator has none")
-        params = self.constrained(self.sampling_params(options), options.response_format)
-        gamma = self.check_gamma(options.gamma)
+        options, params, gamma = self._checked(options, values, speech=False)
         ids = self.prompt_ids(prompt, options.chat)
         prefix = ids if not self.encoder_decoder else \
             np.asarray([self.decoder_start_token_id], dtype=np.int64)
@@ -261,6 +250,20 @@ class Generator(SpeechRequests):
         check_capacity(self._engines(options.use_draft), len(prefix), options.max_new_tokens,
                        len(ids) if self.encoder_decoder else None)
         return self._bound(options, ids, prefix, params, gamma)
+
+    def _checked(self, options: GenerationOptions | None, values: dict, *, speech: bool):
+        """What binding a text request (`request`) and a speech one (`transcription`) check
+        first, alike, in this order: the options made, the bundle's modality, stop strings
+        against the tokenizer, the sampling values under the bundle's defaults, a text's
+        response_format, γ's range. Returns the options, the SamplingParams and the γ."""
+        options = GenerationOptions.given(options, values)
+        self.speech_only(options) if speech else self.text_only()
+        if options.stop and self.tokenizer is None:
+            raise InputError("stop strings need a tokenizer: this generator has none")
+        params = self.sampling_params(options)
+        if not speech:
+            params = self.constrained(params, options.response_format)
+        return options, params, self.check_gamma(options.gamma)
 
     def _bound(self, options, prompt, prefix, params, gamma) -> Request:
         """The Request of checked values, with how its γ starts and its rounds are priced."""
@@ -367,14 +370,14 @@ class Generator(SpeechRequests):
 
     def _encode(self, ids: np.ndarray, draft) -> float:
         """An encoder-decoder's request starts by running the encoders on its source (ids, or a
-        speech window's features: the target's may be encoded already, by the language
-        detection of this very request). Returns the seconds an earlier encoding took."""
+        speech window's features), unless the target holds its encoding already (the language
+        detection of this very request, or the decode of the same window before a fallback's):
+        then it returns the seconds that encoding took, which the request counts as its own."""
         if not self.encoder_decoder:
             return 0.0
-        detected, self._detected = self._detected, None
         before = 0.0
-        if detected is not None and detected[0] is ids:
-            before = detected[1]
+        if self.target.holds(ids):  # encoded already (language detection, a fallback's retry)
+            before = self.target.encode_seconds
         else:
             self.target.encode_source(ids)
         from .engines.ort_encdec import encode_drafts

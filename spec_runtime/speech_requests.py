@@ -2,8 +2,9 @@
 `transcription` binds audio (or a window's features) to a Request whose prefix is the decoder
 prompt (speech.py) and whose constraint is the model's suppressed tokens, or its timestamp
 rules; `transcribe` runs one; the target's rows at the prompt, for language detection
-(`_first_row`, `_detected_in`) and long-form's thresholds (`decoder_rows`), keep the window's
-encoding for the request made next of it (`Generator._encode`).
+(`_first_row`, `_detected_in`) and long-form's thresholds (`decoder_rows`), leave the window's
+encoding in the target, whose `holds` tells the request made of it that it need not encode it
+again (`Generator._encode`).
 """
 
 from __future__ import annotations
@@ -37,15 +38,7 @@ class SpeechRequests:
         already, float32 [n_mels, frames] (longform.py's windows)."""
         from . import speech
 
-        options = GenerationOptions.given(options, values)
-        self.speech_only()
-        if options.response_format is not None:
-            raise FieldError("response_format", "response_format constrains text generation; "
-                                                "a transcription takes none")
-        if options.stop and self.tokenizer is None:
-            raise InputError("stop strings need a tokenizer: this generator has none")
-        params = self.sampling_params(options)
-        gamma = self.check_gamma(options.gamma)
+        options, params, gamma = self._checked(options, values, speech=True)
         lang = speech.language_token(self.audio, language) if language is not None else None
         task_id = speech.task_token(self.audio, task)
         features = speech.features_of(audio, self.audio, self.target.max_source_len)
@@ -88,13 +81,24 @@ class SpeechRequests:
 
         return window_seconds(window_frames(self.target.max_source_len))
 
-    def speech_only(self) -> None:
-        """InputError naming the fix where this bundle is a text model."""
+    def speech_only(self, options: GenerationOptions | None = None) -> None:
+        """InputError naming the fix where this bundle is a text model, or `options` ask for
+        what only text generation does."""
         if self.audio is None:
             raise InputError("this bundle is a text model: transcription needs a speech bundle "
                              "(Whisper), built with `specexport build --target "
                              "openai/whisper-base --draft ...`; give text to `specrun "
                              "generate`")
+        if options is not None and options.response_format is not None:
+            raise FieldError("response_format", "response_format constrains text generation; "
+                                                "a transcription takes none")
+
+    def text_only(self) -> None:
+        """InputError naming the fix where this bundle is a speech model."""
+        if self.audio is not None:
+            raise InputError("this bundle is a speech model (Whisper): it transcribes audio, "
+                             "it does not continue text; use `specrun transcribe AUDIO` or "
+                             "Generator.transcribe(audio)")
 
     def transcribe(self, audio, options: GenerationOptions | None = None, *,
                    language: str | None = None, task: str = "transcribe", cancel=None,
@@ -117,16 +121,18 @@ class SpeechRequests:
 
     def _first_row(self, features: np.ndarray) -> np.ndarray:
         """The target's logits after <|startoftranscript|> for these features. The target
-        keeps their encoding for the request about to be made of them (`_encode`)."""
+        keeps their encoding, which the request about to be made of them reads (`_encode`)."""
         self._not_streaming_here()
         with self._lock:
-            t0 = self.clock()
+            self._encoded(features)
+            start = np.asarray([self.decoder_start_token_id], np.int64)
+            return np.asarray(self.target.forward(start, 0, 1)[-1], np.float64)
+
+    def _encoded(self, features: np.ndarray) -> None:
+        """The target's encoding of `features`, made unless it holds it already."""
+        if not self.target.holds(features):
             self.target.reset()
             self.target.encode_source(features)
-            start = np.asarray([self.decoder_start_token_id], np.int64)
-            row = np.asarray(self.target.forward(start, 0, 1)[-1], np.float64)
-            self._detected = (features, self.clock() - t0)
-            return row
 
     def decoder_rows(self, features: np.ndarray, ids, count: int) -> np.ndarray:
         """The target's logits [count, V] at the last `count` positions of the decoder fed
@@ -136,13 +142,7 @@ class SpeechRequests:
         self._not_streaming_here()
         ids = np.asarray(ids, np.int64)
         with self._lock:
-            t0 = self.clock()
-            before = 0.0
-            if self._detected is not None and self._detected[0] is features:
-                before = self._detected[1]
-            else:
-                self.target.reset()
-                self.target.encode_source(features)
+            self._encoded(features)
             chunk = max(1, getattr(self.target, "prefill_chunk", len(ids)) or len(ids))
             rows = []
             for at in range(0, len(ids), chunk):
@@ -152,5 +152,4 @@ class SpeechRequests:
                     rows.append(np.asarray(self.target.forward(part, at, wanted), np.float64))
                 else:
                     self.target.forward(part, at, 1)
-            self._detected = (features, self.clock() - t0 + before)
             return np.concatenate(rows)[-count:]

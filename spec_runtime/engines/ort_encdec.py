@@ -12,6 +12,8 @@ its stale slots invisible.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..bundle.contract import FEATURES
@@ -46,6 +48,7 @@ class OrtEncDecEngine(OrtEngine):
             self._encoder_binding.bind_output(name, self.device.memory, self.device.device_id)
         self.cross: dict = {}  # this request's cross K/V (OrtValues), bound as decoder inputs
         self.encoded = False
+        self.encode_seconds = 0.0  # what the last encode_source took
 
     @classmethod
     def open(cls, decoder_path, graph: GraphEntry, encoder_path, encoder_graph: GraphEntry, *,
@@ -99,6 +102,8 @@ class OrtEncDecEngine(OrtEngine):
         """Run the encoder on one request's source: its token ids, or a speech encoder's
         features [n_mels, frames] (audio.log_mel); its cross K/V serve every forward until the
         next encode_source."""
+        t0 = time.perf_counter()
+        self.encoded = False  # until the encoder has run on what _source now holds
         if self.audio:
             self._encode_features(source)
         else:
@@ -108,6 +113,20 @@ class OrtEncDecEngine(OrtEngine):
         for name, value in self.cross.items():
             self._binding.bind_ortvalue_input(name, value)
         self.encoded = True
+        self.encode_seconds = time.perf_counter() - t0
+
+    def holds(self, source) -> bool:
+        """Whether the cross K/V bound now are this engine's encoding of `source`: the source
+        it last encoded, compared by value (a caller may fill one array again and again)."""
+        if not self.encoded:
+            return False
+        if self.audio:
+            x = np.asarray(source, dtype=np.float32)
+            return x.size == self._source.size and np.array_equal(
+                x.reshape(self._source.shape[1:]), self._source[0])
+        ids = np.asarray(source, dtype=np.int64).reshape(-1)
+        return len(ids) == int(self._source_mask.sum()) and \
+            np.array_equal(self._source[0, :len(ids)], ids)
 
     @property
     def source_mask(self) -> np.ndarray:
@@ -116,8 +135,10 @@ class OrtEncDecEngine(OrtEngine):
 
     def use_encoding_of(self, other: "OrtEncDecEngine") -> None:
         """Read `other`'s encoding of its source, as if this engine had encoded it (nothing is
-        copied but the mask): engines checked over one source (lanes.check_lanes)."""
+        copied but the mask, and the source, which `holds` reads): engines checked over one
+        source (lanes.check_lanes)."""
         self._source_mask[:] = other._source_mask
+        self._source[:] = other._source
         if not self.audio:
             self._binding.bind_cpu_input("source_mask", self._source_mask)
         self.cross = other.cross
