@@ -215,7 +215,17 @@ FLAGS = _flags()
 
 def read_prompt(prompt, prompt_file, bundle):
     """The prompt: the argument, else --prompt-file, else stdin; a file or stdin is read up to
-    what the bundle's cache can use (spec_runtime.limits.read_prompt), never to its end."""
+    what the bundle's cache can use (spec_runtime.limits.read_prompt), never to its end. An
+    empty one is refused now, before the bundle loads."""
+    from spec_runtime.text import EMPTY_PROMPT
+
+    text = _read_prompt(prompt, prompt_file, bundle)
+    if text == "":
+        raise BadInput(EMPTY_PROMPT)
+    return text
+
+
+def _read_prompt(prompt, prompt_file, bundle):
     if prompt is not None and prompt_file is not None:
         raise BadInput("give the prompt as an argument or --prompt-file, not both")
     if prompt is not None:

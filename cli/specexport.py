@@ -26,7 +26,8 @@ def bundle_option(fn):
 @click.version_option(package_name="draftproof", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx):
-    """Export Hugging Face models to ONNX bundles for exact speculative decoding: `specexport
+    """Export a target and a draft model (a GGUF file, a Hugging Face id or a local directory)
+    to ONNX bundles for exact speculative decoding: `specexport
     build` writes a bundle (the embedded default SmolLM2-135M-Instruct without options),
     `specexport verify` re-checks one against PyTorch, `specexport engine` builds TensorRT
     engines for one."""

@@ -212,7 +212,7 @@ def loading_errors(spec: ModelSpec):
                 f"{named} is a Hugging Face id, but {offline}, and the model is not in "
                 f"the local Hugging Face cache: pass a "
                 f"local directory instead (download it where the hub is reachable, e.g. "
-                f"`huggingface-cli download {spec.source} --local-dir DIR`, copy DIR here and "
+                f"`hf download {spec.source} --local-dir DIR`, copy DIR here and "
                 f"give {spec.option or '--target'} DIR), or a .gguf file") from None
         if local:
             raise BuildError(f"cannot load a model from {named}: {reason}; give a "

@@ -36,7 +36,7 @@ from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
 from .decode.sampling import SamplingParams, check_sampling
 from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
-from .text import BYTES_PROMPT, check_text, texts, token_list
+from .text import BYTES_PROMPT, EMPTY_PROMPT, check_text, texts, token_list
 from .speech_requests import SpeechRequests
 
 
@@ -208,7 +208,7 @@ class Generator(SpeechRequests):
                     f"prompt token id {bad[0]!r} is out of the vocabulary [0, {self.vocab_size})"
                 )
         if not ids:
-            raise InputError("the prompt is empty: give at least one token of text")
+            raise InputError(EMPTY_PROMPT)
         return np.asarray(ids, dtype=np.int64)
 
     def detokenize(self, tokens: Sequence[int]) -> str | None:
@@ -293,7 +293,7 @@ class Generator(SpeechRequests):
             raise InputError(BYTES_PROMPT)
         if isinstance(prompt, str) and not prompt:
             # refused before the chat template, which would wrap "" into a non-empty prompt
-            raise InputError("the prompt is empty: give at least one token of text")
+            raise InputError(EMPTY_PROMPT)
         messages = isinstance(prompt, (list, tuple)) and bool(prompt) \
             and all(isinstance(m, dict) for m in prompt)
         if messages and chat is False:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import FieldError, InputError
 
+EMPTY_PROMPT = "the prompt is empty: give at least one token of text"
 BYTES_PROMPT = ("the prompt is bytes: decode it to text first (prompt.decode('utf-8')), or pass "
                 "token ids as a list of integers")
 

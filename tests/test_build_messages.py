@@ -4,10 +4,12 @@ written with a warning, and the libraries' own chatter stays out of the build's 
 
 import json
 import logging
+import re
 import shutil
 import socket
 import subprocess
 import sys
+from importlib.metadata import entry_points
 
 import pytest
 from helpers import assert_input_error, edit_manifest, run
@@ -40,6 +42,14 @@ def test_an_unreachable_hub_is_said_at_once_with_the_local_alternative(no_hub, t
                        "pass a local directory", "--target DIR")
     assert "Retrying" not in r.output  # no rounds of retries before the answer
     assert not (tmp_path / "b").exists()
+    # the command it suggests is one the installed huggingface_hub has
+    suggested = re.search(r"`(hf download \S+) --local-dir DIR`", r.output)
+    assert suggested, r.output
+    hf = [e for e in entry_points(group="console_scripts") if e.name == "hf"]
+    assert hf, "the installed huggingface_hub has no `hf` command"
+    run_hf = (f"import sys; from {hf[0].module} import {hf[0].attr} as hf; "
+              f"sys.argv = ['hf', 'download', '--help']; hf()")
+    assert subprocess.run([sys.executable, "-c", run_hf], capture_output=True).returncode == 0
 
 
 def test_offline_mode_is_named_as_the_reason(no_hub, monkeypatch, tmp_path):

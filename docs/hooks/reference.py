@@ -1,6 +1,6 @@
-"""MkDocs hooks: the CLI reference made from click's own help at build time (so it never
-drifts from the tools), and the benchmark reports of benchmarks/results/ served under results/
-(the performance page links to them and shows their plots)."""
+"""MkDocs hooks: the benchmark reports of benchmarks/results/ served under results/
+(the performance page links to them and shows their plots; a page's links to
+../benchmarks/results/, which resolve in the repository, point there in the site)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-MARKER = "<!-- cli-reference -->"
+CLI_PAGE = ROOT / "docs" / "cli.md"
 
 
 def on_files(files, config):
@@ -24,9 +24,17 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    if MARKER not in markdown:
-        return markdown
-    return markdown.replace(MARKER, cli_reference())
+    """The pages link the reports where they live in the repository (../benchmarks/results/,
+    which the forge shows); the site serves them under results/."""
+    return markdown.replace("](../benchmarks/results/", "](results/")
+
+
+def cli_page() -> str:
+    """docs/cli.md: every command's help as the tools print it (`python docs/hooks/reference.py`
+    writes it; tests/test_docs_agree.py holds the page to the tools)."""
+    return ("# CLI reference\n\nThe help of every command, as `specexport --help` and `specrun "
+            "COMMAND --help` print it\n(`python docs/hooks/reference.py` writes this page from the "
+            "tools themselves).\n\n" + cli_reference())
 
 
 def cli_reference() -> str:
@@ -47,3 +55,8 @@ def cli_reference() -> str:
                                     terminal_width=100)
             out.append(f"### {name} {sub}\n\n```text\n{command.get_help(sub_ctx)}\n```\n")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    CLI_PAGE.write_text(cli_page())
+    print(f"wrote {CLI_PAGE}")

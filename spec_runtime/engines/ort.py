@@ -82,7 +82,7 @@ def physical_cores() -> int:
 
 
 GPU_INSTALL = ("install onnxruntime-gpu in place of onnxruntime (`pip uninstall -y onnxruntime "
-               "&& pip install onnxruntime-gpu`; on a Jetson, NVIDIA's wheel: README, GPUs)")
+               "&& pip install onnxruntime-gpu`; on a Jetson, NVIDIA's wheel: docs/gpus.md)")
 
 
 def require_provider(dev: Device) -> Device:
