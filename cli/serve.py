@@ -196,8 +196,8 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
           pid_file, use_ray, replicas, ray_address, device, draft_device, threads):
     """Serve the bundle over the OpenAI HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming as server-sent events) for a text bundle, POST
-    /v1/audio/transcriptions for a speech bundle, GET /v1/models, /health and /metrics
-    (Prometheus). Needs the serve extra: pip install "draftproof[serve]", or
+    /v1/audio/transcriptions for a speech bundle, GET /v1/models, POST /tokenize and
+    /detokenize (the bundle's tokenizer), GET /health and /metrics (Prometheus). Needs the serve extra: pip install "draftproof[serve]", or
     pip install -e ".[serve]" in a checkout."""
     try:
         import fastapi  # noqa: F401

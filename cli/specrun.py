@@ -17,6 +17,7 @@ from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
                       no_draft_option, parse_gammas, read_prompt, sampling_options)
 from .serve import serve
+from .tokens import tokenize
 
 
 
@@ -524,6 +525,7 @@ def where():
 
 
 main.add_command(serve)
+main.add_command(tokenize)
 
 if __name__ == "__main__":
     main()

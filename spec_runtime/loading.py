@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bundle.files import check_file_hashes, check_unchanged, snapshot
+from .bundle.files import check_file_hash, check_file_hashes, check_unchanged, snapshot
 from .bundle.manifest import MANIFEST, REBUILD, read_manifest
 from .bundle.reader import check_tokenizer, default_bundle_dir, load_tokenizer
 from .chat import compile_chat_template
@@ -114,6 +114,19 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         lanes=lanes,
         draft_lanes=draft_lanes,
     )
+
+
+def open_tokenizer(bundle_dir=None):
+    """A bundle's tokenizer alone (`specrun tokenize`), checked as `load_bundle` checks it (its
+    file's sha256, the manifest's special tokens), no graph opened."""
+    bundle_dir = Path(bundle_dir) if bundle_dir is not None else default_bundle_dir()
+    manifest = read_manifest(bundle_dir, check_files=False)
+    tok = manifest.tokenizer
+    entry = manifest.files[tok.file]
+    check_file_hash(bundle_dir, tok.file, {"bytes": entry.bytes, "sha256": entry.sha256})
+    tokenizer = load_tokenizer(bundle_dir / tok.file)
+    check_tokenizer(tokenizer, tok)
+    return tokenizer
 
 
 def check_generation(generation: dict | None) -> None:

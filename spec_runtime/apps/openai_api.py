@@ -159,10 +159,16 @@ def parse_completion(body: Any, model_name: str) -> Job:
                **parse_common(req, model_name))  # OpenAI's default max_tokens
 
 
+def message_dicts(messages) -> list[dict]:
+    """Request messages as the chat template reads them: {"role", "content"}, a list of text
+    parts joined into one string."""
+    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+             "".join(p.text for p in m.content)} for m in messages]
+
+
 def parse_chat(body: Any, model_name: str) -> Job:
     req = validated(ChatCompletionRequest, body)
-    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                 "".join(p.text for p in m.content)} for m in req.messages]
+    messages = message_dicts(req.messages)
     top = req.top_logprobs
     _in_range("top_logprobs", top, MAX_TOP_LOGPROBS)
     if top and not req.logprobs:

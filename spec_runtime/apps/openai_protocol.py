@@ -208,6 +208,26 @@ def locate(model: type[BaseModel], loc: tuple, body) -> tuple[str, str | None, A
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize: text (`prompt`, as vLLM names it, or `content`, as llama-server does) or
+    chat messages (rendered through the bundle's chat template, as a chat request's prompt is)
+    -> its token ids."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    content: Text | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = Field(True, description="the tokenizer's own special tokens "
+                                                       "(a BOS) around text")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize: token ids -> their text (special tokens skipped, as in responses)."""
+
+    model: Text | None = None
+    tokens: list[int]
+
+
 class TranscriptionForm(BaseModel):
     """POST /v1/audio/transcriptions' fields other than the file, as a multipart form sends
     them: text, from which numbers and booleans are read (lax, unlike the JSON routes); an

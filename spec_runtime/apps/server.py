@@ -4,6 +4,7 @@
     POST /v1/chat/completions   messages through the bundle's chat template
     POST /v1/audio/transcriptions   a speech bundle's: audio in (multipart), its text out
     GET  /v1/models             the one model this server serves
+    POST /tokenize, /detokenize the bundle's tokenizer: text or messages to ids, ids to text
     GET  /health                200 while the server takes requests
     GET  /metrics               Prometheus text format
 
@@ -66,8 +67,9 @@ INTAKE_THREADS = 2  # uploads decoded at once, each holding what reading one aud
 RETRY_AFTER_S = 1
 DRAIN_SECONDS = 30.0
 MAX_CHAT_TOKENS = 4096  # a chat request without max_tokens: the rest of the context, at most this
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # behind the API key, as /v1/ is
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/audio/transcriptions", "/v1/models",
-          "/health", "/metrics")
+          "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 def check_count(name: str, value, low: int) -> int:
@@ -199,6 +201,22 @@ def _routes(app, server: "Server") -> None:
     async def _transcriptions(request: Request):
         return await server.transcribe(request)
 
+    @app.post("/tokenize")
+    async def _tokenize(request: Request):
+        from .tokenizer_api import tokenize
+
+        out = tokenize(server.gen, await read_json(request), server.model_name)
+        server.metrics.requests.labels("/tokenize", "200").inc()
+        return out
+
+    @app.post("/detokenize")
+    async def _detokenize(request: Request):
+        from .tokenizer_api import detokenize
+
+        out = detokenize(server.gen, await read_json(request), server.model_name)
+        server.metrics.requests.labels("/detokenize", "200").inc()
+        return out
+
 
 class Server:
     """One loaded bundle served: its slots and metrics, the requests in flight, the drain, and
@@ -241,7 +259,7 @@ class Server:
 
         path, method = scope["path"], scope["method"]
         headers = Headers(scope=scope)
-        if self.api_key is not None and path.startswith("/v1/"):
+        if self.api_key is not None and (path.startswith("/v1/") or path in TOKENIZER_ROUTES):
             if headers.get("authorization", "") != f"Bearer {self.api_key}":
                 return self.error_response(APIError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",

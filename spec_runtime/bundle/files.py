@@ -128,22 +128,27 @@ def check_inside(bundle_dir: Path, names: list[str]) -> None:
                               f"{REBUILD}")
 
 
+def check_file_hash(bundle_dir: Path, name: str, info: dict) -> str:
+    """The sha256 of the bundle's file `name`, which must have the size and sha256 the
+    manifest's `info` records."""
+    path = bundle_dir / name
+    size = regular_file(path, name).st_size
+    if size != info["bytes"]:
+        raise BundleError(f"bundle file {name!r} has {size} bytes, the manifest says "
+                          f"{info['bytes']} (truncated or replaced); {REBUILD}")
+    try:
+        digest = sha256_file(path)
+    except OSError as e:
+        raise unreadable(path, e) from None
+    if digest != info["sha256"]:
+        raise BundleError(f"bundle file {name!r} does not match its sha256 in the manifest "
+                          f"(corrupt or edited); {REBUILD}")
+    return digest
+
+
 def check_file_hashes(bundle_dir: Path, manifest: dict) -> None:
-    hashes: dict[str, str] = {}
-    for name, info in manifest["files"].items():
-        path = bundle_dir / name
-        size = regular_file(path, name).st_size
-        if size != info["bytes"]:
-            raise BundleError(f"bundle file {name!r} has {size} bytes, the manifest says "
-                              f"{info['bytes']} (truncated or replaced); {REBUILD}")
-        try:
-            digest = sha256_file(path)
-        except OSError as e:
-            raise unreadable(path, e) from None
-        if digest != info["sha256"]:
-            raise BundleError(f"bundle file {name!r} does not match its sha256 in the manifest "
-                              f"(corrupt or edited); {REBUILD}")
-        hashes[name] = digest
+    hashes = {name: check_file_hash(bundle_dir, name, info)
+              for name, info in manifest["files"].items()}
     graphs = [(f"{role}.graphs.{g}", spec["file"]) for role in ("target", "draft")
               for g, spec in (manifest[role].get("graphs") or {}).items()]
     for i, (where, f) in enumerate(graphs):
