@@ -146,6 +146,69 @@ def sampling_options(setting: dict | None = None, helps: dict | None = None):
     return decorate
 
 
+def structured_options(fn):
+    """--system, --json-object and --json-schema: what a prompt says besides its text, and the
+    form of the answer (OpenAI's response_format, enforced by the grammar engine)."""
+    fn = click.option("--json-schema", "json_schema", default=None, metavar="SCHEMA",
+                      help="answer with JSON that this JSON Schema accepts: the schema inline "
+                           "({...}) or a file holding it (llama.cpp's -j; OpenAI's "
+                           "response_format json_schema) [default: any text]")(fn)
+    fn = click.option("--json-object", is_flag=True,
+                      help="answer with one JSON object (OpenAI's JSON mode) [default: any "
+                           "text]")(fn)
+    return click.option("--system", default=None,
+                        help="a system message before the prompt, which then goes through the "
+                             "chat template as the user's message [default: none, the chat "
+                             "template's own if it has one]")(fn)
+
+
+def response_format_of(json_object: bool, json_schema: str | None) -> dict | None:
+    """--json-object / --json-schema as OpenAI's response_format, its schema checked now,
+    before the bundle loads."""
+    import json
+
+    from spec_runtime.decode.constraint import grammar_of
+    from spec_runtime.errors import InputError
+
+    if json_object and json_schema is not None:
+        raise BadInput("--json-object asks for any JSON object and --json-schema for one a "
+                       "schema accepts: give one of them")
+    if json_schema is None:
+        return {"type": "json_object"} if json_object else None
+    text, where = json_schema, "--json-schema"
+    if not json_schema.lstrip().startswith(("{", "[")):
+        where = f"--json-schema {json_schema!r}"
+        try:
+            with open(json_schema, encoding="utf-8") as f:
+                text = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or "not UTF-8 text"
+            raise BadInput(f"{where} cannot be read ({why}): give a JSON Schema inline, "
+                           f"{{...}}, or a file holding one") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise BadInput(f"{where} is not JSON ({e}): give a JSON Schema object") from None
+    if not isinstance(schema, dict):
+        raise BadInput(f"{where} is not a JSON object: a JSON Schema is one ({{\"type\": ...}})")
+    response_format = {"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}}
+    try:
+        grammar_of(response_format)
+    except InputError as e:
+        raise BadInput(f"{where}: {e}") from None
+    return response_format
+
+
+def with_system(text: str, system: str | None, chat: bool | None):
+    """The prompt with --system before it: the two as messages (through the chat template)."""
+    if system is None:
+        return text
+    if chat is False:
+        raise BadInput("--system is a message of a conversation, which --no-chat leaves out: "
+                       "drop one of them")
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
+
+
 def parse_gammas(value: str) -> list:
     """bench's --gamma: comma-separated γ values (gamma.parse_gamma each; their range is the
     bundle's, checked when it is loaded)."""
@@ -203,13 +266,14 @@ def _flags() -> dict:
     from spec_runtime.decode.sampling import cli_flag
 
     return {**{name: cli_flag(name) for name in OPTION_NAMES}, "use_draft": "--no-draft",
+            "response_format": "--json-schema",
             **{name: cli_flag(name) for name in ("threads", "slots", "host", "port", "language",
                                                  "task")}}
 
 
 # a request field (GenerationOptions') -> the option that sets it: the field's name with dashes,
-# but use_draft, which --no-draft turns off; and the load's, the server's and a transcription's
-# values
+# but use_draft, which --no-draft turns off, and response_format, which --json-schema sets; and
+# the load's, the server's and a transcription's values
 FLAGS = _flags()
 
 

@@ -15,7 +15,8 @@ import click
 from .common import BadInput, BundleCommand, input_errors
 from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
-                      no_draft_option, parse_gammas, read_prompt, sampling_options)
+                      no_draft_option, parse_gammas, read_prompt, response_format_of,
+                      sampling_options, structured_options, with_system)
 from .serve import serve
 from .tokens import tokenize
 
@@ -66,22 +67,27 @@ def main(ctx):
 @click.option("--chat/--no-chat", default=None,
               help="apply the bundle's chat template to the prompt [default: on when the bundle "
                    "has one]")
+@structured_options
 @click.option("--stream", is_flag=True, help="print the text as it is generated")
 @json_option("print one JSON object (tokens, text, stats); with --stream, one JSON object per "
              "line: {\"text\": piece} per piece, then the whole text and stats")
 @device_options
 @input_errors
 def generate(prompt, prompt_file, prompts_file, bundle, stream, as_json, device, draft_device,
-             threads, **request):
+             threads, system, json_object, json_schema, **request):
     """Generate a continuation of PROMPT (or --prompt-file, or stdin), or of every prompt of
     --prompts FILE."""
     import spec_runtime
 
-    options = generation_options(**request)
+    options = generation_options(**request,
+                                 response_format=response_format_of(json_object, json_schema))
     if prompts_file is not None:
+        if system is not None:
+            raise BadInput("--system goes with one prompt; --prompts lines are prompts of "
+                           "their own: put the system message in each line's text")
         return generate_many(prompts_file, prompt, prompt_file, stream, options, bundle,
                              device=device, draft_device=draft_device, threads=threads)
-    text = read_prompt(prompt, prompt_file, bundle)
+    text = with_system(read_prompt(prompt, prompt_file, bundle), system, options.chat)
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     req = in_cli_words(gen.request, text, options)
     if not stream:
