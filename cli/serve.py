@@ -168,9 +168,10 @@ def _unwritable(path: Path, e: OSError) -> BadInput:
 @click.option("--api-key", envvar=API_KEY_ENV, default=None,
               help="require 'Authorization: Bearer KEY' on /v1/ [default: $DRAFTPROOF_API_KEY, "
                    "else none]")
-@click.option("--model-name", default=None,
-              help="the name clients send as `model` [default: the target's file or "
-                   "repository name]")
+@click.option("--model-name", multiple=True,
+              help="a name clients may send as `model`; repeat it for more (vLLM's "
+                   "--served-model-name): /v1/models lists them, responses carry the first "
+                   "[default: the target's file or repository name]")
 @click.option("--drain-seconds", type=FiniteFloat(0), default=30.0, show_default=True,
               help="on SIGTERM or Ctrl-C, how long requests in flight may finish before they "
                    "are cancelled (each gets an error), >= 0")
@@ -213,6 +214,10 @@ def serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, 
     elif threads is not None:
         raise BadInput(f"--threads {threads} applies to one server process; with --ray each "
                        f"replica takes its own machine's cores: leave --threads out")
+    if model_name:  # the names checked before the load
+        from spec_runtime.apps.openai_api import model_names
+
+        in_cli_words(model_names, model_name, None)
     with pid_file_of(pid_file):
         _serve(bundle, host, port, slots, queue, api_key, model_name, drain_seconds, log_level,
                use_ray, replicas, ray_address, device, draft_device, threads)

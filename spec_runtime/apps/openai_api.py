@@ -116,18 +116,20 @@ class Job:
 OPTIONS = SAMPLING_NAMES + ("gamma", "use_draft", "response_format")
 
 
-def check_model(model: str | None, model_name: str) -> None:
-    """Every route's `model`: this server's, or absent; else OpenAI's 404."""
-    if model is not None and model != model_name:
+def check_model(model: str | None, names) -> None:
+    """Every route's `model`: one of this server's names (`names`: a name, or several), or
+    absent; else OpenAI's 404."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if model is not None and model not in names:
         raise APIError(404, f"The model {model!r} does not exist: this server serves "
-                            f"{model_name!r} (GET /v1/models)", param="model",
+                            f"{', '.join(map(repr, names))} (GET /v1/models)", param="model",
                        code="model_not_found")
 
 
-def parse_common(req: CommonRequest, model_name: str) -> dict:
+def parse_common(req: CommonRequest, model_names) -> dict:
     """What the API allows of the fields both routes take (their values' ranges are the
     library's: Server.check), as Job's fields."""
-    check_model(req.model, model_name)
+    check_model(req.model, model_names)
     if req.n not in (None, 1):
         raise APIError(400, f"n {req.n} is not supported: use n = 1 (send several requests for "
                             f"several choices)", param="n", code="invalid_value")
@@ -148,7 +150,7 @@ def parse_common(req: CommonRequest, model_name: str) -> dict:
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
-def parse_completion(body: Any, model_name: str) -> Job:
+def parse_completion(body: Any, model_names) -> Job:
     req = validated(CompletionRequest, body)
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -156,7 +158,7 @@ def parse_completion(body: Any, model_name: str) -> Job:
     logprobs = None if req.logprobs is False else req.logprobs
     _in_range("logprobs", logprobs, MAX_COMPLETION_LOGPROBS)
     return Job(prompt=prompt, chat=bool(req.chat), default_max_tokens=16, logprobs=logprobs,
-               **parse_common(req, model_name))  # OpenAI's default max_tokens
+               **parse_common(req, model_names))  # OpenAI's default max_tokens
 
 
 def message_dicts(messages) -> list[dict]:
@@ -166,7 +168,7 @@ def message_dicts(messages) -> list[dict]:
              "".join(p.text for p in m.content)} for m in messages]
 
 
-def parse_chat(body: Any, model_name: str) -> Job:
+def parse_chat(body: Any, model_names) -> Job:
     req = validated(ChatCompletionRequest, body)
     messages = message_dicts(req.messages)
     top = req.top_logprobs
@@ -175,7 +177,7 @@ def parse_chat(body: Any, model_name: str) -> Job:
         raise APIError(400, "top_logprobs needs logprobs: set \"logprobs\": true",
                        param="top_logprobs", code="invalid_value")
     return Job(prompt=messages, chat=True, prompt_field="messages",
-               logprobs=(top or 0) if req.logprobs else None, **parse_common(req, model_name))
+               logprobs=(top or 0) if req.logprobs else None, **parse_common(req, model_names))
 
 
 def _in_range(name: str, value, high: int) -> None:
@@ -306,6 +308,21 @@ class StreamEvents:
 # the name of a model without one (a Generator made without a manifest): clients send it back as
 # `model`, which must match
 FALLBACK_MODEL_NAME = "draftproof"
+
+
+def model_names(given, manifest) -> tuple[str, ...]:
+    """The names clients may send as `model` (vLLM's --served-model-name): `given`, a name or
+    several (the first is the one responses carry), else the bundle's default_model_name;
+    InputError for an empty or repeated one."""
+    names = (given,) if isinstance(given, str) else tuple(given or ())
+    if not names:
+        return (default_model_name(manifest),)
+    bad = next((n for n in names if not isinstance(n, str) or not n.strip()), None)
+    if bad is not None or len(set(names)) < len(names):
+        what = f"{bad!r} is not a name" if bad is not None else "a name is given twice"
+        raise FieldError("model_name", f"model_name: {what}: give each name once, as "
+                                       f"non-empty text")
+    return names
 
 
 def default_model_name(manifest) -> str:

@@ -58,7 +58,7 @@ from pathlib import Path
 
 from ..engines.devices import device as device_entry
 from ..errors import InputError, install_extra
-from .openai_api import default_model_name
+from .openai_api import model_names
 from .run_server import bind_sockets, close
 from .server import RETRY_AFTER_S, check_count, check_number, create_app
 
@@ -110,7 +110,7 @@ def build_application(bundle_dir, **options):
 
 
 def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 16,
-                 api_key: str | None = None, model_name: str | None = None,
+                 api_key: str | None = None, model_name=None,
                  device: str = "cpu", draft_device: str | None = None,
                  drain_seconds: float = 30.0, num_cpus: float | None = None,
                  health_check_period_s: float = HEALTH_CHECK_PERIOD_S):
@@ -130,11 +130,9 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise InputError("api_key is invalid: use a non-empty string, or leave it out")
     bundle, manifest = _bundle(bundle_dir)
-    if model_name is None:
-        model_name = default_model_name(manifest)
+    names = model_names(model_name, manifest)
     config = dict(slots=slots, queue=queue, api_key=api_key, device=device,
-                  draft_device=draft_device, model_name=model_name,
-                  drain_seconds=drain_seconds)
+                  draft_device=draft_device, model_name=names, drain_seconds=drain_seconds)
 
     def build_asgi_app():  # Ray calls this on each replica, as the replica starts
         return _replica_app(bundle, config)
@@ -169,7 +167,7 @@ def _application(bundle_dir, *, replicas: int = 1, slots: int = 1, queue: int = 
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=drain_seconds,
         ray_actor_options=actor_options or None)
-    return deployment.bind(), model_name
+    return deployment.bind(), names[0]
 
 
 def app_builder(args: dict):

@@ -54,8 +54,8 @@ from ..request import GenerationOptions
 from .plumbing import (CLIENT_GONE, MAX_BODY_BYTES, Gate, client_gone, disconnected,
                        read_json, streamed_response)
 from .metrics import Metrics
-from .openai_api import (APIError, Job, StreamEvents, completion_body, default_model_name,
-                         input_error, parse_chat, parse_completion)
+from .openai_api import (APIError, Job, StreamEvents, completion_body, input_error, model_names,
+                         parse_chat, parse_completion)
 from .openai_protocol import ModelCard, ModelList
 from .slots import Decode, Overloaded, Slots
 from .transcriptions import MAX_AUDIO_BYTES, ROUTE as TRANSCRIPTIONS, require_form_uploads
@@ -185,16 +185,17 @@ def _routes(app, server: "Server") -> None:
     @app.get("/v1/models")
     async def _models():
         server.metrics.requests.labels("/v1/models", "200").inc()
-        return ModelList(data=[ModelCard(id=server.model_name, created=server.created)])
+        return ModelList(data=[ModelCard(id=name, created=server.created)
+                               for name in server.model_names])
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
-        job = parse_completion(await read_json(request), server.model_name)
+        job = parse_completion(await read_json(request), server.model_names)
         return await server.run(request, job, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def _chat_completions(request: Request):
-        job = parse_chat(await read_json(request), server.model_name)
+        job = parse_chat(await read_json(request), server.model_names)
         return await server.run(request, job, "/v1/chat/completions")
 
     @app.post(TRANSCRIPTIONS)
@@ -205,7 +206,7 @@ def _routes(app, server: "Server") -> None:
     async def _tokenize(request: Request):
         from .tokenizer_api import tokenize
 
-        out = tokenize(server.gen, await read_json(request), server.model_name)
+        out = tokenize(server.gen, await read_json(request), server.model_names)
         server.metrics.requests.labels("/tokenize", "200").inc()
         return out
 
@@ -213,7 +214,7 @@ def _routes(app, server: "Server") -> None:
     async def _detokenize(request: Request):
         from .tokenizer_api import detokenize
 
-        out = detokenize(server.gen, await read_json(request), server.model_name)
+        out = detokenize(server.gen, await read_json(request), server.model_names)
         server.metrics.requests.labels("/detokenize", "200").inc()
         return out
 
@@ -225,8 +226,9 @@ class Server:
     def __init__(self, gen, *, slots: int, queue: int, api_key: str | None,
                  model_name: str | None, drain_seconds: float):
         self.gen = gen
-        self.model_name = model_name if model_name is not None else \
-            default_model_name(gen.manifest)
+        # the names clients may send as `model`; responses carry the first
+        self.model_names = model_names(model_name, gen.manifest)
+        self.model_name = self.model_names[0]
         self.pool = Slots(gen, slots, queue)
         self.metrics = Metrics(self.pool)
         self.api_key = api_key
@@ -409,7 +411,7 @@ class Server:
 
         form = await read_form(request)
         try:
-            job, upload = parse_transcription(form, self.model_name)
+            job, upload = parse_transcription(form, self.model_names)
             await asyncio.get_running_loop().run_in_executor(
                 self.intake_pool, make_request, self.gen, job, upload)
         finally:

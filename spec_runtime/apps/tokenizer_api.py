@@ -18,9 +18,9 @@ from .openai_api import APIError, check_model, message_dicts, validated
 from .openai_protocol import DetokenizeRequest, TokenizeRequest
 
 
-def tokenize(gen, body: Any, model_name: str) -> dict:
+def tokenize(gen, body: Any, model_names) -> dict:
     req = validated(TokenizeRequest, body)
-    check_model(req.model, model_name)
+    check_model(req.model, model_names)
     given = [name for name in ("prompt", "content", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
         raise APIError(400, "give the text as prompt (or content), or the chat as messages: "
@@ -38,9 +38,9 @@ def tokenize(gen, body: Any, model_name: str) -> dict:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": gen.capacity()}
 
 
-def detokenize(gen, body: Any, model_name: str) -> dict:
+def detokenize(gen, body: Any, model_names) -> dict:
     req = validated(DetokenizeRequest, body)
-    check_model(req.model, model_name)
+    check_model(req.model, model_names)
     bad = [t for t in req.tokens if not 0 <= t < gen.vocab_size]
     if bad:
         raise APIError(400, f"tokens holds {bad[0]}, which is not a token id of this model: "

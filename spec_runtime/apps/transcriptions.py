@@ -81,7 +81,7 @@ def close_form(form) -> None:
             value.file.close()
 
 
-def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
+def parse_transcription(form, model_names) -> tuple[Job, dict]:
     """(Job, {"audio": the upload's spooled file, "name", "language", "format"}) of a form
     (openai_protocol.TranscriptionForm); APIError for a field it cannot take."""
     from pydantic import ValidationError
@@ -106,7 +106,7 @@ def parse_transcription(form, model_name: str) -> tuple[Job, dict]:
         given = TranscriptionForm.model_validate(fields)
     except ValidationError as e:
         raise invalid_request(TranscriptionForm, e.errors(), fields) from None
-    check_model(given.model, model_name)
+    check_model(given.model, model_names)
     if given.timestamp_granularities and given.response_format != "verbose_json":
         raise APIError(400, f"timestamp_granularities needs response_format verbose_json, not "
                             f"{given.response_format!r}", param="timestamp_granularities",

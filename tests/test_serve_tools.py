@@ -1,6 +1,7 @@
-"""The bundle's tokenizer for users: `specrun tokenize` and the server's POST /tokenize and
-/detokenize (vLLM's and llama-server's routes), held to transformers' tokenizer of the model the
-bundle was built from, and to the ids a request feeds (Generator.prompt_ids)."""
+"""What llama-server's and vLLM's users reach for first: the bundle's tokenizer (`specrun
+tokenize`, the server's POST /tokenize and /detokenize, held to transformers' tokenizer of the
+model the bundle was built from and to the ids a request feeds, Generator.prompt_ids), and a
+server that answers to several model names."""
 
 import json
 
@@ -101,3 +102,26 @@ def test_the_tokenizer_routes_are_behind_the_api_key(llama_pair):
         r = httpx.post(url + "/tokenize", json={"prompt": TEXT},
                        headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
+
+
+def test_a_server_answers_to_every_model_name_it_is_given(llama_pair):
+    """--model-name repeated (vLLM's --served-model-name): each name is accepted, /v1/models
+    lists them, responses carry the first; any other is a 404 naming them."""
+    with server(llama_pair[2], "--slots", "1", "--model-name", "tiny",
+                "--model-name", "tiny-alias") as (url, _):
+        listed = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert listed == ["tiny", "tiny-alias"]
+        for name in listed:
+            r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": TEXT,
+                                                          "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+        assert_error(httpx.post(url + "/v1/completions", json={"model": "target", "prompt": TEXT}),
+                     404, "'tiny', 'tiny-alias'", code="model_not_found")
+
+
+@pytest.mark.parametrize("names,said", [([""], "'' is not a name"),
+                                         (["a", "a"], "a name is given twice")])
+def test_bad_model_names_are_refused_before_the_load(names, said, tmp_path):
+    args = [a for n in names for a in ("--model-name", n)]
+    r = CliRunner().invoke(specrun, ["serve", "--bundle", str(tmp_path / "none"), *args])
+    assert_input_error(r, "--model-name", said)
