@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
-import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from .journal import will_write
 from .leftovers import clean_stale_temporaries
 from .output import BuildDir, check_out, file_system_errors, resolve_out
 from .quality import check_inputs
+from .progress import Stages
 from .options import MIN_MAX_LEN, BuildOptions, Kernels, OptionError, Precision, not_a_gguf
 from .sources import BuildError, default_target, load_model, model_spec
 
@@ -102,53 +102,15 @@ def request_interrupt(exc: BaseException) -> None:
     _interrupt.append(exc)
 
 
-def _stages(names: list[str], progress: bool):
-    """A progress bar over the build's stages (tqdm, on stderr). Each stage boundary is also the
-    point where a requested interrupt is raised, and where the time and the peak memory so far
-    are taken (`advance.record()`, for the manifest and the summary)."""
-    from tqdm.auto import tqdm
-
+def _stages(names: list[str], progress: bool) -> Stages:
+    """The build's stages (progress.Stages), where a requested interrupt is raised."""
     _interrupt.clear()
-    bar = tqdm(total=len(names), disable=not progress, unit="stage", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    done: list[dict] = []  # {"stage", "seconds", "peak_rss_mb"} of each finished stage
-    current = [None, t0]
 
-    def close_stage():
-        now = time.perf_counter()
-        if current[0] is not None:
-            done.append({"stage": current[0], "seconds": round(now - current[1], 1),
-                         "peak_rss_mb": peak_rss_mb()})
-        current[1] = now
-
-    def advance(name: str):
+    def check():
         if _interrupt:
             raise _interrupt[0]
-        close_stage()
-        current[0] = name
-        bar.set_description_str(name)
-        bar.update(bar.total - bar.n if name == names[-1] else 1)  # stages skipped: done
-        if bar.n == bar.total:
-            bar.close()
 
-    def record() -> dict:
-        close_stage()
-        current[0] = None
-        return {"seconds": round(time.perf_counter() - t0, 1), "peak_rss_mb": peak_rss_mb(),
-                "stages": list(done)}
-
-    advance.record = record
-    return advance
-
-
-def peak_rss_mb() -> int | None:
-    """This process's peak resident memory so far, in MB (None where the OS does not say)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return round(peak / (1e6 if platform.system() == "Darwin" else 1e3))
+    return Stages(names, progress, check)
 
 
 # messages of the libraries a build drives that no specexport user can act on, by the logger
@@ -273,6 +235,8 @@ def build_bundle(*where, options: BuildOptions | None = None, progress: bool = T
                 if _interrupt:
                     raise _interrupt[0] from None
                 raise
+            finally:
+                stage.close()  # the bar ends before any message of how the build ended
             if _interrupt:  # the last point at which stopping leaves the old bundle untouched
                 raise _interrupt[0]
             work.commit()

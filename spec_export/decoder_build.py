@@ -272,6 +272,9 @@ def _write_precision(src: Path, dst: Path, precision: str, *, block_size: int, t
     `precision` to `dst`: the one path every graph of a model takes to its precision (its
     decoder graph and its lanes graph get the same weights). Returns the quantization record."""
     from . import quantize
+    from .progress import note
+
+    note(f"{precision} weights for {dst.name}")
 
     if precision == "int4" and gguf_path is not None:
         from .gguf_blocks import repack_int4

@@ -21,6 +21,7 @@ import torch
 from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
 
 from .journal import will_write
+from .progress import note
 
 ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
 GRAPH_ROOM = 64 * 2**20  # what the graph itself (nodes, names) may take beside the weights
@@ -164,6 +165,7 @@ class WeightFile:
         offset = self.bytes + pad
         self._file.write(memoryview(array).cast("B"))
         self.bytes = offset + array.nbytes
+        note(f"writing {self.path.name}: {self.bytes >> 20} MB")
         t.data_location = onnx.TensorProto.EXTERNAL
         for key, value in (("location", self.path.name), ("offset", str(offset)),
                            ("length", str(array.nbytes))):
@@ -180,6 +182,7 @@ def save_graph(proto: onnx.ModelProto, path: str | os.PathLike) -> bool:
     on one message cannot stay inside the file, and ONNX Runtime reads them from a file beside
     it (inside the bundle directory, where the runtime requires every file to be)."""
     path = Path(path)
+    note(f"writing {path.name}")
     external = sum(t.ByteSize() for t in proto.graph.initializer) >= ONNX_SIZE_LIMIT - GRAPH_ROOM
     will_write(path)
     if external:

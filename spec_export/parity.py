@@ -191,8 +191,11 @@ def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = Non
               name: str = "the graph") -> float:
     """Make `calls` on `engine` in order; the worst |logits - reference| over all of them.
     Logits that are not finite are refused (`name` names the graph)."""
+    from .progress import note
+
     worst = 0.0
-    for c in calls:
+    for i, c in enumerate(calls, 1):
+        note(f"{name}: call {i}/{len(calls)}")
         got = engine.forward(np.asarray(c.ids, np.int64), c.position, c.num_logits)
         require_finite(got, f"{name}: the exported graph's logits", GRAPH_NOT_FINITE)
         diff = float(np.abs(got - c.want).max())
