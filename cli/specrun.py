@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
@@ -356,6 +357,7 @@ class _Progress:
 
     def __init__(self, total: int, label: str):
         self.total, self.label, self.done = total, label, 0
+        self.t0 = time.monotonic()
         self.bar = None
         if sys.stderr.isatty():
             self.bar = click.progressbar(length=total, label=label, file=sys.stderr)
@@ -375,7 +377,17 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(n)
         elif self.done // step > before // step or self.done == self.total:
-            click.echo(f"{self.label}: {self.done}/{self.total}", err=True)
+            spent = time.monotonic() - self.t0
+            left = spent * (self.total - self.done) / self.done if self.done else 0.0
+            click.echo(f"{self.label}: {self.done}/{self.total} ({_duration(spent)}"
+                       + (f", about {_duration(left)} left" if self.done < self.total else "")
+                       + ")", err=True)
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 4 min 05 s."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
 
 
 @main.command(cls=BundleCommand)

@@ -244,3 +244,25 @@ def test_check_bad_input_exits_2(llama_pair, args, words):
 def test_check_on_a_missing_bundle_exits_2(tmp_path):
     r = run_cli(tmp_path / "none")
     assert r.exit_code == 2 and "specexport build" in r.output
+
+
+def test_a_tv_above_its_noise_floor_is_said_beside_the_verdict():
+    """The report says why a TV above its noise floor's 95th percentile can stand beside
+    "consistent": the TV exceeds it in 1 run of 20 by chance, and the chi-square decides."""
+    from spec_runtime.apps.check import _tv_words
+
+    row = {"tv": 0.178, "tv_noise_p95": 0.160, "passed": True}
+    assert "1 run of 20" in _tv_words(row) and "chi-square" in _tv_words(row)
+    assert "as the chi-square found" in _tv_words({**row, "passed": False})
+    assert _tv_words({**row, "tv": 0.150}) == ""
+
+
+def test_progress_off_a_terminal_says_the_time_spent_and_left(capsys):
+    from draftproof.cli.specrun import _Progress
+
+    with _Progress(20, "check") as p:
+        for _ in range(20):
+            p.update()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10 and lines[0].startswith("check: 2/20 (0 s, about ")
+    assert all("left" in line for line in lines[:-1]) and lines[-1] == "check: 20/20 (0 s)"
