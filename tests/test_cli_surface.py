@@ -16,7 +16,7 @@ from draftproof.cli.specrun import main as specrun
 
 TOOLS = {"specexport": specexport, "specrun": specrun}
 READS_A_BUNDLE = {("specrun", "generate"), ("specrun", "transcribe"), ("specrun", "chat"),
-                  ("specrun", "bench"),
+                  ("specrun", "bench"), ("specrun", "tokenize"),
                   ("specrun", "check"), ("specrun", "serve"), ("specexport", "verify"),
                   ("specexport", "engine")}
 
@@ -53,8 +53,9 @@ def test_every_command_that_reads_a_bundle_takes_it_as_dash_b(llama_pair):
     found = {(name, sub) for name, sub, c in commands()
              if any("--bundle" in p.opts and "-b" in p.opts for p in c.params)}
     assert found == READS_A_BUNDLE
-    # generate's argument is PROMPT, transcribe's AUDIO
-    for name, sub in READS_A_BUNDLE - {("specrun", "generate"), ("specrun", "transcribe")}:
+    # generate's argument is PROMPT, transcribe's AUDIO, tokenize's TEXT
+    for name, sub in READS_A_BUNDLE - {("specrun", "generate"), ("specrun", "transcribe"),
+                                       ("specrun", "tokenize")}:
         r = CliRunner().invoke(TOOLS[name], [sub, str(llama_pair[2])], prog_name=name)
         assert r.exit_code == 2 and f"{name} {sub} --bundle {llama_pair[2]}" in r.output, r.output
 
