@@ -117,3 +117,10 @@ def test_an_empty_prompt_is_refused_before_the_bundle_loads(tmp_path):
     assert r.exit_code == 2 and "the prompt is empty" in r.output, r.output
     r = CliRunner().invoke(specrun, ["generate", "hello", "--bundle", str(missing)])
     assert r.exit_code == 2 and str(missing) in r.output  # the oracle: the load does refuse
+
+
+def test_the_pages_speak_of_the_software_and_its_machines_not_of_the_project():
+    """A page says what was measured on which machine, not on "this project's" machine."""
+    said = [f"{page.name}: {line.strip()[:60]}" for page in PAGES
+            for line in _prose(page).splitlines() if "this project" in line]
+    assert said == []
