@@ -231,7 +231,7 @@ def transcribe(audio, bundle, language, task, max_new_tokens, timestamps, fmt, o
         options = replace(options, max_new_tokens=transcript_tokens(gen, options.use_draft))
     req = in_cli_words(gen.transcription, audio, options, language=language, task=task)
     result = gen.generate(req)
-    lang = gen.language_of(req)
+    lang = result.language
     if as_json:
         click.echo(json.dumps({"tokens": result.tokens, "text": result.text, "language": lang,
                                "stats": result.stats.to_json()}))

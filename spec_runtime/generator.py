@@ -385,10 +385,11 @@ class Generator(SpeechRequests):
         encode_drafts(self.target, draft_engines(draft), ids)
         return before
 
-    def _rounds(self, request: Request, cancel=None, token_logprobs: list | None = None
-                ) -> Iterator[tuple[np.ndarray, DecodeStats]]:
+    def _rounds(self, request: Request, cancel=None, token_logprobs: list | None = None,
+                ran: list | None = None) -> Iterator[tuple[np.ndarray, DecodeStats]]:
         """Hold the engines and yield each round's tokens; stop after the round in which
-        `cancel` (a threading.Event) is set, with finish_reason "cancelled"."""
+        `cancel` (a threading.Event) is set, with finish_reason "cancelled". `ran` gets the
+        request as it runs: a transcription's with the language it detected."""
         draft = self.draft if request.use_draft else None
         self._not_streaming_here()
         with self._lock:
@@ -405,6 +406,8 @@ class Generator(SpeechRequests):
                         request = self._detected_in(request)
                     stats.encode_time_s = self.clock() - t0 + before
                     recorder.t0 -= before  # the request's time includes language detection
+                if ran is not None:
+                    ran.append(request)
                 state = RequestState(request, recorder, token_logprobs, self._batch_rounds)
                 if self._batch_rounds is not None:
                     self._batch_rounds.add(stats)
@@ -430,17 +433,22 @@ class Generator(SpeechRequests):
         (finish_reason "cancelled")."""
         request = self._request_of(prompt, options, values)
         token_logprobs = [] if request.logprobs is not None else None
+        ran: list = []
         if self.tokenizer is None:  # token ids in, token ids out: no text, no stop strings
             tokens, stats = [], DecodeStats()
-            for new, stats in self._rounds(request, cancel, token_logprobs):
+            for new, stats in self._rounds(request, cancel, token_logprobs, ran):
                 tokens.extend(int(t) for t in new)
-            return _result(tokens, None, stats, token_logprobs)
+            return _result(tokens, None, stats, token_logprobs, self._language(ran))
         text = stats = None
-        rounds = self._rounds(request, cancel, token_logprobs)
+        rounds = self._rounds(request, cancel, token_logprobs, ran)
         for _, text, stats in texts(rounds, self.detokenize, request.stop, live=False,
                                     token_logprobs=token_logprobs):
             pass
-        return _result(text.tokens, text.finish(), stats, token_logprobs)
+        return _result(text.tokens, text.finish(), stats, token_logprobs, self._language(ran))
+
+    def _language(self, ran: list) -> str | None:
+        """The language of the transcription request that ran (`_rounds`' `ran`)."""
+        return self.language_of(ran[0]) if ran and self.audio is not None else None
 
     def stream(self, prompt, options: GenerationOptions | None = None, *, cancel=None,
                **values) -> TextStream:
@@ -457,8 +465,8 @@ class Generator(SpeechRequests):
     def _pieces(self, request: Request, cancel, out: TextStream) -> Iterator[str]:
         """The stream's pieces; sets out.result when they end, however they end."""
         text = stats = None
-        pieces = []
-        per_round = texts(self._rounds(request, cancel, out.logprobs), self.detokenize,
+        pieces, ran = [], []
+        per_round = texts(self._rounds(request, cancel, out.logprobs, ran), self.detokenize,
                           request.stop, token_logprobs=out.logprobs)
         try:
             for piece, text, stats in per_round:
@@ -470,9 +478,11 @@ class Generator(SpeechRequests):
             per_round.close()
             if stats is not None:
                 stats.finish_reason = stats.finish_reason or "cancelled"
-                out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs)
+                out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs,
+                                     self._language(ran))
             raise
-        out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs)
+        out.result = _result(text.tokens, "".join(pieces), stats, out.logprobs,
+                             self._language(ran))
 
     def target_logits(self, prompt_ids, prefix: Sequence[int], start=None) -> np.ndarray:
         """The target's logits float64 [V] for the next token after prompt + prefix (the prefix
@@ -490,9 +500,10 @@ class Generator(SpeechRequests):
 
 
 def _result(tokens: list[int], text: str | None, stats: DecodeStats,
-            token_logprobs: list | None) -> GenerationResult:
+            token_logprobs: list | None, language: str | None = None) -> GenerationResult:
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
-    return GenerationResult(list(tokens), text, stats.summary(), stats.finish_reason, logprobs)
+    return GenerationResult(list(tokens), text, stats.summary(), stats.finish_reason, logprobs,
+                            language)
 
 
 def unmeasured_costs(draft) -> Costs:

@@ -201,6 +201,9 @@ class GenerationResult:
     # with logprobs=N: one per token, the target's own log-probability of it and its N most
     # likely alternatives, exactly as target-only decoding computes them (loop.TokenLogprob)
     logprobs: list | None = None
+    # a transcription's language: the one given, or the one detected, also where the request
+    # left it to the run (detect_later); None for text and for an English-only model
+    language: str | None = None
 
 
 class TextStream:

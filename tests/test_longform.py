@@ -448,4 +448,11 @@ def test_a_requests_language_is_read_from_its_prompt(pair):
     after = gen.transcription(window, language="de", timestamps=True, previous=[prev, 40, 41],
                               **n)
     assert int(after.prefix[0]) == prev and gen.language_of(after) == "de"
-    assert gen.language_of(gen.transcription(window, detect_later=True, **n)) is None
+    later = gen.transcription(window, detect_later=True, **n)
+    assert gen.language_of(later) is None
+    # the result says the language the run detected (a server's or a batch's requests)
+    assert gen.generate(later).language == want
+    stream = gen.stream(later)
+    "".join(stream)
+    assert stream.result.language == want
+    assert gen.generate(gen.transcription(window, language="fr", **n)).language == "fr"

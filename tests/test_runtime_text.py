@@ -107,6 +107,7 @@ def test_stream_and_generate_agree_on_tokens_and_stats_after_a_stop():
         {k: v for k, v in r.stats.to_json().items() if k not in timing}
     assert streamed.new_tokens == len(r.tokens) < len(free.tokens)
     assert streamed.finish_reason == r.finish_reason == "stop"
+    assert r.language is None and stream.result.language is None  # text has none
 
 
 def test_text_is_decoded_incrementally_and_adds_up_to_the_whole():
