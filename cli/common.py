@@ -9,6 +9,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 
 import click
 
@@ -102,3 +103,42 @@ def library_messages(name: str, prefix: str):
         yield
     finally:
         logger.removeHandler(handler)
+
+
+class Progress:
+    """A progress bar on a terminal, a line per step elsewhere (a log, CI), with the time spent
+    and, until the end, the time left at the rate so far. `clock` is injectable."""
+
+    def __init__(self, total: int, label: str, clock=time.monotonic):
+        self.total, self.label, self.done, self.clock = total, label, 0, clock
+        self.t0 = clock()
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = click.progressbar(length=total, label=label, file=sys.stderr)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def update(self, n: int = 1):
+        step = max(1, self.total // 10)  # about ten lines when it is not a terminal
+        before, self.done = self.done, self.done + n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.done // step > before // step or self.done == self.total:
+            spent = self.clock() - self.t0
+            left = spent * (self.total - self.done) / self.done if self.done else 0.0
+            click.echo(f"{self.label}: {self.done}/{self.total} ({duration(spent)}"
+                       + (f", about {duration(left)} left" if self.done < self.total else "")
+                       + ")", err=True)
+
+
+def duration(seconds: float) -> str:
+    """12 s, 4 min 05 s."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"

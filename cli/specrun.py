@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import click
 
-from .common import BadInput, BundleCommand, input_errors
+from .common import BadInput, BundleCommand, Progress, input_errors
 from .options import (FiniteFloat, bundle_option, device_options, gamma_option,
                       generation_options, in_cli_words, json_option, max_new_tokens_option,
                       no_draft_option, parse_gammas, read_prompt, response_format_of,
@@ -352,44 +351,6 @@ def chat(bundle, system, device, draft_device, threads, **request):
         click.echo(stats_line(session.last_stats), err=True)
 
 
-class _Progress:
-    """A progress bar on a terminal, a line per step elsewhere (a log, CI)."""
-
-    def __init__(self, total: int, label: str):
-        self.total, self.label, self.done = total, label, 0
-        self.t0 = time.monotonic()
-        self.bar = None
-        if sys.stderr.isatty():
-            self.bar = click.progressbar(length=total, label=label, file=sys.stderr)
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def update(self, n: int = 1):
-        step = max(1, self.total // 10)  # about ten lines when it is not a terminal
-        before, self.done = self.done, self.done + n
-        if self.bar is not None:
-            self.bar.update(n)
-        elif self.done // step > before // step or self.done == self.total:
-            spent = time.monotonic() - self.t0
-            left = spent * (self.total - self.done) / self.done if self.done else 0.0
-            click.echo(f"{self.label}: {self.done}/{self.total} ({_duration(spent)}"
-                       + (f", about {_duration(left)} left" if self.done < self.total else "")
-                       + ")", err=True)
-
-
-def _duration(seconds: float) -> str:
-    """12 s, 4 min 05 s."""
-    seconds = round(seconds)
-    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
-
-
 @main.command(cls=BundleCommand)
 @bundle_option
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
@@ -455,12 +416,12 @@ def bench(bundle, prompts_file, kind, gamma, temperature, max_new_tokens, repeat
         if audio_files or plot:
             raise BadInput("--concurrency measures text requests in flight together: leave "
                            "out --audio and --plot")
-        with _Progress(len(gammas) * 2 * len(prompts) * repeats, "bench") as progress:
+        with Progress(len(gammas) * 2 * len(prompts) * repeats, "bench") as progress:
             report = run_concurrent(gen, prompts, gammas, options, concurrency,
                                     repeats=repeats, progress=progress.update)
         click.echo(json.dumps(report, indent=2) if as_json else format_concurrent(report))
         return
-    with _Progress(len(gammas) * len(prompts) * repeats, "bench") as progress:
+    with Progress(len(gammas) * len(prompts) * repeats, "bench") as progress:
         report = run_bench(gen, prompts, gammas, options, repeats=repeats,
                            progress=progress.update)
     if plot:
@@ -511,7 +472,7 @@ def check(bundle, tokens, samples, seconds, gamma, seed, audio_files, as_json, d
     options = generation_options(gamma=gamma, **setting)  # bad values before the bundle loads
     gen = spec_runtime.load(bundle, device=device, draft_device=draft_device, threads=threads)
     samples = DEFAULT_SAMPLES if samples is None else samples
-    with _Progress(max(samples, 1), "check") as progress:
+    with Progress(max(samples, 1), "check") as progress:
         report = in_cli_words(run_check, gen, options, tokens=tokens, samples=samples,
                               seconds=seconds, seed=seed, audio=audio_files,
                               progress=progress.update)

@@ -26,7 +26,7 @@ from .options import bundle_option, json_option
 def tokenize(text, bundle, no_special, chat, as_json):
     """Print the token ids of TEXT under the bundle's tokenizer, each with the text it stands
     for (no graph is loaded)."""
-    from spec_runtime.chat import render_chat
+    from spec_runtime.chat import chat_prompt
     from spec_runtime.errors import InputError
     from spec_runtime.loading import open_tokenizer
     from spec_runtime.bundle.reader import read_bundle_manifest
@@ -41,8 +41,7 @@ def tokenize(text, bundle, no_special, chat, as_json):
         template = manifest.tokenizer.chat_template
         if not template:
             raise InputError("this bundle has no chat template: leave out --chat")
-        text = render_chat(template, [{"role": "user", "content": text}],
-                           manifest.tokenizer.special_tokens)
+        text = chat_prompt(template, text, manifest.tokenizer.special_tokens)
         add_special = False  # the template writes the special tokens it wants
     ids = tokenizer.encode(text, add_special_tokens=add_special).ids
     pieces = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]

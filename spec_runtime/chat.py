@@ -49,6 +49,24 @@ def compile_chat_template(template: str):
     return compiled
 
 
+def chat_prompt(template: str, messages, special_tokens: dict) -> str:
+    """`template` rendered for a user message (text) or a list of {"role", "content"}
+    messages, their text checked first: a chat request's prompt (Generator.apply_chat_template,
+    `specrun tokenize --chat`)."""
+    from .text import check_text
+
+    if isinstance(messages, str):
+        check_text(messages, "the prompt")
+        messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, (list, tuple)):
+        raise InputError(f"messages is a {type(messages).__name__}: give a string or a list "
+                         f"of {{'role', 'content'}} dicts")
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), str):
+            check_text(m["content"], f"message {i}")
+    return render_chat(template, list(messages), special_tokens)
+
+
 def render_chat(template: str, messages: list[dict], special_tokens: dict) -> str:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \

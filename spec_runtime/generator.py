@@ -221,18 +221,9 @@ class Generator(SpeechRequests):
         message or a list of {"role", "content"} messages, ready for generation."""
         if not self.chat_template:
             raise InputError("this bundle has no chat template: pass the prompt as plain text")
-        from .chat import render_chat
+        from .chat import chat_prompt
 
-        if isinstance(messages, str):
-            check_text(messages, "the prompt")
-            messages = [{"role": "user", "content": messages}]
-        if not isinstance(messages, (list, tuple)):
-            raise InputError(f"messages is a {type(messages).__name__}: give a string or a list "
-                             f"of {{'role', 'content'}} dicts")
-        for i, m in enumerate(messages):
-            if isinstance(m, dict) and isinstance(m.get("content"), str):
-                check_text(m["content"], f"message {i}")
-        return render_chat(self.chat_template, list(messages), self.special_tokens)
+        return chat_prompt(self.chat_template, messages, self.special_tokens)
 
     # -- requests: made and checked once ----------------------------------------------------
 
@@ -446,9 +437,6 @@ class Generator(SpeechRequests):
             pass
         return _result(text.tokens, text.finish(), stats, token_logprobs, self._language(ran))
 
-    def _language(self, ran: list) -> str | None:
-        """The language of the transcription request that ran (`_rounds`' `ran`)."""
-        return self.language_of(ran[0]) if ran and self.audio is not None else None
 
     def stream(self, prompt, options: GenerationOptions | None = None, *, cancel=None,
                **values) -> TextStream:

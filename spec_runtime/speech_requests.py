@@ -73,6 +73,11 @@ class SpeechRequests:
         at = len(prefix) - 1 - prefix[::-1].index(self.decoder_start_token_id)
         return language_code(self.audio, prefix[at + 1]) if at + 1 < len(prefix) else None
 
+    def _language(self, ran: list) -> str | None:
+        """The language of the transcription request that ran (`_rounds`' `ran`); None for
+        text."""
+        return self.language_of(ran[0]) if ran and self.audio is not None else None
+
     @property
     def window_seconds(self) -> float:
         """The seconds of audio one window of this speech bundle holds (30 for Whisper)."""

@@ -202,21 +202,9 @@ def _routes(app, server: "Server") -> None:
     async def _transcriptions(request: Request):
         return await server.transcribe(request)
 
-    @app.post("/tokenize")
-    async def _tokenize(request: Request):
-        from .tokenizer_api import tokenize
+    from .tokenizer_api import add_routes
 
-        out = tokenize(server.gen, await read_json(request), server.model_names)
-        server.metrics.requests.labels("/tokenize", "200").inc()
-        return out
-
-    @app.post("/detokenize")
-    async def _detokenize(request: Request):
-        from .tokenizer_api import detokenize
-
-        out = detokenize(server.gen, await read_json(request), server.model_names)
-        server.metrics.requests.labels("/detokenize", "200").inc()
-        return out
+    add_routes(app, server)
 
 
 class Server:

@@ -9,12 +9,11 @@ llama-server's servers offer it (what `logit_bias`, which takes ids, needs).
 No slot is taken: the tokenizer runs on the request's own thread, beside the decoding.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 from ..errors import InputError
 from .openai_api import APIError, check_model, message_dicts, validated
+from .plumbing import read_json
 from .openai_protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -47,3 +46,19 @@ def detokenize(gen, body: Any, model_names) -> dict:
                             f"use ids from 0 to {gen.vocab_size - 1}", param="tokens",
                        code="invalid_value")
     return {"prompt": gen.detokenize(req.tokens) or ""}
+
+
+def add_routes(app, server) -> None:
+    """POST /tokenize and /detokenize on the server's app (server.py's routes). FastAPI reads
+    the handler's annotation as the class itself: this module leaves annotations unpostponed."""
+    from fastapi import Request
+
+    def route(path: str, answer):
+        async def handle(request: Request):
+            out = answer(server.gen, await read_json(request), server.model_names)
+            server.metrics.requests.labels(path, "200").inc()
+            return out
+        app.post(path)(handle)
+
+    route("/tokenize", tokenize)
+    route("/detokenize", detokenize)
