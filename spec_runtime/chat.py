@@ -27,6 +27,7 @@ from .chat_limits import MAX_CHARS, MAX_STEPS, STEPS_PER_MESSAGE, Budget, Limit,
 from .chat_sandbox import environment
 from .errors import BundleError, InputError, TemplateError
 from .bundle.manifest import REBUILD
+from .tools import as_messages, template_messages
 
 FIX = f"{REBUILD} from a model whose chat template works"
 
@@ -49,10 +50,13 @@ def compile_chat_template(template: str):
     return compiled
 
 
-def chat_prompt(template: str, messages, special_tokens: dict) -> str:
+def chat_prompt(template: str, messages, special_tokens: dict, tools=None) -> str:
     """`template` rendered for a user message (text) or a list of {"role", "content"}
     messages, their text checked first: a chat request's prompt (Generator.apply_chat_template,
-    `specrun tokenize --chat`)."""
+    `specrun tokenize --chat`). `tools` (a tools.Toolset) are rendered by the template where it
+    renders tools (Qwen's, Llama 3.1's), else described in a system message; an assistant's
+    earlier `tool_calls` and the `tool` messages with their results are given to it likewise
+    (tools.template_messages)."""
     from .text import check_text
 
     if isinstance(messages, str):
@@ -64,22 +68,45 @@ def chat_prompt(template: str, messages, special_tokens: dict) -> str:
     for i, m in enumerate(messages):
         if isinstance(m, dict) and isinstance(m.get("content"), str):
             check_text(m["content"], f"message {i}")
-    return render_chat(template, list(messages), special_tokens)
+    return render_chat(template, list(messages), special_tokens, tools)
 
 
-def render_chat(template: str, messages: list[dict], special_tokens: dict) -> str:
+def render_chat(template: str, messages: list[dict], special_tokens: dict, tools=None) -> str:
     for i, m in enumerate(messages):
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                or not isinstance(m.get("content"), str):
+                or not (isinstance(m.get("content"), str) or calls and m["content"] is None):
             raise InputError(f"message {i} is {m!r}: each message needs a 'role' and a "
-                             f"'content', both strings")
-    return _render(compile_chat_template(template), messages, special_tokens)
+                             f"'content', both strings (an assistant's tool_calls may come "
+                             f"with a null content)")
+    native = renders_tools(template)
+    if tools is not None or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        messages = template_messages(messages, native)
+        if tools is not None and not native:
+            messages = as_messages(tools, messages)
+    return _render(compile_chat_template(template), messages, special_tokens,
+                   list(tools.tools) if tools is not None and native else None)
 
 
-def _render(compiled, messages: list[dict], special_tokens: dict) -> str:
-    size = sum(len(m["role"]) + len(m["content"]) for m in messages)
-    budget = Budget(MAX_CHARS + 2 * size, MAX_STEPS + STEPS_PER_MESSAGE * len(messages))
+@lru_cache(maxsize=8)
+def renders_tools(template: str) -> bool:
+    """Whether `template` reads a `tools` variable (renders the tools itself), as Hugging
+    Face's apply_chat_template would give it."""
+    from jinja2 import TemplateError as JinjaError, meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(environment().parse(template))
+    except (JinjaError, RecursionError, MemoryError):
+        return False  # compile_chat_template says what is wrong with it
+
+
+def _render(compiled, messages: list[dict], special_tokens: dict, tools=None) -> str:
+    size = sum(len(m["role"]) + len(m["content"] or "") + len(str(m.get("tool_calls") or ""))
+               for m in messages) + len(str(tools or ""))
+    budget = Budget(MAX_CHARS + 2 * size,
+                    MAX_STEPS + STEPS_PER_MESSAGE * (len(messages) + len(tools or ())))
     context = dict(messages=messages, add_generation_prompt=True,
+                   **({"tools": tools} if tools is not None else {}),
                    bos_token=special_tokens.get("bos_token", ""),
                    eos_token=special_tokens.get("eos_token", ""))
     pieces, n = [], 0

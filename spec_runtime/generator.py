@@ -216,14 +216,16 @@ class Generator(SpeechRequests):
             return None
         return self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: str | list[dict]) -> str:
+    def apply_chat_template(self, messages: str | list[dict], tools=None) -> str:
         """Render the bundle's chat template (jinja2, as Hugging Face tokenizers do) for a user
-        message or a list of {"role", "content"} messages, ready for generation."""
+        message or a list of {"role", "content"} messages, ready for generation; with the
+        `tools` of a tools.Toolset shown to the model."""
         if not self.chat_template:
-            raise InputError("this bundle has no chat template: pass the prompt as plain text")
+            raise InputError("this bundle has no chat template: pass the prompt as plain text"
+                             + (" (tools are given to the model through it)" if tools else ""))
         from .chat import chat_prompt
 
-        return chat_prompt(self.chat_template, messages, self.special_tokens)
+        return chat_prompt(self.chat_template, messages, self.special_tokens, tools)
 
     # -- requests: made and checked once ----------------------------------------------------
 
@@ -233,7 +235,7 @@ class Generator(SpeechRequests):
         bundle's defaults, response_format, γ's range, the prompt's ids, the cache's capacity.
         The Request runs as it is on this generator or any of its forks."""
         options, params, gamma = self._checked(options, values, speech=False)
-        ids = self.prompt_ids(prompt, options.chat)
+        ids = self.prompt_ids(prompt, options.chat, options.tools)
         prefix = ids if not self.encoder_decoder else \
             np.asarray([self.decoder_start_token_id], dtype=np.int64)
         if params.reads_context:  # presence and frequency penalties count generated tokens
@@ -253,7 +255,7 @@ class Generator(SpeechRequests):
             raise InputError("stop strings need a tokenizer: this generator has none")
         params = self.sampling_params(options)
         if not speech:
-            params = self.constrained(params, options.response_format)
+            params = self.constrained(params, options.response_format, options.tools)
         return options, params, self.check_gamma(options.gamma)
 
     def _bound(self, options, prompt, prefix, params, gamma) -> Request:
@@ -275,11 +277,12 @@ class Generator(SpeechRequests):
             raise TypeError("a Request carries its own options: pass it alone (cancel aside)")
         return prompt
 
-    def prompt_ids(self, prompt, chat: bool | None = None) -> np.ndarray:
+    def prompt_ids(self, prompt, chat: bool | None = None, tools=None) -> np.ndarray:
         """The ids a request feeds. `prompt` is text, a list of {"role", "content"} messages (a
         conversation, always through the chat template) or token ids (never through it). `chat`
         None (the default) applies the bundle's chat template to text when the bundle has one;
-        True requires it, False feeds the text as it is."""
+        True requires it, False feeds the text as it is. `tools` (a tools.Toolset) are shown
+        to the model where the chat template applies."""
         if isinstance(prompt, (bytes, bytearray, memoryview)):  # before the chat template too
             raise InputError(BYTES_PROMPT)
         if isinstance(prompt, str) and not prompt:
@@ -296,7 +299,7 @@ class Generator(SpeechRequests):
         if chat is None:
             chat = messages or (isinstance(prompt, str) and bool(self.chat_template))
         if chat:
-            prompt = self.apply_chat_template(prompt)
+            prompt = self.apply_chat_template(prompt, tools)
         return self.tokenize(prompt, add_special_tokens=not chat)
 
     def sampling_params(self, options: GenerationOptions | None = None, **values
@@ -314,19 +317,29 @@ class Generator(SpeechRequests):
                                                f"vocabulary [0, {self.vocab_size})")
         return params
 
-    def constrained(self, params: SamplingParams, response_format) -> SamplingParams:
-        """`params` with the constraint of OpenAI's `response_format` (constraint.py; None or
-        {"type": "text"}: unchanged); InputError for a format or schema it cannot compile."""
-        from .decode.constraint import Grammar, grammar_of
+    def constrained(self, params: SamplingParams, response_format, tools=None
+                    ) -> SamplingParams:
+        """`params` with the constraint of OpenAI's `response_format` and of the tool_choice
+        of `tools` (a tools.Toolset) (constraint.py, tools.grammar; unchanged where neither
+        constrains the reply); FieldError for a format or schema the grammar engine cannot
+        compile."""
+        from .decode.constraint import Grammar
+        from .tools import grammar
 
-        grammar = grammar_of(response_format)
-        if grammar is None:
+        if response_format is None and tools is None:
+            return params  # before any tokenizer is asked about: most requests
+        tokenizer = self.tokenizer
+        made = grammar(response_format, tools,
+                       lambda text: tokenizer is not None and tokenizer.token_to_id(text)
+                       is not None)
+        if made is None:
             return params
-        if self.tokenizer is None:
-            raise InputError("response_format needs a tokenizer: this generator has none")
+        text, field = made
+        if tokenizer is None:
+            raise InputError(f"{field} needs a tokenizer: this generator has none")
         if self._grammar is None:
             self._grammar = Grammar(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return replace(params, constraint=self._grammar.constraint(grammar))
+        return replace(params, constraint=self._grammar.constraint(text, field))
 
     def check_gamma(self, gamma: Gamma | None) -> Gamma:
         """The γ a request runs with: `gamma` (parsed: GenerationOptions) in this bundle's

@@ -27,6 +27,7 @@ from .decode.gamma import AUTO, Gamma, parse_gamma
 from .decode.sampling import SAMPLING_FIELDS, SAMPLING_NAMES, SamplingParams, check_sampling
 from .decode.stats import Costs, GenerationStats
 from .text import stop_strings
+from .tools import Toolset
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as the OpenAI API allows
 MAX_NEW_TOKENS = 128  # the one default, for every command and for generate/stream
@@ -66,6 +67,12 @@ class GenerationOptions:
       {"schema": {...}}}, as OpenAI's API takes it: draft and target alike are masked to what
       the grammar allows, so the output is the target's distribution restricted to it, exactly,
       in both modes (constraint.py).
+    tools, tool_choice, parallel_tool_calls: OpenAI's tool calling (tools.py): a list of
+      {"type": "function", "function": {"name", "description", "parameters"}}, given to the
+      model through the chat template; tool_choice "auto" (the default), "required" or
+      {"type": "function", "function": {"name": ...}} (the reply is then constrained to calls
+      whose arguments the parameters' schema accepts, in both modes, exactly), or "none".
+      Checked into `tools`: a tools.Toolset, or None where no tool can be called.
     The sampling controls (SamplingParams' SAMPLING_FIELDS: temperature, top_k, top_p, seed,
       min_p, repetition_penalty, presence_penalty, frequency_penalty, logit_bias): None takes
       the bundle's generation default (the model's generation_config), else SamplingParams'
@@ -81,6 +88,9 @@ class GenerationOptions:
     chat: bool | None = None
     logprobs: int | None = None
     response_format: dict | None = None
+    tools: Sequence[dict] | Toolset | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -97,6 +107,11 @@ class GenerationOptions:
         for name, value in check_sampling(given).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "stop", stop_strings(self.stop))
+        toolset = Toolset.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        object.__setattr__(self, "tools", toolset)
+        if toolset is not None:  # the Toolset carries them: made again from it, it is the same
+            object.__setattr__(self, "tool_choice", None)
+            object.__setattr__(self, "parallel_tool_calls", None)
 
     @classmethod
     def given(cls, options: "GenerationOptions | None", values: dict) -> "GenerationOptions":

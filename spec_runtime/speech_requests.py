@@ -94,9 +94,10 @@ class SpeechRequests:
                              "(Whisper), built with `specexport build --target "
                              "openai/whisper-base --draft ...`; give text to `specrun "
                              "generate`")
-        if options is not None and options.response_format is not None:
-            raise FieldError("response_format", "response_format constrains text generation; "
-                                                "a transcription takes none")
+        for name in ("response_format", "tools"):
+            if options is not None and getattr(options, name) is not None:
+                raise FieldError(name, f"{name} constrains text generation; a transcription "
+                                       f"takes none")
 
     def text_only(self) -> None:
         """InputError naming the fix where this bundle is a speech model."""

@@ -142,7 +142,8 @@ LAYERS = [
     {"bundle"},  # the contract, manifest, checks, files, where bundles are
     {"engines"},
     {"decode"},  # sampling, the loop, drafts, γ, stats
-    {"request", "text", "chat", "chat_limits", "chat_sandbox", "limits", "audio", "speech"},
+    {"request", "text", "chat", "chat_limits", "chat_sandbox", "limits", "audio", "speech",
+     "tools"},
     {"generator", "speech_requests", "batch", "longform", "vad"},  # the model and its sequences
     {"loading"},  # the composition root: a bundle into a model
     {"apps"},

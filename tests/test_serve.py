@@ -167,7 +167,9 @@ def test_bad_input_gets_openai_errors_never_a_500(tiny, llama_pair):
     assert_error(post("/v1/completions", json={"prompt": "hi", "logit_bias": {"999999": 1}}),
                  400, "999999")
     assert_error(post(chat, json={"messages": HELLO, "tools": [{"type": "function"}]}), 400,
-                 "tools", code="unsupported_parameter")
+                 "tools[0].function is missing", param="tools[0].function")
+    assert_error(post("/v1/completions", json={"prompt": "hi", "tools": [{"type": "function"}]}),
+                 400, "tools", code="unsupported_parameter")
     assert_error(post(chat, content=b" " * (2 << 20), headers={"content-type":
                                                                 "application/json"}),
                  413, "limit", code="request_too_large")

@@ -7,6 +7,7 @@ serves them)."""
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,12 +16,14 @@ from pydantic import ValidationError
 from ..decode.sampling import SAMPLING_NAMES
 from ..errors import CacheCapacityError, FieldError, InputError
 from ..request import MAX_TOP_LOGPROBS
-from .openai_protocol import (ABSENT, MAX_COMPLETION_LOGPROBS, ChatChoice, ChatChunkChoice,
-                              ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                              ChatLogprobs, ChatMessage, CommonRequest, Completion,
-                              CompletionChoice, CompletionChunk, CompletionLogprobs,
-                              CompletionRequest, Delta, ErrorInfo, ErrorResponse, Invalid,
-                              TokenLogprob, TopLogprob, Usage, locate)
+from ..tools import HeldText, Toolset, parse_calls
+from .openai_protocol import (ABSENT, CONTENT, MAX_COMPLETION_LOGPROBS, ChatChoice,
+                              ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+                              ChatCompletionRequest, ChatLogprobs, ChatMessage, CommonRequest,
+                              Completion, CompletionChoice, CompletionChunk,
+                              CompletionLogprobs, CompletionRequest, Delta, ErrorInfo,
+                              ErrorResponse, FunctionCall, Invalid, TokenLogprob, ToolCall,
+                              ToolCallDelta, TopLogprob, Usage, locate)
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -163,9 +166,22 @@ def parse_completion(body: Any, model_names) -> Job:
 
 def message_dicts(messages) -> list[dict]:
     """Request messages as the chat template reads them: {"role", "content"}, a list of text
-    parts joined into one string."""
-    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-             "".join(p.text for p in m.content)} for m in messages]
+    parts joined into one string; an assistant's tool_calls and a tool's tool_call_id and
+    name kept. A content is missing only beside tool_calls."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None and not m.tool_calls:
+            raise APIError(400, f"messages[{i}].content is missing: give {CONTENT} (null only "
+                                f"beside an assistant's tool_calls)",
+                           param=f"messages[{i}].content", code="invalid_type")
+        content = m.content if m.content is None or isinstance(m.content, str) else \
+            "".join(p.text for p in m.content)
+        extra = {k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name))
+                 if v is not None}
+        if m.tool_calls:
+            extra["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        out.append({"role": m.role, "content": content, **extra})
+    return out
 
 
 def parse_chat(body: Any, model_names) -> Job:
@@ -176,8 +192,19 @@ def parse_chat(body: Any, model_names) -> Job:
     if top and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: set \"logprobs\": true",
                        param="top_logprobs", code="invalid_value")
-    return Job(prompt=messages, chat=True, prompt_field="messages",
-               logprobs=(top or 0) if req.logprobs else None, **parse_common(req, model_names))
+    job = Job(prompt=messages, chat=True, prompt_field="messages",
+              logprobs=(top or 0) if req.logprobs else None, **parse_common(req, model_names))
+    try:
+        tools = Toolset.of(None if req.tools is None else [t.model_dump(exclude_none=True)
+                                                          for t in req.tools],
+                           req.tool_choice if req.tool_choice is None or
+                           isinstance(req.tool_choice, str) else req.tool_choice.model_dump(),
+                           req.parallel_tool_calls)
+    except FieldError as e:
+        raise input_error(e) from None
+    if tools is not None:
+        job.kwargs["tools"] = tools
+    return job
 
 
 def _in_range(name: str, value, high: int) -> None:
@@ -234,15 +261,26 @@ def completion_logprobs(entries, token_text, offset: int = 0) -> CompletionLogpr
         text_offset=offsets)
 
 
+def replied_calls(calls: list, reason: str) -> tuple[list[ToolCall], str]:
+    """A reply's calls (tools.ToolCall) in the API's shape, each with an id of its own, and its
+    finish_reason: "tool_calls" where it ended after them (not cut short by max_tokens)."""
+    made = [ToolCall(id="call_" + uuid.uuid4().hex[:24],
+                     function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+    return made, ("tool_calls" if made and reason == "stop" else reason)
+
+
 def completion_body(result, rid: str, chat: bool, model_name: str,
-                    token_text=None) -> Completion | ChatCompletion:
-    """The response to a request that did not stream."""
+                    token_text=None, tools=None) -> Completion | ChatCompletion:
+    """The response to a request that did not stream; a chat reply's tool calls read from its
+    text where the request gave `tools` (a tools.Toolset)."""
     reason = FINISH.get(result.finish_reason, result.finish_reason)
     logprobs = None
     if result.logprobs is not None:
         logprobs = (chat_logprobs if chat else completion_logprobs)(result.logprobs, token_text)
-    choice = ChatChoice(message=ChatMessage(content=result.text), logprobs=logprobs,
-                        finish_reason=reason) if chat else \
+    content, calls = parse_calls(result.text, tools)
+    calls, reason = replied_calls(calls, reason)
+    choice = ChatChoice(message=ChatMessage(content=content, tool_calls=calls or None),
+                        logprobs=logprobs, finish_reason=reason) if chat else \
         CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=reason)
     return (ChatCompletion if chat else Completion)(
         id=rid, created=int(time.time()), model=model_name, choices=[choice],
@@ -254,12 +292,28 @@ class StreamEvents:
     of text (with its tokens' logprobs), then the chunk that ends the choice with the stats,
     OpenAI's usage chunk when asked for, and [DONE]; or an error event and [DONE]."""
 
-    def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text):
+    def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text,
+                 tools=None):
         self.rid, self.chat, self.model_name, self.job = rid, chat, model_name, job
         self.token_text = token_text
         self.Chunk = ChatCompletionChunk if chat else CompletionChunk
         self.created = int(time.time())
         self.offset = 0  # of the next token in the completion's text (the legacy text_offset)
+        # a reply that may be tool calls (`tools`, a tools.Toolset): its text is held where a
+        # call may begin, with its tokens' logprobs, and the calls are sent at its end
+        self.held = HeldText(tools) if chat and tools is not None else None
+        self.held_entries: list = []
+
+    def piece(self, piece: str, entries=None) -> list[str]:
+        """The events of one piece of the reply: none while it is held."""
+        if self.held is None:
+            return [self.chunk(piece, entries=entries)]
+        self.held_entries += entries or []
+        text = self.held.feed(piece)
+        if not text:
+            return []
+        entries, self.held_entries = self.held_entries, []
+        return [self.chunk(text, entries=entries)]
 
     def _logprobs(self, entries):
         if entries is None or not entries and self.job.logprobs is None:
@@ -295,7 +349,18 @@ class StreamEvents:
         stats = {"draftproof": extension(result.stats)}
         rest = result.logprobs[logprobs_sent:] if result.logprobs is not None else None
         usage_wanted = self.job.include_usage
-        out = [self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats))]
+        out = []
+        if self.held is not None:
+            content, calls = self.held.end(result.text)
+            rest = self.held_entries + (rest or []) if rest is not None else None
+            if content:
+                out.append(self.chunk(content, entries=rest))
+                rest = [] if rest is not None else None
+            calls, reason = replied_calls(calls, reason)
+            if calls:
+                out.append(self.chunk(None, delta=Delta(tool_calls=[
+                    ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)])))
+        out.append(self.chunk(None, reason, entries=rest, **({} if usage_wanted else stats)))
         if usage_wanted:
             out.append(self._event([], usage=usage(result), **stats))
         return out + ["data: [DONE]\n\n"]

@@ -124,14 +124,13 @@ class CommonRequest(SamplingFields):
     use_draft: bool | None = Field(None, description=TRUE_OR_FALSE)
     # the API's fields this server does not support: refused unless they ask for nothing
     UNSUPPORTED: ClassVar[dict] = {"echo": (None, False), "best_of": (None, 1),
-                                   "suffix": (None,), "tools": (None, []),
-                                   "functions": (None, []), "tool_choice": (None, "none")}
+                                   "suffix": (None,), "functions": (None, []),
+                                   "function_call": (None, "none")}
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
-    tools: Any = None
-    functions: Any = None
-    tool_choice: Any = None
+    functions: Any = None  # the API's deprecated form of tools
+    function_call: Any = None
 
 
 Prompt = Annotated[Text, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
@@ -139,6 +138,11 @@ Prompt = Annotated[Text, Field(min_length=1)] | Annotated[list[int], Field(min_l
 
 class CompletionRequest(CommonRequest):
     """POST /v1/completions: OpenAI's legacy API, which continues the text as it is."""
+
+    UNSUPPORTED: ClassVar[dict] = {**CommonRequest.UNSUPPORTED, "tools": (None, []),
+                                   "tool_choice": (None, "none")}
+    tools: Any = None  # chat completions' (a completion continues text: no calls are read)
+    tool_choice: Any = None
 
     prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=1)] = Field(
         description="a string, a list of token ids, or a list holding one of those (one "
@@ -155,14 +159,61 @@ class TextPart(_Request):
     text: Text
 
 
+class CalledFunction(_Request):
+    name: Text = Field(description="the function's name")
+    arguments: Text = Field(description="its arguments, a JSON object as text")
+
+
+class CallMade(_Request):
+    """An assistant's earlier call, as the API sent it in its reply."""
+
+    expected: ClassVar[str] = ('an object {"id": ..., "type": "function", "function": '
+                               '{"name": ..., "arguments": "{...}"}}')
+    id: Text | None = Field(None, description="the call's id")
+    type: Literal["function"] = Field("function", description='"function"')
+    function: CalledFunction = Field(description='an object {"name": ..., "arguments": ...}')
+
+
+CONTENT = ('a string, or a list of {"type": "text", "text": ...} parts: this model reads text '
+           'only')
+
+
 class Message(_Request):
     expected: ClassVar[str] = 'an object {"role": ..., "content": ...}'  # a list's item
 
     role: Annotated[Text, StringConstraints(pattern=r"\S")] = Field(
-        description='a role such as "system", "user" or "assistant"')
-    content: Text | list[TextPart] = Field(
-        description='a string, or a list of {"type": "text", "text": ...} parts: this model '
-                    'reads text only')
+        description='a role such as "system", "user", "assistant" or "tool"')
+    # null only beside an assistant's tool_calls (openai_api.message_dicts checks)
+    content: Text | list[TextPart] | None = Field(None, description=CONTENT)
+    tool_calls: list[CallMade] | None = Field(None, description="a list of calls, as a "
+                                                                "reply gave them")
+    tool_call_id: Text | None = Field(None, description="the id of the call this message "
+                                                        "answers")
+    name: Text | None = Field(None, description="a name")
+
+
+class FunctionDef(_Request):
+    name: Text = Field(description="a name of letters, digits, '_', '-' or '.'")
+    description: Text | None = Field(None, description="text")
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema object")
+    strict: bool | None = Field(None, description=TRUE_OR_FALSE)
+
+
+class ToolDef(_Request):
+    expected: ClassVar[str] = ('an object {"type": "function", "function": {"name": ..., '
+                               '"parameters": {...}}}')
+    type: Literal["function"] = Field(description='"function"')
+    function: FunctionDef = Field(description='an object {"name": ..., "description": ..., '
+                                              '"parameters": {...}}')
+
+
+class NamedFunction(_Request):
+    name: Text = Field(description="the name of one of the tools")
+
+
+class NamedTool(_Request):
+    type: Literal["function"] = Field(description='"function"')
+    function: NamedFunction = Field(description='an object {"name": ...}')
 
 
 class ChatCompletionRequest(CommonRequest):
@@ -174,6 +225,12 @@ class ChatCompletionRequest(CommonRequest):
     logprobs: bool | None = Field(False, description=TRUE_OR_FALSE)
     top_logprobs: int | None = Field(
         None, description=f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    tools: list[ToolDef] | None = Field(None, description='a list of {"type": "function", '
+                                                          '"function": {...}} objects')
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": '
+                          '{"name": ...}}')
+    parallel_tool_calls: bool | None = Field(None, description=TRUE_OR_FALSE)
 
 
 ABSENT = object()  # the value at a location the body does not have (a missing field)
@@ -297,9 +354,25 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null where the reply is calls only
+    tool_calls: list[ToolCall] | None = None  # left out where there are none
+
+    @model_serializer(mode="wrap")
+    def _without_calls(self, handler):
+        return {k: v for k, v in handler(self).items() if k != "tool_calls" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -309,9 +382,14 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # of the call in the reply: a client adds up a call's deltas by it
+
+
 class Delta(_Sparse):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

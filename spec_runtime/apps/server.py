@@ -288,7 +288,8 @@ class Server:
         try:
             prompt, chat = job.prompt, job.chat
             if not gen.encoder_decoder:  # tokenized once, here: max_tokens' default needs it
-                prompt, chat = gen.prompt_ids(job.prompt, job.chat), False
+                prompt, chat = gen.prompt_ids(job.prompt, job.chat,
+                                              job.kwargs.get("tools")), False
             if job.max_tokens is None:
                 n = 1 if gen.encoder_decoder else len(prompt)
                 room = gen.capacity(job.kwargs.get("use_draft", True)) - n + 1
@@ -309,14 +310,16 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if job.stream:
             try:
-                events = StreamEvents(rid, chat, self.model_name, job, self.token_text)
+                events = StreamEvents(rid, chat, self.model_name, job, self.token_text,
+                                      job.request.options.tools)
                 return streamed_response(self.stream(task, events, endpoint, started),
                                          lambda: self.abandoned(task, endpoint))
             except BaseException:
                 self.finish(task, g)
                 raise
         result = await self.finished(request, task, g, endpoint, started)
-        return completion_body(result, rid, chat, self.model_name, self.token_text)
+        return completion_body(result, rid, chat, self.model_name, self.token_text,
+                               job.request.options.tools)
 
     def start(self, g, job: Job) -> Decode:
         """The job's worker on slot `g`, started. The slot goes back to the pool if it does not
@@ -452,8 +455,8 @@ class Server:
             while True:
                 kind, value = await task.events.get()
                 if kind == "piece":
-                    piece, entries = value
-                    yield events.chunk(piece, entries=entries)
+                    for event in events.piece(*value):
+                        yield event
                     continue
                 if kind == "error":
                     metrics.requests.labels(endpoint, str(value.status)).inc()

@@ -34,12 +34,12 @@ FIX = ("simplify the schema (at most 2000 alternatives in one anyOf, oneOf or en
 
 
 class GrammarError(FieldError):
-    """The grammar engine cannot follow a response_format's schema: before decoding (the
-    request is refused) or during it (the request ends with this error, not with an end of
-    text that looks like a finished answer)."""
+    """The grammar engine cannot follow a response_format's schema (or the tools' parameter
+    schemas: `field`): before decoding (the request is refused) or during it (the request
+    ends with this error, not with an end of text that looks like a finished answer)."""
 
-    def __init__(self, message: str):
-        super().__init__("response_format", message)
+    def __init__(self, message: str, field: str = "response_format"):
+        super().__init__(field, message)
 
 
 def _llguidance():
@@ -51,10 +51,10 @@ def _llguidance():
     return llguidance
 
 
-def grammar_of(response_format) -> str | None:
-    """llguidance's grammar for OpenAI's `response_format` ({"type": "text"} or None: none;
+def schema_of(response_format) -> dict | None:
+    """The JSON schema OpenAI's `response_format` asks for ({"type": "text"} or None: none;
     {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema":
-    {"schema": {...}}}: JSON that the schema accepts), or InputError naming the fix."""
+    {"schema": {...}}}: its schema), or FieldError naming the fix."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -66,15 +66,22 @@ def grammar_of(response_format) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        schema = {"type": "object"}
-    else:
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise FieldError("response_format",
-                             "response_format json_schema needs its schema: {\"type\": "
-                             "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
-                             "{...}}}")
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise FieldError("response_format",
+                         "response_format json_schema needs its schema: {\"type\": "
+                         "\"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
+                         "{...}}}")
+    return schema
+
+
+def grammar_of(response_format) -> str | None:
+    """llguidance's grammar for OpenAI's `response_format` (schema_of), or None for none."""
+    schema = schema_of(response_format)
+    if schema is None:
+        return None
     # compact JSON: a model left free to add whitespace may add it until the length limit
     return _llguidance().LLMatcher.grammar_from_json_schema(
         schema, defaults={"whitespace_flexible": False})
@@ -90,19 +97,21 @@ class Grammar:
         self.eos = sorted(int(t) for t in eos_token_ids)
         self.tokenizer = llg.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
                                          eos_token=self.eos or None)
+        self.token_id = tokenizer.token_to_id  # a token's id by its text (None: none)
 
-    def constraint(self, grammar: str) -> "Constraint":
-        """One request's Constraint; InputError if the engine cannot compile `grammar`,
-        GrammarError if it fails along the probe's walk."""
+    def constraint(self, grammar: str, field: str = "response_format") -> "Constraint":
+        """One request's Constraint; FieldError naming `field` (the request field the grammar
+        was made of) if the engine cannot compile `grammar`, GrammarError if it fails along
+        the probe's walk."""
         llg = _llguidance()
         limits = llg.LLParserLimits(verbose_errors=False)  # errors without the parser's state
         # the matcher validates the grammar as it compiles it (what validate_grammar does, so
         # calling that too would compile it twice)
         matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
-            raise FieldError("response_format", f"response_format cannot be compiled: "
-                                                f"{_one_line(matcher.get_error())}")
-        constraint = Constraint(matcher, self.vocab_size, self.eos)
+            raise FieldError(field, f"{field} cannot be compiled: "
+                                    f"{_one_line(matcher.get_error())}")
+        constraint = Constraint(matcher, self.vocab_size, self.eos, field)
         constraint.probe()
         return constraint
 
@@ -113,8 +122,9 @@ class Constraint:
     by rolling back to the common prefix and consuming the rest, so a round's draft and verify
     rows, and the next round after a rejection, are all answered from one matcher."""
 
-    def __init__(self, matcher, vocab_size: int, eos: list[int]):
+    def __init__(self, matcher, vocab_size: int, eos: list[int], field: str = "response_format"):
         self.matcher = matcher
+        self.field = field  # the request field the grammar was made of, for its errors
         self.vocab_size = vocab_size
         self.eos = eos
         self.consumed: list[int] = []
@@ -143,14 +153,15 @@ class Constraint:
     def _mask(self) -> np.ndarray:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():  # its mask would allow only the end: not an answer
-            raise GrammarError(f"response_format cannot be followed: the grammar engine "
+            raise GrammarError(f"{self.field} cannot be followed: the grammar engine "
                                f"failed {self._where()} "
-                               f"({_one_line(self.matcher.get_error())}); {FIX}")
+                               f"({_one_line(self.matcher.get_error())}); {FIX}", self.field)
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if not mask.any():
             if not self.matcher.is_accepting():
-                raise GrammarError(f"response_format cannot be followed: no token of this "
-                                   f"vocabulary can continue the JSON {self._where()}; {FIX}")
+                raise GrammarError(f"{self.field} cannot be followed: no token of this "
+                                   f"vocabulary can continue the JSON {self._where()}; {FIX}",
+                                   self.field)
             mask[self.eos] = True  # complete, and nothing can follow: only the end is left
         return mask
 
@@ -163,7 +174,7 @@ class Constraint:
         but the end) on a copy of the matcher: the errors a schema itself causes (a row past
         the engine's limit, a language with no JSON in it) show up in the first masks, so they
         are refused before decoding. Errors deeper in are caught as the request decodes."""
-        walk = Constraint(self.matcher.deep_copy(), self.vocab_size, self.eos)
+        walk = Constraint(self.matcher.deep_copy(), self.vocab_size, self.eos, self.field)
         for step in range(PROBE_TOKENS + 1):
             mask = walk._mask()  # GrammarError where the engine fails or nothing can follow
             mask[walk.eos] = False
