@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from spec_export.onnx_export import expected_io, export_decoder
-from spec_export.parity import check_parity
+from spec_export.graphs.onnx_export import expected_io, export_decoder
+from spec_export.parity.parity import check_parity
 from draftproof.models import SUPPORTED, for_hf_model
 
 MAX_LEN = 64
@@ -77,7 +77,7 @@ def test_fused_graph_matches_hf(case, tmp_path):
     portable graph: the parity runner takes `present` as the whole updated cache."""
     import onnx
 
-    from spec_export.onnx_fused import export_fused_llama, fused_io
+    from spec_export.graphs.onnx_fused import export_fused_llama, fused_io
 
     hf = saved_and_reloaded(CASES[case], tmp_path)
     module = for_hf_model(hf, MAX_LEN)
@@ -111,7 +111,7 @@ def test_fused_graph_matches_hf(case, tmp_path):
 
 @pytest.mark.parametrize("case,why", [("gpt2", "fused kernels cover"), ("llama-head-dim-8", "multiple of 16")])
 def test_fused_graph_refused_with_reason(case, why, tmp_path):
-    from spec_export.onnx_fused import export_fused_llama, fused_unsupported
+    from spec_export.graphs.onnx_fused import export_fused_llama, fused_unsupported
 
     make = CASES.get(case) or (lambda: LlamaForCausalLM(LlamaConfig(**dict(LLAMA, hidden_size=32))))
     module = for_hf_model(saved_and_reloaded(make, tmp_path), MAX_LEN)
@@ -158,7 +158,7 @@ def test_checkpoint_mismatch_names_the_weight():
 def test_fused_graph_past_the_protobuf_limit_keeps_weights_beside_it(tmp_path, monkeypatch):
     """Weights beyond protobuf's 2 GB go to <file>.data (the limit lowered so a tiny model
     crosses it); the graph loads and matches HF the same."""
-    from spec_export import onnx_export, onnx_fused
+    from spec_export.graphs import onnx_export, onnx_fused
 
     monkeypatch.setattr(onnx_export, "ONNX_SIZE_LIMIT", onnx_export.GRAPH_ROOM + 1)
     hf = saved_and_reloaded(CASES["llama-untied"], tmp_path)

@@ -77,7 +77,7 @@ def hf_greedy(model_dir, source, n):
 @pytest.mark.parametrize("pair", ["v10_pair", "v11_pair"])
 def test_each_graph_matches_hf(pair, request):
     """The build's own parity run and a second one on another source both stay under 1e-4."""
-    from spec_export.parity_seq2seq import check_parity_seq2seq
+    from spec_export.parity.parity_seq2seq import check_parity_seq2seq
 
     target_dir, bundle = request.getfixturevalue(pair)
     m = json.loads((bundle / "manifest.json").read_text())

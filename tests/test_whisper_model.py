@@ -97,8 +97,8 @@ def test_the_builds_parity_check_compares_every_encoder_position(tmp_path):
     of the window's positions (frames / 2: 16 here), not at as many as the features have rows
     (8 mel bins); whisper-base's 80 bins against its 1500 positions failed the build."""
     from draftproof.models import for_hf_seq2seq
-    from spec_export.export_seq2seq import export_seq2seq
-    from spec_export.parity_seq2seq import check_parity_seq2seq
+    from spec_export.graphs.export_seq2seq import export_seq2seq
+    from spec_export.parity.parity_seq2seq import check_parity_seq2seq
 
     hf = tiny()
     encoder, decoder = tmp_path / "encoder.onnx", tmp_path / "decoder.onnx"

@@ -23,7 +23,7 @@ from spec_runtime.bundle.manifest import Manifest, ModelEntry, read_manifest
 
 from .quality import (FP32_MAX_RELATIVE, FP32_RELATIVE, FP32_TOLERANCE, MAX_BROKEN_KL,
                       MIN_TOP1_AGREEMENT, broken_quantization, check_inputs, fp32_tolerance)
-from .sources import ModelSpec, load_model
+from ..sources.source import ModelSpec, load_model
 
 
 def verify_bundle(bundle_dir=None) -> dict:
@@ -111,7 +111,7 @@ def _parity(model, bundle_dir: Path, entry: ModelEntry, manifest: Manifest,
     graphs = entry.graphs
     if not manifest.encoder_decoder:
         return {"decoder": (check_parity(model, bundle_dir / graphs["decoder"].file, ids), None)}
-    from .build_seq2seq import parity_inputs
+    from ..bundle.build_seq2seq import parity_inputs
     from .parity_seq2seq import check_parity_seq2seq, fp32_parity_seq2seq
 
     source, decoder_ids = parity_inputs(model, ids, manifest.max_source_len)

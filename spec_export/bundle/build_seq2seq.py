@@ -10,9 +10,9 @@ import numpy as np
 
 from spec_runtime.bundle.contract import graph_devices
 from spec_runtime.bundle.manifest import AudioEntry, GraphEntry, ModelEntry
+from spec_runtime.errors import BuildError
 
-from .quality import VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
-from .sources import BuildError
+from ..parity.quality import VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
 
 DECODER_PARITY_PREFIX = 4  # forced decoder tokens after the start token in the parity run
 
@@ -88,14 +88,14 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     parity runs compare them with the PyTorch model's head cut the same way."""
     from draftproof.models import for_hf_seq2seq
 
-    from .export_seq2seq import export_seq2seq
-    from .parity_seq2seq import check_parity_seq2seq, follows_float, fp32_parity_seq2seq
+    from ..graphs.export_seq2seq import export_seq2seq
+    from ..parity.parity_seq2seq import check_parity_seq2seq, follows_float, fp32_parity_seq2seq
 
     if share_encoder and precision == "fp32":
         raise ValueError("a draft that shares the target's encoder is its lower precision")
     model = for_hf_seq2seq(hf_model, max_len, max_source_len)
     if head_ids is not None:  # the embedding keeps every row: the decoder reads every token
-        from .parity import trim_output_head
+        from ..parity.parity import trim_output_head
 
         model.decoder.trim_lm_head(head_ids)
         trim_output_head(hf_model, head_ids)
@@ -121,7 +121,7 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     parity = {"max_abs_diff_fp32": diffs[worst], "tolerance_fp32": measured[worst][1],
               "graphs_fp32": diffs, "tolerances_fp32": {g: t for g, (_, t) in measured.items()}}
     if precision == "int8":
-        from .quantize import quantize_int8
+        from ..quantization.quantize import quantize_int8
 
         for g in final:
             quantize_int8(fp32[g], final[g])
@@ -165,8 +165,8 @@ def _lanes_graph(model, solo: Path, path: Path, decoder: GraphEntry, *, max_len:
     """The float32 lanes graph of `model`'s decoder at `path`, checked against the decoder
     graph at `solo` (lanes_parity.seq2seq_lanes_parity): its manifest entry and parity record.
     A lane further from the decoder graph than float32 rounding allows is refused."""
-    from .export_seq2seq import export_decoder_lanes
-    from .lanes_parity import judged, seq2seq_lanes_parity
+    from ..graphs.export_seq2seq import export_decoder_lanes
+    from ..parity.lanes_parity import judged, seq2seq_lanes_parity
 
     desc = export_decoder_lanes(model, path, max_len, max_batch)
     dec = model.decoder

@@ -44,7 +44,7 @@ def require_finite(rows: np.ndarray, what: str, why: str) -> None:
 def graph_entry(path) -> GraphEntry:
     """A graph file's description, as a manifest would record it: its I/O read from the file,
     the cache layout from its shapes (a `present` as large as `past` is the whole cache)."""
-    from .onnx_export import describe
+    from ..graphs.onnx_export import describe
 
     desc = describe(path)
     shapes = {io["name"]: io["shape"] for io in desc["inputs"] + desc["outputs"]}
@@ -191,7 +191,7 @@ def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = Non
               name: str = "the graph") -> float:
     """Make `calls` on `engine` in order; the worst |logits - reference| over all of them.
     Logits that are not finite are refused (`name` names the graph)."""
-    from .progress import note
+    from ..bundle.progress import note
 
     worst = 0.0
     for i, c in enumerate(calls, 1):
@@ -265,7 +265,7 @@ def quantized_parity(reference, onnx_path, prompts: list[list[int]],
     float PyTorch model or its reference_rows for these prompts at the graph's max_len.
     With `follow` (greedy_continuations), also "follows_float": how many tokens of each the
     graph's greedy decoding keeps to, of "follow_tokens"."""
-    from .quantize import distribution_agreement
+    from ..quantization.quantize import distribution_agreement
 
     name = Path(onnx_path).stem
     engine = open_decoder(onnx_path, threads)

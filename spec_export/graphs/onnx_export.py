@@ -20,8 +20,8 @@ import torch
 
 from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
 
-from .journal import will_write
-from .progress import note
+from ..bundle.journal import will_write
+from ..bundle.progress import note
 
 ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
 GRAPH_ROOM = 64 * 2**20  # what the graph itself (nodes, names) may take beside the weights
