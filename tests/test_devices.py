@@ -65,7 +65,7 @@ def test_fp16_keeps_the_norm_statistics_in_float32_past_float16s_range(tmp_path)
     from tiny_models import llama
 
     from spec_export.graphs.onnx_export import export_decoder
-    from spec_export.parity.parity import quantized_parity
+    from spec_export.parity.quantized import quantized_parity
     from spec_export.parity.quality import FP16_TOLERANCE
     from spec_export.quantization.quantize import convert_fp16
     from draftproof.models import for_hf_model

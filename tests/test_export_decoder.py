@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from spec_export.graphs.onnx_export import expected_io, export_decoder
-from spec_export.parity.parity import check_parity
+from spec_export.parity.check import check_parity
 from draftproof.models import SUPPORTED, for_hf_model
 
 MAX_LEN = 64
@@ -63,7 +63,8 @@ def test_export_matches_hf(case, tmp_path):
     assert desc["opset"] == 17 and not desc["external_data"]
 
     prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    diff = check_parity(hf, tmp_path / "model.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
+    diff = check_parity(hf, tmp_path / "model.onnx", prompt, prefill_chunk=16, steps=3,
+                        verify_len=5)["decoder"]
     print(f"{case}: max |logits_onnx - logits_hf| = {diff:.3g}")
     assert diff < TOL
 
@@ -104,7 +105,8 @@ def test_fused_graph_matches_hf(case, tmp_path):
         assert want in names, want
 
     prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    diff = check_parity(hf, tmp_path / "fused.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
+    diff = check_parity(hf, tmp_path / "fused.onnx", prompt, prefill_chunk=16, steps=3,
+                        verify_len=5)["decoder"]
     print(f"{case} fused: max |logits_onnx - logits_hf| = {diff:.3g}")
     assert diff < TOL
 
@@ -165,7 +167,7 @@ def test_fused_graph_past_the_protobuf_limit_keeps_weights_beside_it(tmp_path, m
     desc = onnx_fused.export_fused_llama(for_hf_model(hf, MAX_LEN), tmp_path / "f.onnx", MAX_LEN)
     assert desc["external_data"] and (tmp_path / "f.onnx.data").stat().st_size > 100_000
     prompt = list(range(3, 23))
-    assert check_parity(hf, tmp_path / "f.onnx", prompt, prefill_chunk=16) < TOL
+    assert check_parity(hf, tmp_path / "f.onnx", prompt, prefill_chunk=16)["decoder"] < TOL
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

@@ -20,7 +20,7 @@ def int8_build(tmp_path_factory):
 def step_by_step_counts(model_dir, graph) -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spec_export.parity.parity import open_decoder
+    from spec_export.parity.calls import open_decoder
     from spec_export.parity.quality import FOLLOW_TOKENS, check_inputs
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -112,7 +112,7 @@ def step_by_step_seq2seq(model_dir, bundle, role) -> list[int]:
     from transformers import AutoTokenizer, WhisperForConditionalGeneration
 
     from spec_export.bundle.build_seq2seq import parity_inputs
-    from spec_export.parity.parity_seq2seq import _open
+    from spec_export.parity.calls import open_decoder
     from spec_export.parity.quality import FOLLOW_TOKENS, check_inputs
     from spec_runtime.bundle.manifest import read_manifest
 
@@ -122,8 +122,8 @@ def step_by_step_seq2seq(model_dir, bundle, role) -> list[int]:
     source, prompt = parity_inputs(hf, ids, manifest.max_source_len)
     entry = manifest.target if role == "target" else manifest.draft.model
     # 1-token calls padded to the multi-row kernels the build's one call ran on (rows.py)
-    engine = _open(bundle / manifest.target.graphs["encoder"].file,
-                   bundle / entry.graphs["decoder"].file, 1, 0, one_row="padded")
+    engine = open_decoder(bundle / entry.graphs["decoder"].file, 1, 0, one_row="padded",
+                          encoder_path=bundle / manifest.target.graphs["encoder"].file)
     engine.encode_source(source)
     features = torch.tensor(source)[None]
     counts = []

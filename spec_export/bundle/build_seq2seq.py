@@ -89,13 +89,13 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     from draftproof.models import for_hf_seq2seq
 
     from ..graphs.export_seq2seq import export_seq2seq
-    from ..parity.parity_seq2seq import check_parity_seq2seq, follows_float, fp32_parity_seq2seq
+    from ..parity.check import check_parity, follows_float, fp32_parity_seq2seq
 
     if share_encoder and precision == "fp32":
         raise ValueError("a draft that shares the target's encoder is its lower precision")
     model = for_hf_seq2seq(hf_model, max_len, max_source_len)
     if head_ids is not None:  # the embedding keeps every row: the decoder reads every token
-        from ..parity.parity import trim_output_head
+        from ..parity.calls import trim_output_head
 
         model.decoder.trim_lm_head(head_ids)
         trim_output_head(hf_model, head_ids)
@@ -108,8 +108,8 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     descs = export_seq2seq(model, fp32["encoder"], fp32["decoder"], max_len)
     stage(f"parity {role}")
     source, decoder_ids = parity_inputs(hf_model, parity_ids, max_source_len)
-    measured = fp32_parity_seq2seq(hf_model, fp32["encoder"], fp32["decoder"], source,
-                                   decoder_ids, name=role)
+    measured = fp32_parity_seq2seq(hf_model, fp32["decoder"], decoder_ids,
+                                   encoder_path=fp32["encoder"], source=source, name=role)
     for graph, (diff, limit) in measured.items():
         if not diff <= limit:
             raise BuildError(
@@ -127,10 +127,10 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
             quantize_int8(fp32[g], final[g])
             fp32[g].unlink()
         encoder = final.get("encoder", fp32["encoder"])
-        diffs = check_parity_seq2seq(hf_model, encoder, final["decoder"], source, decoder_ids,
-                                     name=role)
+        graphs = dict(encoder_path=encoder, source=source)
+        diffs = check_parity(hf_model, final["decoder"], decoder_ids, name=role, **graphs)
         if head_ids is None:  # a trimmed head cannot decode the float model's continuation
-            follow = [follows_float(hf_model, encoder, final["decoder"], source, prompt)
+            follow = [follows_float(hf_model, final["decoder"], prompt, **graphs)
                       for prompt in (decoder_ids[:1], decoder_ids)]
             parity["int8"] = {"follows_float": [n for n, _ in follow],
                               "follow_tokens": [m for _, m in follow]}

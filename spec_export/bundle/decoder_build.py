@@ -25,9 +25,6 @@ from ..parity.quality import (FP16_TOLERANCE, broken_quantization, fp32_toleranc
                               verify_thresholds)
 from .options import OptionError
 
-PARITY = dict(prefill_chunk=16, steps=3, verify_len=5)  # the call sequence parity.plan_calls runs
-
-
 def choose_kernels(module, kernels: str, role: str) -> str:
     """"fused" or "portable" for `module`: what `kernels` asks for, "auto" taking the fused
     graph where the model has one. An explicit "fused" the model cannot have is refused."""
@@ -47,7 +44,7 @@ class Exported:
     fp32_path: Path | None  # the float32 graph, kept when asked to (keep_fp32)
     quant_reference: list | None  # the float model's rows on QUANT_PROMPTS
     tied: bool
-    follow_reference: list | None = None  # its greedy continuations of them (parity.py)
+    follow_reference: list | None = None  # its greedy continuations of them (quantized.py)
     lanes_fp32_path: Path | None = None  # the float32 lanes graph, kept with fp32_path
     max_gamma: int = 8  # what the lanes parity's verify call spans
 
@@ -72,15 +69,16 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
 
     from ..graphs.onnx_export import export_decoder
     from ..graphs.onnx_fused import export_fused_llama
-    from ..parity.parity import greedy_continuations, hf_reference, plan_calls, reference_rows
+    from ..parity.calls import hf_reference, plan_calls
+    from ..parity.quantized import greedy_continuations, reference_rows
 
     vocab = hf_model.config.vocab_size  # the ids the model reads
     reference = hf_reference(hf_model)
     if head_ids is not None:
         reference = _at_ids(reference, head_ids)
     # everything the checks need of the PyTorch model, before its weights move into the export
-    plan = plan_calls(reference, parity_ids, vocab, max_len,
-                      rng=np.random.default_rng(1), name=path.stem, **PARITY)
+    plan = plan_calls(reference, parity_ids, vocab, max_len, rng=np.random.default_rng(1),
+                      name=path.stem)
     quant_ref = reference_rows(hf_model, quant_prompts, max_len) \
         if precision != "fp32" or keep_fp32 else None
     if quant_ref is not None and head_ids is not None:
@@ -188,7 +186,7 @@ def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, m
 
 
 def _at_ids(reference, ids):
-    """`reference` (parity.hf_reference) read at the ids a trimmed head keeps."""
+    """`reference` (calls.hf_reference) read at the ids a trimmed head keeps."""
     def at(tokens, num_logits):
         return reference(tokens, num_logits)[:, ids]
 
@@ -295,7 +293,7 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
     """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
     `precision` to `dst` and measure it against the float model: (quantization record, parity
     record). Refuses a graph that no longer computes the model."""
-    from ..parity.parity import quantized_parity
+    from ..parity.quantized import quantized_parity
 
     quantization = _write_precision(src, dst, precision, block_size=block_size, tied=tied,
                                     float_embedding=float_embedding, gguf_path=gguf_path,
@@ -323,7 +321,7 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
 
 
 def _run_plan(path: Path, plan) -> float:
-    from ..parity.parity import open_decoder, run_calls
+    from ..parity.calls import open_decoder, run_calls
 
     # named as the bundle names its model: "target" for target.onnx and target.fp32.onnx
     return run_calls(open_decoder(path), plan, name=path.name.split(".")[0])
@@ -346,7 +344,7 @@ def step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int
     """The draft's 1-token step time over the target's (medians of `steps` calls, after a
     prefill), through the runtime's engine on this machine."""
     from .costs import median_call_s
-    from ..parity.parity import open_decoder
+    from ..parity.calls import open_decoder
 
     def step_s(entry: ModelEntry) -> float:
         return median_call_s(open_decoder(directory / entry.graphs["decoder"].file), 1, steps)

@@ -415,7 +415,7 @@ def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate],
     from spec_runtime.decode.draft_vocab import KeptVocab
     from spec_runtime.decode.drafts import HybridDraft, ModelDraft, NgramDraft
 
-    from ..parity.parity import open_decoder
+    from ..parity.calls import open_decoder
 
     target = open_decoder(tmp / t_entry.graphs["decoder"].file, one_row="auto")
     vocab = target.vocab_size
