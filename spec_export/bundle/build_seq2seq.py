@@ -89,6 +89,7 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     from draftproof.models import for_hf_seq2seq
 
     from ..graphs.export_seq2seq import export_seq2seq
+    from ..graphs.onnx_export import graph_entry
     from ..parity.check import check_parity, follows_float, fp32_parity_seq2seq
 
     if share_encoder and precision == "fp32":
@@ -143,10 +144,9 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     dec = model.decoder
     dims = {k: getattr(dec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     dims["n_encoder_layers"] = len(model.encoder.layers)
-    graphs = {g: GraphEntry(file=final[g].name, inputs=d["inputs"], outputs=d["outputs"],
-                            kernels="portable", kv_cache="new-slots", opset=d["opset"],
-                            devices=graph_devices("portable", precision))
-              for g, d in descs.items() if g in final}
+    devices = graph_devices("portable", precision)
+    graphs = {g: graph_entry(final[g], d, "portable", devices) for g, d in descs.items()
+              if g in final}
     if max_batch > 1 and precision != "fp32":
         parity["lanes"] = {"none": f"no lanes graph: its {precision} MatMuls quantize a call's "
                                    f"activations as one tensor, so a lane's rows would depend "
@@ -166,6 +166,7 @@ def _lanes_graph(model, solo: Path, path: Path, decoder: GraphEntry, *, max_len:
     graph at `solo` (lanes_parity.seq2seq_lanes_parity): its manifest entry and parity record.
     A lane further from the decoder graph than float32 rounding allows is refused."""
     from ..graphs.export_seq2seq import export_decoder_lanes
+    from ..graphs.onnx_export import graph_entry
     from ..parity.lanes_parity import judged, seq2seq_lanes_parity
 
     desc = export_decoder_lanes(model, path, max_len, max_batch)
@@ -175,10 +176,7 @@ def _lanes_graph(model, solo: Path, path: Path, decoder: GraphEntry, *, max_len:
                                          vocab=dec.vocab_size,
                                          audio=getattr(model, "audio", False)),
                     precision="fp32", name=solo.stem, max_batch=max_batch)
-    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels="portable", kv_cache="new-slots", opset=desc["opset"],
-                       devices=decoder.devices)
-    return graph, record
+    return graph_entry(path, desc, "portable", decoder.devices), record
 
 
 def audio_entry(hf_model) -> AudioEntry | None:

@@ -67,7 +67,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     from draftproof.models import for_hf_model
     from draftproof.models.common import consuming
 
-    from ..graphs.onnx_export import export_decoder
+    from ..graphs.onnx_export import export_decoder, graph_entry
     from ..graphs.onnx_fused import export_fused_llama
     from ..parity.calls import hf_reference, plan_calls
     from ..parity.quantized import greedy_continuations, reference_rows
@@ -127,9 +127,7 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
         from ..graphs.onnx_export import describe
 
         desc = dict(describe(path), opset=desc["opset"])
-    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
-                       opset=desc["opset"], devices=graph_devices(kernels, precision))
+    graph = graph_entry(path, desc, kernels, graph_devices(kernels, precision))
     graphs = {"decoder": graph}
     if lanes_fp32 is not None:
         lanes_path = lanes_file(path)
@@ -171,7 +169,7 @@ def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, m
     from spec_runtime.bundle.contract import dims_of
 
     from ..parity.lanes_parity import judged, lanes_parity
-    from ..graphs.onnx_export import check_contract, describe
+    from ..graphs.onnx_export import check_contract, describe, graph_entry
 
     desc = describe(lanes)
     dims = dims_of(decoder.inputs, decoder.outputs)
@@ -179,10 +177,7 @@ def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, m
     record = judged(lanes_parity(solo, lanes, lanes=max_batch, n_layers=n_layers,
                                  max_len=max_len, max_gamma=max_gamma, vocab=dims.vocab_size),
                     precision=precision, name=solo.stem, max_batch=max_batch)
-    graph = GraphEntry(file=lanes.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels=decoder.kernels, kv_cache=decoder.kv_cache, opset=desc["opset"],
-                       devices=decoder.devices)
-    return graph, record
+    return graph_entry(lanes, desc, decoder.kernels, decoder.devices), record
 
 
 def _at_ids(reference, ids):

@@ -49,19 +49,6 @@ def require_finite(rows: np.ndarray, what: str, why: str) -> None:
                          f"infinite) on the parity tokens: {why}")
 
 
-def graph_entry(path) -> GraphEntry:
-    """A graph file's description, as a manifest would record it: its I/O read from the file,
-    the cache layout from its shapes (a `present` as large as `past` is the whole cache)."""
-    from ..graphs.onnx_export import describe
-
-    desc = describe(path)
-    shapes = {io["name"]: io["shape"] for io in desc["inputs"] + desc["outputs"]}
-    in_place = shapes.get("present_key.0") == shapes.get("past_key.0")
-    return GraphEntry(file=Path(path).name, inputs=desc["inputs"], outputs=desc["outputs"],
-                      kernels="fused" if in_place else "portable",
-                      kv_cache="in-place" if in_place else "new-slots", opset=desc["opset"])
-
-
 def graph_dims(graph: GraphEntry) -> tuple[int, int]:
     """(max_len, vocab_size) of a decoder graph's description."""
     shapes = {io["name"]: io["shape"] for io in graph.inputs + graph.outputs}
@@ -74,6 +61,8 @@ def open_decoder(path, threads: int | None = None, seed: int = 0, one_row: str =
     """The runtime's engine over a decoder graph file (with `encoder_path`, over an
     encoder-decoder's two graph files), its cache filled with garbage; its 1-token calls in
     `one_row` form ("auto": the form the runtime measures at load)."""
+    from ..graphs.onnx_export import graph_entry
+
     graph = graph_entry(path)
     max_len, vocab = graph_dims(graph)
     common = dict(vocab_size=vocab, max_len=max_len, prefill_chunk=max_len, threads=threads,
