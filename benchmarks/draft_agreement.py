@@ -1,5 +1,5 @@
 """How well a draft graph proposes a target's tokens, and what its step costs: the measure behind
-`--int4-weights auto` for a GGUF draft model (spec_export/draft_plan.py).
+`--int4-weights auto` for a GGUF draft model (spec_export/bundle/draft_plan.py).
 
 Agreement: each graph is run teacher-forced over a pair race's prompts followed by the target's
 own greedy output (the target-only rows of `benchmarks/pair.py`'s JSON), one call per prompt

@@ -1,12 +1,12 @@
 """How a GGUF's own blocks fare as MatMulNBits weights, per block type, on the real files.
 
-1. Every 2-D tensor of the file: its blocks as spec_export/gguf_quants.py reads them
+1. Every 2-D tensor of the file: its blocks as spec_export/quantization/gguf_quants.py reads them
    de-quantize to gguf-py's floats bit for bit (transformers loads those), also with the zero
    points centred; and the share of 32-blocks whose zero point could be centred.
 2. Per block type, on up to --tensors layer tensors: the relative error ‖y − y_ref‖ / ‖y_ref‖
    of one MatMul's output over 8 rows of Gaussian inputs, y_ref = x·Wᵀ in float64 from
    gguf-py's weights, for
-     blocks        the int4 build's graph (spec_export/gguf_blocks.py: MatMulNBits at
+     blocks        the int4 build's graph (spec_export/quantization/gguf_blocks.py: MatMulNBits at
                    accuracy level 4, offsets as a float MatMul over block sums, zero points
                    centred),
      uncentred     the same with the file's own zero points (offset types only),
@@ -42,7 +42,7 @@ def one_matmul(k: int, n: int, weight: np.ndarray | None = None, blocks=None):
     int4 build's rewrite of `blocks`."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from spec_export.gguf_blocks import _Writer
+    from spec_export.quantization.gguf_blocks import _Writer
 
     if blocks is not None:
         w = _Writer()
@@ -71,7 +71,7 @@ def folded(b):
     """`b` with each 32-block's offset rounded into its zero point: scale·(code − zp) + offset
     = scale·(code − (zp − offset/scale)), zp − offset/scale rounded to a code (and clipped to
     the code range). Lossy: the weights move by up to half a step a block, all the same way."""
-    from spec_export.gguf_quants import Blocks
+    from spec_export.quantization.gguf_quants import Blocks
 
     scales = np.where(b.scales == 0, 1, b.scales)
     real = b.zero_points.astype(np.float64) - b.offsets.astype(np.float64) / scales
@@ -82,7 +82,7 @@ def folded(b):
 def requantized(weight: np.ndarray):
     import onnx
 
-    from spec_export.quantize import quantize_int4
+    from spec_export.quantization.quantize import quantize_int4
 
     with tempfile.TemporaryDirectory(prefix="gguf-blocks-") as tmp:
         path = Path(tmp) / "q.onnx"
@@ -95,7 +95,7 @@ def measure(path: Path, per_type: int) -> dict:
     markdown), "errors" (a row per tensor measured)}."""
     import gguf
 
-    from spec_export.gguf_quants import _tensor_rows, parse
+    from spec_export.quantization.gguf_quants import _tensor_rows, parse
 
     exact, centred, blocks = defaultdict(lambda: [0, 0]), defaultdict(int), defaultdict(int)
     layer_tensors = defaultdict(list)

@@ -79,7 +79,7 @@ def hf_dir(gguf: Path | None = None) -> Path:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from spec_export.load import load_hf_model
+        from spec_export.sources.load import load_hf_model
 
         model, tokenizer = load_hf_model(str(gguf or smollm2_gguf()))
         with torch.device("meta"):

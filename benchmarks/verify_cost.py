@@ -186,7 +186,7 @@ def main(argv=None) -> None:
         variants.append((f"accuracy level {level}", with_accuracy_level(
             graph, level, tmp / f"acc{level}.onnx"), 2, {}))
     if args.fp32_bundle:
-        from spec_export.quantize import quantize_int4
+        from spec_export.quantization.quantize import quantize_int4
 
         fp32 = read_manifest(args.fp32_bundle)
         src = args.fp32_bundle / fp32.target.graphs["decoder"].file

@@ -36,9 +36,9 @@ def main(ctx):
 
 
 def build_options(fn):
-    """`specexport build`'s options, one a BuildOptions field (spec_export/options.py): its flag
-    the field's name with dashes, its help and default the field's declaration."""
-    from spec_export.options import BUILD_FIELDS
+    """`specexport build`'s options, one a BuildOptions field (spec_export/bundle/options.py): its
+    flag the field's name with dashes, its help and default the field's declaration."""
+    from spec_export.bundle.options import BUILD_FIELDS
 
     for f in reversed(BUILD_FIELDS):
         m, flag = f.metadata, cli_flag(f.name)
@@ -69,9 +69,9 @@ def build(quiet, **options):
 
     with sigterm_as_interrupt(request_interrupt), library_messages("spec_export", "specexport"):
         # a build stopped by a signal removes its temporary directory; one killed outright is
-        # cleaned up by the next build (spec_export/output.py)
+        # cleaned up by the next build (spec_export/bundle/output.py)
         path = in_cli_words(build_bundle, progress=not quiet, **options)
-    from spec_export.summary import build_summary
+    from spec_export.bundle.summary import build_summary
 
     click.echo(build_summary(path))
 
@@ -85,7 +85,7 @@ def verify(bundle, as_json):
     """Re-check a bundle: every file's sha256, then every graph against the PyTorch model it
     came from (loaded again from the source the manifest records). Exit 0 when every check
     passes, 2 when the bundle is missing or damaged or a graph fails."""
-    from spec_export.verify import format_report, verify_bundle
+    from spec_export.parity.verify import format_report, verify_bundle
 
     with library_messages("spec_export", "specexport"):
         report = verify_bundle(bundle)
@@ -107,7 +107,7 @@ def engine(bundle, fp16, workspace, device_id):
     will run them (engines are tied to the TensorRT version and the GPU); `specrun --device
     tensorrt` then runs them without onnxruntime-gpu. Needs TensorRT and cuda-python, not
     torch."""
-    from spec_export.trt_build import build_engines
+    from spec_export.graphs.trt_build import build_engines
 
     with library_messages("spec_export", "specexport"):
         record = build_engines(bundle, fp16=fp16, workspace_mb=workspace, device_id=device_id)

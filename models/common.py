@@ -7,7 +7,7 @@ spec_runtime/bundle/contract.py: for n new tokens at absolute `position` it read
 overwritten) and returns the logits of the last num_logits tokens and the n new slots as
 `present_*`, which the runtime writes at [position, position + n). The fused ("in-place") graph
 of the Llama-based families (llama, qwen2, qwen3, mistral, gemma3_text) is written from the same
-modules by spec_export/onnx_fused.py.
+modules by spec_export/graphs/onnx_fused.py.
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ from pathlib import Path
 from spec_runtime.bundle.manifest import (MANIFEST, Manifest, TokenizerEntry, lowest_schema,
                                    write_manifest)
 
-from .journal import will_write
-from .leftovers import clean_stale_temporaries
-from .output import BuildDir, check_out, file_system_errors, resolve_out
-from .quality import check_inputs
-from .progress import Stages
-from .options import MIN_MAX_LEN, BuildOptions, Kernels, OptionError, Precision, not_a_gguf
-from .sources import BuildError, default_target, load_model, model_spec
+from .bundle.journal import will_write
+from .bundle.leftovers import clean_stale_temporaries
+from .bundle.options import MIN_MAX_LEN, BuildOptions, Kernels, OptionError, Precision, not_a_gguf
+from .bundle.output import BuildDir, check_out, file_system_errors, resolve_out
+from .bundle.progress import Stages
+from .parity.quality import check_inputs
+from .sources.source import BuildError, default_target, load_model, model_spec
 
 MAX_LEN = 2048  # the default cache capacity, where the model allows as many positions
 
@@ -192,7 +192,7 @@ def build_bundle(*where, options: BuildOptions | None = None, progress: bool = T
     lanes)."""
     from spec_runtime.bundle.reader import default_bundle_dir
 
-    from .draft_plan import plan_drafts
+    from .bundle.draft_plan import plan_drafts
 
     if len(where) > 3:
         raise TypeError(f"build_bundle takes at most 3 positional values (target, draft, out), "
@@ -252,8 +252,8 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
     from spec_runtime.bundle.reader import load_tokenizer, vocabulary_sha256
     from spec_runtime.bundle.contract import graph_metadata
 
-    from .build_seq2seq import audio_entry, decoder_start_token_id, is_encoder_decoder
-    from .onnx_export import stamp_metadata
+    from .bundle.build_seq2seq import audio_entry, decoder_start_token_id, is_encoder_decoder
+    from .graphs.onnx_export import stamp_metadata
 
     stage("load target")
     t_model, t_tok = load_model(t_spec)
@@ -288,7 +288,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
         max_source_len = t_model.config.max_source_positions
     stage("export target")
     if encdec:
-        from .build_seq2seq import export_model
+        from .bundle.build_seq2seq import export_model
 
         t_entry = export_model(t_model, tmp, "target", max_len=max_len,
                                max_source_len=max_source_len, precision=precision,
@@ -296,7 +296,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
                                max_gamma=max_gamma)
         t_exported = None
     else:
-        from .decoder_build import check_blocks, export_decoder_model
+        from .bundle.decoder_build import check_blocks, export_decoder_model
 
         t_exported = export_decoder_model(
             t_model, tmp / "target.onnx", precision=precision, keep_fp32=plan.needs_self,
@@ -332,7 +332,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
             stamp_metadata(tmp / graph.file, graph_metadata(role, name, entry.precision))
     will_write(tmp / (MANIFEST + ".tmp"), renamed_to=tmp / MANIFEST)  # write_manifest's names
     write_manifest(tmp, manifest)  # the bundle is whole: the runtime can load it to measure
-    from .costs import measure_costs
+    from .bundle.costs import measure_costs
 
     costs = measure_costs(tmp)
     will_write(tmp / (MANIFEST + ".tmp"), renamed_to=tmp / MANIFEST)
@@ -344,7 +344,7 @@ def _check_batching(max_batch: int, config, encdec: bool, kernels: str,
     """max_batch N > 1 for the loaded target: a decoder-only target's batched graph is the
     fused decoder's (onnx_fused.py), which portable kernels and the families without fused
     kernels lack; an encoder-decoder's is its float32 decoder's (models/common.py, lanes)."""
-    from .onnx_fused import fused_unsupported
+    from .graphs.onnx_fused import fused_unsupported
 
     if encdec:
         if precision != Precision.FP32:

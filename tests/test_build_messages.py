@@ -15,9 +15,9 @@ import pytest
 from helpers import assert_input_error, edit_manifest, run
 
 from draftproof.cli.specexport import main as specexport
-from spec_export import sources
-from spec_export.quality import WARN_TOP1_AGREEMENT
-from spec_export.summary import build_summary
+from spec_export.sources import source
+from spec_export.parity.quality import WARN_TOP1_AGREEMENT
+from spec_export.bundle.summary import build_summary
 
 
 @pytest.fixture
@@ -29,9 +29,9 @@ def no_hub(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    sources.hub_unreachable.cache_clear()
+    source.hub_unreachable.cache_clear()
     yield port
-    sources.hub_unreachable.cache_clear()
+    source.hub_unreachable.cache_clear()
 
 
 def test_an_unreachable_hub_is_said_at_once_with_the_local_alternative(no_hub, tmp_path):
@@ -54,7 +54,7 @@ def test_an_unreachable_hub_is_said_at_once_with_the_local_alternative(no_hub, t
 
 def test_offline_mode_is_named_as_the_reason(no_hub, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    sources.hub_unreachable.cache_clear()
+    source.hub_unreachable.cache_clear()
     r = run(specexport, "build", "--target", "llama", "--draft", "nobody/draft", "--out",
             tmp_path / "b", "--quiet")
     assert_input_error(r, "HF_HUB_OFFLINE is set", "pass a local directory")
@@ -68,11 +68,11 @@ def test_the_check_sees_a_listening_endpoint(monkeypatch):
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-        sources.hub_unreachable.cache_clear()
+        source.hub_unreachable.cache_clear()
         try:
-            assert sources.hub_unreachable() is None
+            assert source.hub_unreachable() is None
         finally:
-            sources.hub_unreachable.cache_clear()
+            source.hub_unreachable.cache_clear()
 
 
 def _with_top1(bundle, tmp_path, top1: float):
@@ -158,7 +158,7 @@ def test_the_float32_parity_tolerance_grows_with_the_logits_past_five():
     """1e-3 while PyTorch's logits stay within ±5; beyond, 2e-4 of the largest (a tiny random
     model with logits up to 33 differs by 2.7e-3 on one CPU's kernels, not on another's), so
     that a wrong export (off by a large part of a logit) is still refused."""
-    from spec_export.quality import fp32_tolerance
+    from spec_export.parity.quality import fp32_tolerance
 
     assert fp32_tolerance(1.0) == 1e-3
     assert fp32_tolerance(5.0) == 1e-3

@@ -1,4 +1,4 @@
-"""The build's options are declared once (spec_export/options.py, BuildOptions): `specexport
+"""The build's options are declared once (spec_export/bundle/options.py, BuildOptions): `specexport
 build`'s options are made from its fields, the library refuses a bad value in the field's name
 and the command line says the same thing in its flags."""
 
@@ -10,7 +10,7 @@ from helpers import assert_input_error, run
 
 from draftproof.cli.specexport import main as specexport
 from spec_export.build import build_bundle
-from spec_export.options import (BUILD_FIELDS, BuildOptions, DraftKind, Int4Weights, Kernels,
+from spec_export.bundle.options import (BUILD_FIELDS, BuildOptions, DraftKind, Int4Weights, Kernels,
                                  OptionError, Precision)
 from spec_runtime.errors import BuildError, FieldError
 

@@ -11,9 +11,10 @@ import torch
 from onnx import numpy_helper
 from tiny_models import byte_tokenizer, llama, write_gguf
 
-from spec_export import onnx_fused
+from spec_export.graphs import onnx_fused
 from spec_export.build import build_bundle
-from spec_export.parity import check_parity, hf_reference, open_decoder, plan_calls, run_calls
+from spec_export.parity.calls import hf_reference, open_decoder, plan_calls, run_calls
+from spec_export.parity.check import check_parity
 from draftproof.models import for_hf_model
 from draftproof.models.common import consuming
 
@@ -37,7 +38,7 @@ def test_streamed_weights_are_the_weights_the_graph_holds_inline(tmp_path, monke
     inline, streamed = initializers(tmp_path / "inline.onnx"), initializers(tmp_path / "streamed.onnx")
     assert inline.keys() == streamed.keys()
     assert all(np.array_equal(inline[k], streamed[k]) for k in inline)
-    assert check_parity(hf, tmp_path / "streamed.onnx", PROMPT) < 1e-4
+    assert check_parity(hf, tmp_path / "streamed.onnx", PROMPT)["decoder"] < 1e-4
 
 
 def test_consuming_spends_the_hf_model_into_the_same_forward():
@@ -105,7 +106,7 @@ def test_the_self_draft_is_the_targets_graph_at_int4(gguf_target, tmp_path):
 
 
 def test_each_stage_records_its_time_and_the_peak_memory(gguf_target, tmp_path):
-    from spec_export.summary import build_summary
+    from spec_export.bundle.summary import build_summary
 
     root, path = gguf_target
     bundle = build_bundle(str(path), "hybrid", tmp_path / "b", max_len=64, progress=False)
@@ -126,8 +127,8 @@ def test_an_export_off_by_a_fraction_of_a_logit_is_refused(gguf_target, tmp_path
     weight scaled by 1.5 after export), and the build stops with the measured difference and
     writes nothing; the tolerance it states is the one quality.fp32_tolerance gives for the
     model's logits."""
-    from spec_export import decoder_build
-    from spec_export.quality import fp32_tolerance
+    from spec_export.bundle import decoder_build
+    from spec_export.parity.quality import fp32_tolerance
     from spec_runtime.errors import BuildError
 
     root, path = gguf_target

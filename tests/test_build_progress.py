@@ -5,8 +5,8 @@ import json
 import re
 import time
 
-from spec_export import progress
-from spec_export.progress import Stages
+from spec_export.bundle import progress
+from spec_export.bundle.progress import Stages
 
 
 def _states(err: str) -> list[tuple[int, int]]:

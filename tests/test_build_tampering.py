@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from spec_export import build as build_module
-from spec_export import leftovers, output
-from spec_export.journal import JOURNAL, birth_time
+from spec_export.bundle import leftovers, output
+from spec_export.bundle.journal import JOURNAL, birth_time
 from test_data_safety import build, killed_build, snapshot
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from spec_export import leftovers, output
-from spec_export.journal import will_write
+from spec_export.bundle import leftovers, output
+from spec_export.bundle.journal import will_write
 from draftproof.cli.specexport import main as specexport
 from helpers import assert_input_error, run
 
@@ -382,8 +382,8 @@ def test_every_file_a_build_writes_is_recorded_before_it_exists(tmp_path, target
     on a tiny model: <graph>.data): at the swap every file of the new bundle is one the
     journal owns (recorded, and still of the recorded identity), and a build that fails there
     leaves nothing behind."""
-    from spec_export import onnx_export
-    from spec_export.journal import birth_time, recorded
+    from spec_export.graphs import onnx_export
+    from spec_export.bundle.journal import birth_time, recorded
 
     monkeypatch.setattr(onnx_export, "ONNX_SIZE_LIMIT", onnx_export.GRAPH_ROOM + 1)
     owned = {}

@@ -64,10 +64,10 @@ def test_fp16_keeps_the_norm_statistics_in_float32_past_float16s_range(tmp_path)
     import torch
     from tiny_models import llama
 
-    from spec_export.onnx_export import export_decoder
-    from spec_export.parity import quantized_parity
-    from spec_export.quality import FP16_TOLERANCE
-    from spec_export.quantize import convert_fp16
+    from spec_export.graphs.onnx_export import export_decoder
+    from spec_export.parity.quantized import quantized_parity
+    from spec_export.parity.quality import FP16_TOLERANCE
+    from spec_export.quantization.quantize import convert_fp16
     from draftproof.models import for_hf_model
 
     hf = llama(0, layers=2, tied=False).eval()
@@ -206,7 +206,7 @@ def test_one_tensorrt_profile_for_every_dynamic_and_shape_input(llama_portable_p
 
     import fake_cuda
     import fake_tensorrt
-    from spec_export.trt_build import build_engines
+    from spec_export.graphs.trt_build import build_engines
     from spec_runtime.bundle.manifest import read_manifest
 
     bundle = tmp_path / "bundle"

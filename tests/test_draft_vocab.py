@@ -221,7 +221,7 @@ def test_fp32_trimmed_draft_greedy_equals_hf_generate(models, tmp_path):
         assert r.tokens == hf_greedy(models["t"], prompt_ids, 40), prompt
         accepted += r.stats.accepted
     assert accepted > 0
-    from spec_export.verify import verify_bundle
+    from spec_export.parity.verify import verify_bundle
 
     report = verify_bundle(bundle)  # re-checked against the PyTorch draft at the kept ids
     assert report["graphs"]["draft/decoder"]["ok"] is True
@@ -337,7 +337,7 @@ def tok(models):
 
 
 def test_one_long_line_is_tokenized_in_bounded_pieces_cut_at_whitespace(tok, tmp_path):
-    from spec_export.draft_vocab import corpus_counts
+    from spec_export.bundle.draft_vocab import corpus_counts
 
     # one 3 MB line of words with two-byte characters (cut across the reads' byte boundaries)
     text = "héllo wörld, the caté sat " * (3 * MB // 28)
@@ -351,7 +351,7 @@ def test_one_long_line_is_tokenized_in_bounded_pieces_cut_at_whitespace(tok, tmp
 
 
 def test_a_line_without_whitespace_is_cut_at_the_bound(tok, tmp_path):
-    from spec_export.draft_vocab import corpus_counts
+    from spec_export.bundle.draft_vocab import corpus_counts
 
     text = "é" * (MB + 1000) + "x" * (2 * MB)
     (tmp_path / "word.txt").write_text(text, encoding="utf-8")
@@ -365,7 +365,7 @@ RSS_PROBE = """
 import resource, sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from spec_export.draft_vocab import corpus_counts
+from spec_export.bundle.draft_vocab import corpus_counts
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 tok("warm up " * 1000, add_special_tokens=False)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -394,7 +394,7 @@ def test_a_long_line_is_counted_in_bounded_memory(models, tmp_path):
 
 def test_a_corpus_past_the_cap_is_read_up_to_it_and_the_summary_says_so(models, tok, tmp_path,
                                                                         monkeypatch):
-    from spec_export import draft_vocab
+    from spec_export.bundle import draft_vocab
 
     cap = 10_001  # inside a two-byte character: the part of it read is dropped
     monkeypatch.setattr(draft_vocab, "CORPUS_MAX_BYTES", cap)
@@ -434,8 +434,8 @@ def test_a_corpus_that_is_not_a_regular_file_is_named_for_what_it_is(models, tmp
 
 
 def test_a_corpus_path_no_file_can_have_is_said_not_to_exist():
-    from spec_export.draft_vocab import check_options
-    from spec_export.sources import BuildError
+    from spec_export.bundle.draft_vocab import check_options
+    from spec_export.sources.source import BuildError
 
     with pytest.raises(BuildError, match="does not exist"):
         check_options(50, "corpus\0.txt")

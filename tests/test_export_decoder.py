@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from spec_export.onnx_export import expected_io, export_decoder
-from spec_export.parity import check_parity
+from spec_export.graphs.onnx_export import expected_io, export_decoder
+from spec_export.parity.check import check_parity
 from draftproof.models import SUPPORTED, for_hf_model
 
 MAX_LEN = 64
@@ -63,7 +63,8 @@ def test_export_matches_hf(case, tmp_path):
     assert desc["opset"] == 17 and not desc["external_data"]
 
     prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    diff = check_parity(hf, tmp_path / "model.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
+    diff = check_parity(hf, tmp_path / "model.onnx", prompt, prefill_chunk=16, steps=3,
+                        verify_len=5)["decoder"]
     print(f"{case}: max |logits_onnx - logits_hf| = {diff:.3g}")
     assert diff < TOL
 
@@ -77,7 +78,7 @@ def test_fused_graph_matches_hf(case, tmp_path):
     portable graph: the parity runner takes `present` as the whole updated cache."""
     import onnx
 
-    from spec_export.onnx_fused import export_fused_llama, fused_io
+    from spec_export.graphs.onnx_fused import export_fused_llama, fused_io
 
     hf = saved_and_reloaded(CASES[case], tmp_path)
     module = for_hf_model(hf, MAX_LEN)
@@ -104,14 +105,15 @@ def test_fused_graph_matches_hf(case, tmp_path):
         assert want in names, want
 
     prompt = torch.randint(0, hf.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    diff = check_parity(hf, tmp_path / "fused.onnx", prompt, prefill_chunk=16, steps=3, verify_len=5)
+    diff = check_parity(hf, tmp_path / "fused.onnx", prompt, prefill_chunk=16, steps=3,
+                        verify_len=5)["decoder"]
     print(f"{case} fused: max |logits_onnx - logits_hf| = {diff:.3g}")
     assert diff < TOL
 
 
 @pytest.mark.parametrize("case,why", [("gpt2", "fused kernels cover"), ("llama-head-dim-8", "multiple of 16")])
 def test_fused_graph_refused_with_reason(case, why, tmp_path):
-    from spec_export.onnx_fused import export_fused_llama, fused_unsupported
+    from spec_export.graphs.onnx_fused import export_fused_llama, fused_unsupported
 
     make = CASES.get(case) or (lambda: LlamaForCausalLM(LlamaConfig(**dict(LLAMA, hidden_size=32))))
     module = for_hf_model(saved_and_reloaded(make, tmp_path), MAX_LEN)
@@ -158,14 +160,14 @@ def test_checkpoint_mismatch_names_the_weight():
 def test_fused_graph_past_the_protobuf_limit_keeps_weights_beside_it(tmp_path, monkeypatch):
     """Weights beyond protobuf's 2 GB go to <file>.data (the limit lowered so a tiny model
     crosses it); the graph loads and matches HF the same."""
-    from spec_export import onnx_export, onnx_fused
+    from spec_export.graphs import onnx_export, onnx_fused
 
     monkeypatch.setattr(onnx_export, "ONNX_SIZE_LIMIT", onnx_export.GRAPH_ROOM + 1)
     hf = saved_and_reloaded(CASES["llama-untied"], tmp_path)
     desc = onnx_fused.export_fused_llama(for_hf_model(hf, MAX_LEN), tmp_path / "f.onnx", MAX_LEN)
     assert desc["external_data"] and (tmp_path / "f.onnx.data").stat().st_size > 100_000
     prompt = list(range(3, 23))
-    assert check_parity(hf, tmp_path / "f.onnx", prompt, prefill_chunk=16) < TOL
+    assert check_parity(hf, tmp_path / "f.onnx", prompt, prefill_chunk=16)["decoder"] < TOL
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])

@@ -185,7 +185,7 @@ def test_a_graph_written_for_the_other_window_reading_is_refused(tmp_path, monke
 def test_the_shipped_window_probe_is_the_one_the_exporter_writes():
     from importlib import resources
 
-    from spec_export.onnx_fused import window_probe_model
+    from spec_export.graphs.onnx_fused import window_probe_model
     from spec_runtime.engines.gqa_window import PROBE
 
     shipped = onnx.load_from_string(resources.files("spec_runtime").joinpath(PROBE).read_bytes())
@@ -195,7 +195,7 @@ def test_the_shipped_window_probe_is_the_one_the_exporter_writes():
 def test_fused_kernels_are_offered_for_every_family_config():
     from transformers import GPT2Config
 
-    from spec_export.onnx_fused import fused_unsupported
+    from spec_export.graphs.onnx_fused import fused_unsupported
 
     for name in ("qwen2", "qwen3", "mistral", "gemma3"):
         assert fused_unsupported(make(name).config) is None, name

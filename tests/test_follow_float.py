@@ -20,8 +20,8 @@ def int8_build(tmp_path_factory):
 def step_by_step_counts(model_dir, graph) -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spec_export.parity import open_decoder
-    from spec_export.quality import FOLLOW_TOKENS, check_inputs
+    from spec_export.parity.calls import open_decoder
+    from spec_export.parity.quality import FOLLOW_TOKENS, check_inputs
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     _, prompts, _ = check_inputs(AutoTokenizer.from_pretrained(model_dir), hf.config.vocab_size)
@@ -39,7 +39,7 @@ def step_by_step_counts(model_dir, graph) -> list[int]:
 
 def greedy_steps(engine, prompt: list[int]) -> list[int]:
     """The graph's greedy decoding of `prompt`, FOLLOW_TOKENS tokens, one token a call."""
-    from spec_export.quality import FOLLOW_TOKENS
+    from spec_export.parity.quality import FOLLOW_TOKENS
 
     ours, row = [], engine.forward(np.asarray(prompt, np.int64), 0, 1)
     while len(ours) < FOLLOW_TOKENS:
@@ -56,8 +56,8 @@ def agreed(float_tokens: list[int], ours: list[int]) -> int:
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_the_recorded_counts_are_those_of_step_by_step_greedy_runs(int8_build, role):
-    from spec_export.quality import FOLLOW_TOKENS
-    from spec_export.summary import _parity
+    from spec_export.parity.quality import FOLLOW_TOKENS
+    from spec_export.bundle.summary import _parity
     from spec_runtime.bundle.manifest import read_manifest
 
     target_dir, draft_dir, bundle = int8_build
@@ -76,7 +76,7 @@ def test_the_recorded_counts_are_those_of_step_by_step_greedy_runs(int8_build, r
 def test_the_counts_tell_apart_what_they_measure(int8_build):
     """Not all 0 nor all FOLLOW_TOKENS on this pair, so an off-by-one row or a count that
     stops at the continuation's length would fail the test above."""
-    from spec_export.quality import FOLLOW_TOKENS
+    from spec_export.parity.quality import FOLLOW_TOKENS
     from spec_runtime.bundle.manifest import read_manifest
 
     manifest = read_manifest(int8_build[2])
@@ -111,9 +111,9 @@ def step_by_step_seq2seq(model_dir, bundle, role) -> list[int]:
     forward, and the graphs one token a call."""
     from transformers import AutoTokenizer, WhisperForConditionalGeneration
 
-    from spec_export.build_seq2seq import parity_inputs
-    from spec_export.parity_seq2seq import _open
-    from spec_export.quality import FOLLOW_TOKENS, check_inputs
+    from spec_export.bundle.build_seq2seq import parity_inputs
+    from spec_export.parity.calls import open_decoder
+    from spec_export.parity.quality import FOLLOW_TOKENS, check_inputs
     from spec_runtime.bundle.manifest import read_manifest
 
     hf = WhisperForConditionalGeneration.from_pretrained(model_dir).eval()
@@ -122,8 +122,8 @@ def step_by_step_seq2seq(model_dir, bundle, role) -> list[int]:
     source, prompt = parity_inputs(hf, ids, manifest.max_source_len)
     entry = manifest.target if role == "target" else manifest.draft.model
     # 1-token calls padded to the multi-row kernels the build's one call ran on (rows.py)
-    engine = _open(bundle / manifest.target.graphs["encoder"].file,
-                   bundle / entry.graphs["decoder"].file, 1, 0, one_row="padded")
+    engine = open_decoder(bundle / entry.graphs["decoder"].file, 1, 0, one_row="padded",
+                          encoder_path=bundle / manifest.target.graphs["encoder"].file)
     engine.encode_source(source)
     features = torch.tensor(source)[None]
     counts = []
@@ -146,8 +146,8 @@ def step_by_step_seq2seq(model_dir, bundle, role) -> list[int]:
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_an_int8_whispers_counts_are_those_of_step_by_step_greedy_runs(whisper_builds, role):
-    from spec_export.quality import FOLLOW_TOKENS
-    from spec_export.summary import _parity
+    from spec_export.parity.quality import FOLLOW_TOKENS
+    from spec_export.bundle.summary import _parity
     from spec_runtime.bundle.manifest import read_manifest
 
     model_dir, bundles = whisper_builds
@@ -163,7 +163,7 @@ def test_an_int8_whispers_counts_are_those_of_step_by_step_greedy_runs(whisper_b
 
 
 def test_an_int8_whispers_counts_tell_apart_what_they_measure(whisper_builds):
-    from spec_export.quality import FOLLOW_TOKENS
+    from spec_export.parity.quality import FOLLOW_TOKENS
     from spec_runtime.bundle.manifest import read_manifest
 
     target, draft = (read_manifest(whisper_builds[1][r]) for r in ("target", "draft"))

@@ -1,7 +1,7 @@
-"""int4 bundles from a GGUF's own blocks (spec_export/gguf_blocks.py): the file's Q4_0/Q4_1/Q8_0
-blocks become MatMulNBits weights instead of being quantized a second time, which keeps the
-bundle far closer to the model; speculative decoding stays exact relative to it; bad requests
-get one message. Every other block type: test_kquants.py."""
+"""int4 bundles from a GGUF's own blocks (spec_export/quantization/gguf_blocks.py): the file's
+Q4_0/Q4_1/Q8_0 blocks become MatMulNBits weights instead of being quantized a second time, which
+keeps the bundle far closer to the model; speculative decoding stays exact relative to it; bad
+requests get one message. Every other block type: test_kquants.py."""
 
 import json
 
@@ -14,7 +14,7 @@ from tiny_models import byte_tokenizer, llama, save, truncated, write_gguf
 
 import spec_runtime
 from spec_export.build import BuildError, build_bundle
-from spec_export.gguf_quants import read_blocks
+from spec_export.quantization.gguf_quants import read_blocks
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,8 @@ def test_bad_int4_weights_requests(tmp_path, monkeypatch):
 
     (tmp_path / "g").mkdir()
     path = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf")
-    monkeypatch.setattr("spec_export.gguf_quants._tensor_rows", lambda _: None)  # e.g. IQ types
+    # e.g. IQ types
+    monkeypatch.setattr("spec_export.quantization.gguf_quants._tensor_rows", lambda _: None)
     with pytest.raises(BuildError, match="has no tensor in Q4_0, .*Q6_K blocks.*--int4-weights quant"):
         build_bundle(str(path), "ngram", tmp_path / "b2", max_len=64, precision="int4",
                      int4_weights="gguf", progress=False)

@@ -1,7 +1,7 @@
-"""A damaged GGUF is refused in one line before any library reads it (spec_export/gguf_check.py):
-cut short anywhere in its header, key-values, tensor infos or data; with a count, a dimension
-count or an array length no file could hold; or with a tensor whose type id was changed, so
-that its bytes are not its type's. gguf-py's own reader is the oracle for where each part of
+"""A damaged GGUF is refused in one line before any library reads it
+(spec_export/sources/gguf_check.py): cut short anywhere in its header, key-values, tensor infos
+or data; with a count, a dimension count or an array length no file could hold; or with a tensor
+whose type id was changed, so that its bytes are not its type's. gguf-py's own reader is the oracle for where each part of
 the file lies and what was patched."""
 
 import re
@@ -17,7 +17,7 @@ from helpers import assert_input_error, run
 from tiny_models import byte_tokenizer, llama, write_gguf
 
 from draftproof.cli.specexport import main as specexport
-from spec_export.gguf_check import GGUFDamaged, read_layout
+from spec_export.sources.gguf_check import GGUFDamaged, read_layout
 
 DOWNLOAD = "the file is damaged or not a GGUF file: download it again"
 
@@ -137,7 +137,7 @@ def test_counts_no_file_could_hold_are_refused_in_bounded_memory(tiny, tmp_path,
     code = textwrap.dedent(f"""
         import resource
         import gguf
-        from spec_export.gguf_check import GGUFDamaged, read_layout
+        from spec_export.sources.gguf_check import GGUFDamaged, read_layout
         with open("/proc/self/status") as f:
             used = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
         resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), used + (256 << 20)))

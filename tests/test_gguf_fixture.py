@@ -1,5 +1,6 @@
-"""The GGUF fixture (tiny_models.write_gguf) loads through transformers the way spec_export.load
-does, with the weights de-quantized from exactly what was stored and the tokenizer intact."""
+"""The GGUF fixture (tiny_models.write_gguf) loads through transformers the way
+spec_export.sources.load does, with the weights de-quantized from exactly what was stored and the
+tokenizer intact."""
 
 import copy
 

@@ -3,7 +3,7 @@ provider on fused and portable fp16 graphs (cache on the device), its TensorRT p
 TensorRT engines, and mixed placement (target on the GPU, draft on the CPU). On every path:
 
 - the target's logits agree with the CPU's within the build's fp16 tolerance (top-1 and mean
-  KL, spec_export.quality.FP16_TOLERANCE) over a prefill, a step, two 5-row verify calls of
+  KL, spec_export.parity.quality.FP16_TOLERANCE) over a prefill, a step, two 5-row verify calls of
   which the second rolls the first back, a step after it, and a second request on the same
   engine (helpers.call_schedule): GPU kernels round differently, so not bit for bit;
 - speculative greedy equals target-only greedy on the GPU, with drafts accepted;
@@ -74,7 +74,7 @@ def fp16_bundles(tmp_path_factory):
     bundles = {kernels: build_llama_pair(root / kernels, precision="fp16", kernels=kernels)[2]
                for kernels in ("fused", "portable")}
     if native_tensorrt_error() is None:
-        from spec_export.trt_build import build_engines
+        from spec_export.graphs.trt_build import build_engines
 
         bundles["native"] = root / "native"
         shutil.copytree(bundles["portable"], bundles["native"])
@@ -94,8 +94,8 @@ def path(request, fp16_bundles):
 
 
 def test_the_gpu_computes_what_the_cpu_computes(path):
-    from spec_export.quality import FP16_TOLERANCE
-    from spec_export.quantize import distribution_agreement
+    from spec_export.parity.quality import FP16_TOLERANCE
+    from spec_export.quantization.quantize import distribution_agreement
 
     from spec_runtime.engines.tensorrt import TrtEngine
 

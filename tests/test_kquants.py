@@ -1,8 +1,8 @@
-"""Every GGUF block type read as stored (spec_export/gguf_quants.py, gguf_blocks.py): Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K become MatMulNBits (and GatherBlockQuantized)
-weights equal, bit for bit, to gguf-py's de-quantization of the same blocks, which is what
-transformers loads. gguf-py cannot quantize K-quants: the files hold random valid blocks
-(tiny_models.random_kquant) and gguf-py's dequantize is the oracle."""
+"""Every GGUF block type read as stored (spec_export/quantization/gguf_quants.py,
+gguf_blocks.py): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K become
+MatMulNBits (and GatherBlockQuantized) weights equal, bit for bit, to gguf-py's de-quantization
+of the same blocks, which is what transformers loads. gguf-py cannot quantize K-quants: the files
+hold random valid blocks (tiny_models.random_kquant) and gguf-py's dequantize is the oracle."""
 
 import json
 
@@ -17,7 +17,7 @@ from tiny_models import byte_tokenizer, llama, truncated, write_gguf
 
 import spec_runtime
 from spec_export.build import build_bundle
-from spec_export.gguf_quants import KINDS, LAYOUT, parse
+from spec_export.quantization.gguf_quants import KINDS, LAYOUT, parse
 
 # a Q4_K_M-like mix with every type: q|k|v packs rows of different forms (Q4_K beside Q6_K,
 # Q5_0 and Q8_0 beside Q5_1), the tied embedding is Q4_K (offsets in the gather)
@@ -70,7 +70,7 @@ def mixed_gguf(path, layers=2, tied=True):
 def graphs(request, tmp_path_factory):
     """The float graph of a mixed GGUF (as the int4 build exports it: lm_head untied) and its
     rewrite over the file's blocks."""
-    from spec_export.gguf_blocks import repack_int4
+    from spec_export.quantization.gguf_blocks import repack_int4
 
     tied = request.param == "tied"
     root = tmp_path_factory.mktemp("kquants")
@@ -86,8 +86,8 @@ def float_graph(root, tied: bool):
     model's are (read one by one)."""
     from draftproof.models import for_hf_model
 
-    from spec_export.load import load_hf_model
-    from spec_export.onnx_fused import export_fused_llama
+    from spec_export.sources.load import load_hf_model
+    from spec_export.graphs.onnx_fused import export_fused_llama
 
     (root / "m").mkdir()
     path = mixed_gguf(root / "m" / "mixed.gguf", tied=tied)
@@ -277,7 +277,7 @@ def test_only_4bit_keeps_the_4bit_blocks_and_requantizes_the_rest(tmp_path):
     """A draft model's graph (repack_int4 only_4bit): weights of Q4_0/Q4_1/Q4_K blocks are the
     file's, bit for bit; each other one is within one step of its block's asymmetric 4-bit
     grid (scale = the block's range, 0 included, over 15) of the float weight."""
-    from spec_export.gguf_blocks import repack_int4
+    from spec_export.quantization.gguf_blocks import repack_int4
 
     path = float_graph(tmp_path, tied=False)
     record = repack_int4(tmp_path / "fp32.onnx", tmp_path / "int4.onnx", path, tied=False,

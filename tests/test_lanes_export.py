@@ -212,8 +212,8 @@ def test_the_build_refuses_a_lanes_graph_whose_lanes_read_each_others_caches(
         fp32_lanes_bundle, tmp_path):
     """The build's own check (decoder_build._lanes_graph, lanes_parity.py) on a lanes graph
     wired wrong: lanes 0 and 1 read each other's past K/V in every layer."""
-    from spec_export.decoder_build import _lanes_graph
-    from spec_export.sources import BuildError
+    from spec_export.bundle.decoder_build import _lanes_graph
+    from spec_export.sources.source import BuildError
     from spec_runtime.bundle.manifest import GraphEntry
 
     model = onnx.load(str(fp32_lanes_bundle / "target.lanes.onnx"))
@@ -306,7 +306,7 @@ def test_an_intact_copy_loads(fp32_lanes_bundle, tmp_path):
 @pytest.fixture
 def no_export(monkeypatch):
     """Any export fails the test: the refusals come before one."""
-    from spec_export import build_seq2seq, decoder_build
+    from spec_export.bundle import build_seq2seq, decoder_build
 
     def exported(*args, **kwargs):
         raise AssertionError("an export ran before the refusal")
@@ -377,7 +377,7 @@ def test_a_portable_draft_gets_no_lanes_and_the_bundle_says_why(tmp_path):
     from tiny_models import gpt2, llama
 
     from spec_export.build import build_bundle
-    from spec_export.summary import build_summary
+    from spec_export.bundle.summary import build_summary
 
     target = _saved(tmp_path / "t", llama(0, layers=2))
     draft = _saved(tmp_path / "d", gpt2(1, hidden=32, layers=1, heads=2))

@@ -1,4 +1,4 @@
-"""A model's sizes are checked before transformers builds it (spec_export/config_sizes.py,
+"""A model's sizes are checked before transformers builds it (spec_export/sources/config_sizes.py,
 source_checks.py), for every family the export covers and for GGUF metadata too: a size that is
 not a positive integer, or heads that do not divide, is refused by name; sizes that make far
 more parameters than the saved weights hold, or more than this machine's memory, are refused
@@ -18,8 +18,8 @@ from helpers import assert_input_error, run
 
 from draftproof.cli.specexport import main as specexport
 from draftproof.models import ENCODER_DECODER, SUPPORTED
-from spec_export import config_sizes
-from spec_export.config_sizes import FAMILIES, check_config, with_defaults
+from spec_export.sources import config_sizes
+from spec_export.sources.config_sizes import FAMILIES, check_config, with_defaults
 from spec_runtime.errors import BuildError
 
 FIX = "config.json (it must describe the saved weights)"
@@ -181,7 +181,7 @@ def test_a_model_larger_than_the_memory_is_refused_with_both_sizes(monkeypatch):
 
 
 def test_the_memory_available_is_bounded_by_an_address_space_limit():
-    code = "from spec_export.config_sizes import available_memory\n" + CAP + \
+    code = "from spec_export.sources.config_sizes import available_memory\n" + CAP + \
         "print(available_memory()[0])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert 0 < int(r.stdout) <= HEADROOM, r.stdout + r.stderr
@@ -192,8 +192,8 @@ def test_a_ggufs_sizes_are_read_as_transformers_reads_them(tmp_path):
     vocabulary); transformers' own GGUF config reading is the oracle."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from spec_export.gguf_check import read_layout
-    from spec_export.source_checks import _gguf_config
+    from spec_export.sources.gguf_check import read_layout
+    from spec_export.sources.source_checks import _gguf_config
 
     for name, tied in (("tied", True), ("untied", False)):
         path = tiny_models.write_gguf(tiny_models.llama(5, layers=3, hidden=128, tied=tied),

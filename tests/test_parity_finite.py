@@ -1,8 +1,8 @@
-"""Logits that are not finite stop a build (spec_export/parity.py): a NaN compares false with
-every tolerance, so a model with a NaN weight used to pass parity with max |Δ| 0 and top-1 100%
-and write `"mean_kl": NaN` (not JSON) into its manifest. Refused on either side: the PyTorch
-model's logits (damaged weights) or the graph's where PyTorch's are finite. The manifest writer
-never writes NaN or Infinity."""
+"""Logits that are not finite stop a build (spec_export/parity/calls.py, require_finite): a NaN
+compares false with every tolerance, so a model with a NaN weight used to pass parity with
+max |Δ| 0 and top-1 100% and write `"mean_kl": NaN` (not JSON) into its manifest. Refused on
+either side: the PyTorch model's logits (damaged weights) or the graph's where PyTorch's are
+finite. The manifest writer never writes NaN or Infinity."""
 
 import json
 import shutil
@@ -19,8 +19,9 @@ from tiny_models import byte_tokenizer, llama, write_gguf
 
 from draftproof.cli.specexport import main as specexport
 from draftproof.models import for_hf_model
-from spec_export import onnx_fused
-from spec_export.parity import hf_reference, open_decoder, plan_calls, quantized_parity, run_calls
+from spec_export.graphs import onnx_fused
+from spec_export.parity.calls import hf_reference, open_decoder, plan_calls, run_calls
+from spec_export.parity.quantized import quantized_parity
 from spec_runtime.errors import BuildError
 from spec_runtime.bundle.manifest import read_manifest, write_manifest
 

@@ -1,4 +1,4 @@
-"""What parity runs on (spec_export/quality.check_inputs): the parity texts as the tokenizer
+"""What parity runs on (spec_export/parity/quality.check_inputs): the parity texts as the tokenizer
 encodes them, or, where it cannot represent them (a word-level vocabulary of its own: every word
 `<unk>`, or no token at all), token ids drawn from its vocabulary, the same on every run, noted
 in the manifest and the build's summary. Such a model builds, and its bundle decodes as Hugging
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import spec_runtime
 from draftproof.cli.specexport import main as specexport
-from spec_export.quality import (PARITY_PROMPT, PARITY_TOKENS, QUANT_PROMPTS, QUANT_TOKENS,
+from spec_export.parity.quality import (PARITY_PROMPT, PARITY_TOKENS, QUANT_PROMPTS, QUANT_TOKENS,
                                  check_inputs)
 
 WORDS = 320  # 4 specials and w0..w315

@@ -11,7 +11,7 @@ def test_the_random_target_has_smollm2_135ms_shapes():
     import gguf
     from transformers import LlamaConfig
 
-    from spec_export.sources import BuildError, default_target
+    from spec_export.sources.source import BuildError, default_target
 
     try:
         spec = default_target()

@@ -88,8 +88,8 @@ def test_greedy_equals_hf_on_real_weights(name, tmp_path, request):
     print(build.stdout)
 
     import spec_runtime
-    from spec_export.load import load_hf_model
-    from spec_export.parity import open_decoder
+    from spec_export.sources.load import load_hf_model
+    from spec_export.parity.calls import open_decoder
     from draftproof.models import for_hf_model
     from tiny_models import window_shifted
 

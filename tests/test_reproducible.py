@@ -132,7 +132,7 @@ def test_costs_are_priced_under_the_same_load_call_for_call(monkeypatch):
     """A load that triples every 3 calls (3 engines' calls a round): timed one engine after the
     other, the target's step is priced under one load and the draft's under another; timed in
     rounds, each ratio is the engines' own (draft 0.3 of a step, 5 rows 5 steps here)."""
-    from spec_export import costs
+    from spec_export.bundle import costs
 
     machine = {"now": 0.0, "calls": 0, "period": 3, "loads": (1.0, 3.0)}
     monkeypatch.setattr(costs.time, "perf_counter", lambda: machine["now"])

@@ -14,9 +14,9 @@ from tiny_models import byte_tokenizer, gpt2, llama, save, write_gguf
 import spec_runtime
 from draftproof.cli.specexport import main as specexport
 from draftproof.models import for_hf_model
-from spec_export import onnx_fused
-from spec_export.onnx_export import export_decoder
-from spec_export.parity import open_decoder
+from spec_export.graphs import onnx_fused
+from spec_export.graphs.onnx_export import export_decoder
+from spec_export.parity.calls import open_decoder
 
 PROMPTS = ["hello world, hello", "the cat sat on the mat", "def f(x):\n    return x"]
 

@@ -88,7 +88,7 @@ def test_a_t5_that_amplifies_float32_rounding_builds_and_decodes_as_hf(amplifyin
     PyTorch's own float32 cross K/V are 0.02 from its float64 ones: it is within the tolerance
     that rounding gives, the bundle's tokens are HF's, and `specexport verify` measuring it
     again applies the build's rule."""
-    from spec_export.verify import verify_bundle
+    from spec_export.parity.verify import verify_bundle
 
     target_dir, draft_dir = amplifying_pair
     bundle = build(target_dir, draft_dir, tmp_path / "bundle")
@@ -115,7 +115,7 @@ def large_values_t5():
 
 
 def test_a_t5_with_values_in_the_thousands_builds_and_decodes_as_hf(tmp_path):
-    from spec_export.parity_seq2seq import _hf_cross_kv
+    from spec_export.parity.check import _hf_cross_kv
     from tiny_models import truncated_t5
 
     target = large_values_t5()
@@ -144,7 +144,7 @@ def test_a_wrong_weight_in_either_graph_is_refused(amplifying_pair, graph, tmp_p
                                                    monkeypatch):
     """On the model whose tolerance is widest (its own rounding allowed for), one weight x1.5
     in the target's exported graph still stops the build, which writes nothing."""
-    from spec_export import export_seq2seq as module
+    from spec_export.graphs import export_seq2seq as module
 
     real = module.export_seq2seq
 
@@ -180,14 +180,14 @@ def test_pytorchs_rounding_is_measured_on_the_model_it_leaves_unchanged(tmp_path
     gives it back bit for bit, tied head included: the build's later checks read it. Its
     numbers are PyTorch's float32 rounding, a small share of the values."""
     from draftproof.models import for_hf_seq2seq
-    from spec_export.export_seq2seq import export_seq2seq
-    from spec_export.parity_seq2seq import _Run
+    from spec_export.graphs.export_seq2seq import export_seq2seq
+    from spec_export.parity.check import Run
 
     hf = t5_v10(3, 64, 16, 128, 3, 2, 4, factor=3.0)
     before = {k: v.clone() for k, v in hf.state_dict().items()}
     encoder, decoder = tmp_path / "e.onnx", tmp_path / "d.onnx"
     export_seq2seq(for_hf_seq2seq(hf, MAX_LEN, MAX_SOURCE_LEN), encoder, decoder, MAX_LEN)
-    run = _Run(hf, encoder, decoder, list(range(3, 30)), [0, 40, 41, 42])
+    run = Run(hf, decoder, [0, 40, 41, 42], encoder_path=encoder, source=list(range(3, 30)))
     rounding = run.float32_rounding()
     after = hf.state_dict()
     assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype
@@ -202,10 +202,10 @@ def test_a_whisper_with_large_cross_values_is_held_to_the_same_rule(tmp_path):
     in the thousands; the exported graphs are within the scale's tolerance, and PyTorch's
     float64 measurement runs on a speech model (float features) too."""
     from draftproof.models import for_hf_seq2seq
-    from spec_export.build_seq2seq import parity_inputs
-    from spec_export.export_seq2seq import export_seq2seq
-    from spec_export.parity_seq2seq import _Run, fp32_parity_seq2seq
-    from spec_export.quality import fp32_tolerance
+    from spec_export.bundle.build_seq2seq import parity_inputs
+    from spec_export.graphs.export_seq2seq import export_seq2seq
+    from spec_export.parity.check import Run, fp32_parity_seq2seq
+    from spec_export.parity.quality import fp32_tolerance
     from tiny_models import whisper
 
     hf = whisper(0)
@@ -214,8 +214,8 @@ def test_a_whisper_with_large_cross_values_is_held_to_the_same_rule(tmp_path):
     encoder, decoder = tmp_path / "e.onnx", tmp_path / "d.onnx"
     export_seq2seq(for_hf_seq2seq(hf, 24, 16), encoder, decoder, 24)
     source, decoder_ids = parity_inputs(hf, list(range(40, 80)), 16)
-    measured = fp32_parity_seq2seq(hf, encoder, decoder, source, decoder_ids)
-    run = _Run(hf, encoder, decoder, source, decoder_ids)
+    measured = fp32_parity_seq2seq(hf, decoder, decoder_ids, encoder_path=encoder, source=source)
+    run = Run(hf, decoder, decoder_ids, encoder_path=encoder, source=source)
     assert run.scales["encoder"] > 1000
     for g, (diff, limit) in measured.items():  # the scale's rule alone, no allowance needed
         assert diff <= limit and limit == fp32_tolerance(run.scales[g]), (g, measured)

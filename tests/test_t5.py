@@ -77,7 +77,7 @@ def hf_greedy(model_dir, source, n):
 @pytest.mark.parametrize("pair", ["v10_pair", "v11_pair"])
 def test_each_graph_matches_hf(pair, request):
     """The build's own parity run and a second one on another source both stay under 1e-4."""
-    from spec_export.parity_seq2seq import check_parity_seq2seq
+    from spec_export.parity.check import check_parity
 
     target_dir, bundle = request.getfixturevalue(pair)
     m = json.loads((bundle / "manifest.json").read_text())
@@ -86,9 +86,9 @@ def test_each_graph_matches_hf(pair, request):
         assert set(recorded) == {"encoder", "decoder"} and max(recorded.values()) < 1e-4, recorded
     hf = AutoModelForSeq2SeqLM.from_pretrained(target_dir).eval()
     source = torch.randint(3, 259, (MAX_SOURCE_LEN - 5,), generator=torch.Generator().manual_seed(2))
-    diffs = check_parity_seq2seq(hf, bundle / "target.encoder.onnx", bundle / "target.decoder.onnx",
-                                 source.tolist(), [0, 7, 8, 9, 10, 11, 12, 13], prefill_chunk=5,
-                                 steps=4, verify_len=6, seed=3)
+    diffs = check_parity(hf, bundle / "target.decoder.onnx", [0, 7, 8, 9, 10, 11, 12, 13],
+                         encoder_path=bundle / "target.encoder.onnx", source=source.tolist(),
+                         prefill_chunk=5, steps=4, verify_len=6, seed=3)
     print(f"{pair}: {diffs}")
     assert max(diffs.values()) < 1e-4
 

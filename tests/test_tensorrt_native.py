@@ -21,7 +21,7 @@ import spec_runtime
 from spec_runtime.engines import devices
 from spec_runtime.engines import tensorrt as trt_engine
 from spec_runtime.errors import BundleError
-from spec_export.trt_build import build_engines
+from spec_export.graphs.trt_build import build_engines
 from draftproof.cli.specexport import main as specexport
 from draftproof.cli.specrun import main as specrun
 from helpers import assert_input_error, run

@@ -88,7 +88,7 @@ def test_sampled_pairs_with_timestamps_and_a_trimmed_draft_follow_the_target(tri
 
 
 def test_specexport_verify_holds_the_trimmed_head_to_pytorch(trimmed):
-    from spec_export.verify import verify_bundle
+    from spec_export.parity.verify import verify_bundle
 
     report = verify_bundle(trimmed["self"])
     assert report["graphs"]["draft/decoder"]["ok"] is True

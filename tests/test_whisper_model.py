@@ -97,14 +97,14 @@ def test_the_builds_parity_check_compares_every_encoder_position(tmp_path):
     of the window's positions (frames / 2: 16 here), not at as many as the features have rows
     (8 mel bins); whisper-base's 80 bins against its 1500 positions failed the build."""
     from draftproof.models import for_hf_seq2seq
-    from spec_export.export_seq2seq import export_seq2seq
-    from spec_export.parity_seq2seq import check_parity_seq2seq
+    from spec_export.graphs.export_seq2seq import export_seq2seq
+    from spec_export.parity.check import check_parity
 
     hf = tiny()
     encoder, decoder = tmp_path / "encoder.onnx", tmp_path / "decoder.onnx"
     export_seq2seq(for_hf_seq2seq(hf, 24, 16), encoder, decoder, 24)
     lines = []
-    diffs = check_parity_seq2seq(hf, encoder, decoder, features(hf)[0].numpy(), [1, 5, 6, 7],
-                                 log=lines.append)
+    diffs = check_parity(hf, decoder, [1, 5, 6, 7], encoder_path=encoder,
+                         source=features(hf)[0].numpy(), log=lines.append)
     assert "source=16" in lines[0], lines[0]
     assert max(diffs.values()) < 1e-4, diffs

@@ -16,7 +16,7 @@ description of it, and what ONNX Runtime itself reports).
                         "in-place"  [1, kv_heads, S, head_dim], S = max_len + 1  (fused
                                     graphs: the whole cache, written where it lies; the spare
                                     slot holds the attention padding row, see
-                                    spec_export/onnx_fused.py)
+                                    spec_export/graphs/onnx_fused.py)
     decoder_lanes  (a decoder's batched form, `specexport build --max-batch L`: L
              independent sequences, "lanes", in one call; the MatMuls see all L·n rows, each
              lane's attention is the solo graph's, over the lane's own cache; a fused
@@ -44,7 +44,7 @@ CACHE is float16 for an fp16 graph and float32 otherwise (cache_dtype); logits a
 whatever the precision, so that sampling reads full-precision values. i runs over the decoder
 layers, key before value. A description is a pair of lists (inputs,
 outputs) of {"name", "dtype", "shape"}, symbolic dims as strings: what the manifest records and
-spec_export.onnx_export.describe() reads from a file.
+spec_export.graphs.onnx_export.describe() reads from a file.
 """
 
 from __future__ import annotations

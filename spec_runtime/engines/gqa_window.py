@@ -23,7 +23,7 @@ WINDOW_METADATA = "specedge.gqa_local_window"
 WITH_QUERY, BEFORE_QUERY = "keys-with-query", "keys-before-query"
 
 
-PROBE = "data/gqa_window_probe.onnx"  # written by spec_export.onnx_fused.window_probe_model
+PROBE = "data/gqa_window_probe.onnx"  # written by spec_export.graphs.onnx_fused.window_probe_model
 PROBE_WINDOW, PROBE_KEYS = 2, 6
 
 

@@ -19,19 +19,16 @@ import numpy as np
 
 from spec_runtime.bundle.contract import cache_dtype, decoder_lanes_io, graph_devices
 from spec_runtime.bundle.manifest import LANES_GRAPH, GraphEntry, ModelEntry
+from spec_runtime.errors import BuildError
 
-from .quality import (FP16_TOLERANCE, broken_quantization, fp32_tolerance,
-                      verify_thresholds)
+from ..parity.quality import (FP16_TOLERANCE, broken_quantization, fp32_tolerance,
+                              verify_thresholds)
 from .options import OptionError
-from .sources import BuildError
-
-PARITY = dict(prefill_chunk=16, steps=3, verify_len=5)  # the call sequence parity.plan_calls runs
-
 
 def choose_kernels(module, kernels: str, role: str) -> str:
     """"fused" or "portable" for `module`: what `kernels` asks for, "auto" taking the fused
     graph where the model has one. An explicit "fused" the model cannot have is refused."""
-    from .onnx_fused import fused_unsupported
+    from ..graphs.onnx_fused import fused_unsupported
 
     why = fused_unsupported(module)
     if kernels == "fused" and why:
@@ -47,7 +44,7 @@ class Exported:
     fp32_path: Path | None  # the float32 graph, kept when asked to (keep_fp32)
     quant_reference: list | None  # the float model's rows on QUANT_PROMPTS
     tied: bool
-    follow_reference: list | None = None  # its greedy continuations of them (parity.py)
+    follow_reference: list | None = None  # its greedy continuations of them (quantized.py)
     lanes_fp32_path: Path | None = None  # the float32 lanes graph, kept with fp32_path
     max_gamma: int = 8  # what the lanes parity's verify call spans
 
@@ -70,17 +67,18 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
     from draftproof.models import for_hf_model
     from draftproof.models.common import consuming
 
-    from .onnx_export import export_decoder
-    from .onnx_fused import export_fused_llama
-    from .parity import greedy_continuations, hf_reference, plan_calls, reference_rows
+    from ..graphs.onnx_export import export_decoder, graph_entry
+    from ..graphs.onnx_fused import export_fused_llama
+    from ..parity.calls import hf_reference, plan_calls
+    from ..parity.quantized import greedy_continuations, reference_rows
 
     vocab = hf_model.config.vocab_size  # the ids the model reads
     reference = hf_reference(hf_model)
     if head_ids is not None:
         reference = _at_ids(reference, head_ids)
     # everything the checks need of the PyTorch model, before its weights move into the export
-    plan = plan_calls(reference, parity_ids, vocab, max_len,
-                      rng=np.random.default_rng(1), name=path.stem, **PARITY)
+    plan = plan_calls(reference, parity_ids, vocab, max_len, rng=np.random.default_rng(1),
+                      name=path.stem)
     quant_ref = reference_rows(hf_model, quant_prompts, max_len) \
         if precision != "fp32" or keep_fp32 else None
     if quant_ref is not None and head_ids is not None:
@@ -126,12 +124,10 @@ def export_decoder_model(hf_model, path: Path, *, max_len: int, precision: str, 
         if not keep_fp32:
             remove_graph(fp32_path)
     if precision == "fp16":  # the converted file: cache float16, logits float32 (contract.py)
-        from .onnx_export import describe
+        from ..graphs.onnx_export import describe
 
         desc = dict(describe(path), opset=desc["opset"])
-    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
-                       opset=desc["opset"], devices=graph_devices(kernels, precision))
+    graph = graph_entry(path, desc, kernels, graph_devices(kernels, precision))
     graphs = {"decoder": graph}
     if lanes_fp32 is not None:
         lanes_path = lanes_file(path)
@@ -158,7 +154,7 @@ def lanes_file(path: Path) -> Path:
 def _no_lanes(module) -> str:
     """Why a model written as a portable graph has no lanes graph (a draft: the target's was
     refused before the build began)."""
-    from .onnx_fused import fused_unsupported
+    from ..graphs.onnx_fused import fused_unsupported
 
     why = fused_unsupported(module) or "its graph is portable (--kernels portable)"
     return f"no lanes graph: batching needs a fused decoder graph, and {why}"
@@ -172,8 +168,8 @@ def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, m
     further from the solo graph than its precision's rounding allows is refused."""
     from spec_runtime.bundle.contract import dims_of
 
-    from .lanes_parity import judged, lanes_parity
-    from .onnx_export import check_contract, describe
+    from ..parity.lanes_parity import judged, lanes_parity
+    from ..graphs.onnx_export import check_contract, describe, graph_entry
 
     desc = describe(lanes)
     dims = dims_of(decoder.inputs, decoder.outputs)
@@ -181,14 +177,11 @@ def _lanes_graph(solo: Path, lanes: Path, decoder: GraphEntry, precision: str, m
     record = judged(lanes_parity(solo, lanes, lanes=max_batch, n_layers=n_layers,
                                  max_len=max_len, max_gamma=max_gamma, vocab=dims.vocab_size),
                     precision=precision, name=solo.stem, max_batch=max_batch)
-    graph = GraphEntry(file=lanes.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels=decoder.kernels, kv_cache=decoder.kv_cache, opset=desc["opset"],
-                       devices=decoder.devices)
-    return graph, record
+    return graph_entry(lanes, desc, decoder.kernels, decoder.devices), record
 
 
 def _at_ids(reference, ids):
-    """`reference` (parity.hf_reference) read at the ids a trimmed head keeps."""
+    """`reference` (calls.hf_reference) read at the ids a trimmed head keeps."""
     def at(tokens, num_logits):
         return reference(tokens, num_logits)[:, ids]
 
@@ -219,7 +212,7 @@ def derive_draft(target: Exported, path: Path, *, precision: str, quant_prompts,
                        kv_cache=t.graphs["decoder"].kv_cache, opset=t.graphs["decoder"].opset,
                        devices=graph_devices(kernels, precision))
     if precision == "fp16":
-        from .onnx_export import describe
+        from ..graphs.onnx_export import describe
 
         desc = describe(path)
         graph = GraphEntry(**{**graph.__dict__, "inputs": desc["inputs"],
@@ -249,7 +242,7 @@ def _float_graph(src: Path, tied: bool, precision: str, gguf_path: Path | None):
     import onnx
     from onnx.external_data_helper import load_external_data_for_model
 
-    from .onnx_fused import untie_head
+    from ..graphs.onnx_fused import untie_head
 
     model = onnx.load(str(src), load_external_data=False)
     if tied:
@@ -271,13 +264,13 @@ def _write_precision(src: Path, dst: Path, precision: str, *, block_size: int, t
     """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
     `precision` to `dst`: the one path every graph of a model takes to its precision (its
     decoder graph and its lanes graph get the same weights). Returns the quantization record."""
-    from . import quantize
+    from ..quantization import quantize
     from .progress import note
 
     note(f"{precision} weights for {dst.name}")
 
     if precision == "int4" and gguf_path is not None:
-        from .gguf_blocks import repack_int4
+        from ..quantization.gguf_blocks import repack_int4
 
         return repack_int4(src, dst, gguf_path, tied, block_size, float_embedding,
                            model=model, only_4bit=only_4bit)
@@ -295,7 +288,7 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
     """Write `src` (a float32 graph, or `model`, its loaded and possibly edited proto) at
     `precision` to `dst` and measure it against the float model: (quantization record, parity
     record). Refuses a graph that no longer computes the model."""
-    from .parity import quantized_parity
+    from ..parity.quantized import quantized_parity
 
     quantization = _write_precision(src, dst, precision, block_size=block_size, tied=tied,
                                     float_embedding=float_embedding, gguf_path=gguf_path,
@@ -323,7 +316,7 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
 
 
 def _run_plan(path: Path, plan) -> float:
-    from .parity import open_decoder, run_calls
+    from ..parity.calls import open_decoder, run_calls
 
     # named as the bundle names its model: "target" for target.onnx and target.fp32.onnx
     return run_calls(open_decoder(path), plan, name=path.name.split(".")[0])
@@ -346,7 +339,7 @@ def step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int
     """The draft's 1-token step time over the target's (medians of `steps` calls, after a
     prefill), through the runtime's engine on this machine."""
     from .costs import median_call_s
-    from .parity import open_decoder
+    from ..parity.calls import open_decoder
 
     def step_s(entry: ModelEntry) -> float:
         return median_call_s(open_decoder(directory / entry.graphs["decoder"].file), 1, steps)
@@ -359,7 +352,7 @@ def check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
     without any."""
     if int4_weights in ("gguf", "gguf-4bit") and entry.precision == "int4" \
             and not (entry.quantization or {}).get("gguf_blocks"):
-        from .gguf_quants import KINDS
+        from ..quantization.gguf_quants import KINDS
 
         kinds = KINDS if int4_weights == "gguf" else ("Q4_0", "Q4_1", "Q4_K")
         fix = "quantize" if int4_weights == "gguf" else "gguf (every block type) or quantize"

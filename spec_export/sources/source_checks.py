@@ -23,7 +23,7 @@ CONFIG_FIX = "correct it in config.json (it must describe the saved weights)"
 
 
 def check_source(spec, named: str, offline: bool) -> None:
-    """Refuse `spec` (a sources.ModelSpec, `named` for messages) before it is loaded: a GGUF
+    """Refuse `spec` (a source.ModelSpec, `named` for messages) before it is loaded: a GGUF
     whose structure is damaged, or a config whose sizes are invalid or too large for this
     machine. `offline`: a hub id is read from the local cache only."""
     if spec.gguf_file:

@@ -10,9 +10,9 @@ import numpy as np
 
 from spec_runtime.bundle.contract import graph_devices
 from spec_runtime.bundle.manifest import AudioEntry, GraphEntry, ModelEntry
+from spec_runtime.errors import BuildError
 
-from .quality import VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
-from .sources import BuildError
+from ..parity.quality import VERIFY_DIFF_FACTOR, VERIFY_DIFF_MARGIN
 
 DECODER_PARITY_PREFIX = 4  # forced decoder tokens after the start token in the parity run
 
@@ -88,14 +88,15 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     parity runs compare them with the PyTorch model's head cut the same way."""
     from draftproof.models import for_hf_seq2seq
 
-    from .export_seq2seq import export_seq2seq
-    from .parity_seq2seq import check_parity_seq2seq, follows_float, fp32_parity_seq2seq
+    from ..graphs.export_seq2seq import export_seq2seq
+    from ..graphs.onnx_export import graph_entry
+    from ..parity.check import check_parity, follows_float, fp32_parity_seq2seq
 
     if share_encoder and precision == "fp32":
         raise ValueError("a draft that shares the target's encoder is its lower precision")
     model = for_hf_seq2seq(hf_model, max_len, max_source_len)
     if head_ids is not None:  # the embedding keeps every row: the decoder reads every token
-        from .parity import trim_output_head
+        from ..parity.calls import trim_output_head
 
         model.decoder.trim_lm_head(head_ids)
         trim_output_head(hf_model, head_ids)
@@ -108,8 +109,8 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     descs = export_seq2seq(model, fp32["encoder"], fp32["decoder"], max_len)
     stage(f"parity {role}")
     source, decoder_ids = parity_inputs(hf_model, parity_ids, max_source_len)
-    measured = fp32_parity_seq2seq(hf_model, fp32["encoder"], fp32["decoder"], source,
-                                   decoder_ids, name=role)
+    measured = fp32_parity_seq2seq(hf_model, fp32["decoder"], decoder_ids,
+                                   encoder_path=fp32["encoder"], source=source, name=role)
     for graph, (diff, limit) in measured.items():
         if not diff <= limit:
             raise BuildError(
@@ -121,16 +122,16 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     parity = {"max_abs_diff_fp32": diffs[worst], "tolerance_fp32": measured[worst][1],
               "graphs_fp32": diffs, "tolerances_fp32": {g: t for g, (_, t) in measured.items()}}
     if precision == "int8":
-        from .quantize import quantize_int8
+        from ..quantization.quantize import quantize_int8
 
         for g in final:
             quantize_int8(fp32[g], final[g])
             fp32[g].unlink()
         encoder = final.get("encoder", fp32["encoder"])
-        diffs = check_parity_seq2seq(hf_model, encoder, final["decoder"], source, decoder_ids,
-                                     name=role)
+        graphs = dict(encoder_path=encoder, source=source)
+        diffs = check_parity(hf_model, final["decoder"], decoder_ids, name=role, **graphs)
         if head_ids is None:  # a trimmed head cannot decode the float model's continuation
-            follow = [follows_float(hf_model, encoder, final["decoder"], source, prompt)
+            follow = [follows_float(hf_model, final["decoder"], prompt, **graphs)
                       for prompt in (decoder_ids[:1], decoder_ids)]
             parity["int8"] = {"follows_float": [n for n, _ in follow],
                               "follow_tokens": [m for _, m in follow]}
@@ -143,10 +144,9 @@ def export_model(hf_model, bundle_dir: Path, role: str, *, max_len: int, max_sou
     dec = model.decoder
     dims = {k: getattr(dec, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size")}
     dims["n_encoder_layers"] = len(model.encoder.layers)
-    graphs = {g: GraphEntry(file=final[g].name, inputs=d["inputs"], outputs=d["outputs"],
-                            kernels="portable", kv_cache="new-slots", opset=d["opset"],
-                            devices=graph_devices("portable", precision))
-              for g, d in descs.items() if g in final}
+    devices = graph_devices("portable", precision)
+    graphs = {g: graph_entry(final[g], d, "portable", devices) for g, d in descs.items()
+              if g in final}
     if max_batch > 1 and precision != "fp32":
         parity["lanes"] = {"none": f"no lanes graph: its {precision} MatMuls quantize a call's "
                                    f"activations as one tensor, so a lane's rows would depend "
@@ -165,8 +165,9 @@ def _lanes_graph(model, solo: Path, path: Path, decoder: GraphEntry, *, max_len:
     """The float32 lanes graph of `model`'s decoder at `path`, checked against the decoder
     graph at `solo` (lanes_parity.seq2seq_lanes_parity): its manifest entry and parity record.
     A lane further from the decoder graph than float32 rounding allows is refused."""
-    from .export_seq2seq import export_decoder_lanes
-    from .lanes_parity import judged, seq2seq_lanes_parity
+    from ..graphs.export_seq2seq import export_decoder_lanes
+    from ..graphs.onnx_export import graph_entry
+    from ..parity.lanes_parity import judged, seq2seq_lanes_parity
 
     desc = export_decoder_lanes(model, path, max_len, max_batch)
     dec = model.decoder
@@ -175,10 +176,7 @@ def _lanes_graph(model, solo: Path, path: Path, decoder: GraphEntry, *, max_len:
                                          vocab=dec.vocab_size,
                                          audio=getattr(model, "audio", False)),
                     precision="fp32", name=solo.stem, max_batch=max_batch)
-    graph = GraphEntry(file=path.name, inputs=desc["inputs"], outputs=desc["outputs"],
-                       kernels="portable", kv_cache="new-slots", opset=desc["opset"],
-                       devices=decoder.devices)
-    return graph, record
+    return graph_entry(path, desc, "portable", decoder.devices), record
 
 
 def audio_entry(hf_model) -> AudioEntry | None:

@@ -3,7 +3,7 @@
 Every file's sha256 (and everything `spec_runtime.load` checks of the manifest), then every
 graph against its PyTorch model, loaded again from the source the manifest records:
 - a float32 graph: max |logits - PyTorch's| over prefill, steps, verify calls and a rollback
-  (parity.check_parity) within FP32_TOLERANCE;
+  (check.check_parity) within FP32_TOLERANCE;
 - a quantized decoder graph: top-1 agreement and mean KL with the float model over
   QUANT_PROMPTS, against the thresholds the build recorded from its own measurement (older
   bundles: only the "broken" rule the build applies);
@@ -23,7 +23,7 @@ from spec_runtime.bundle.manifest import Manifest, ModelEntry, read_manifest
 
 from .quality import (FP32_MAX_RELATIVE, FP32_RELATIVE, FP32_TOLERANCE, MAX_BROKEN_KL,
                       MIN_TOP1_AGREEMENT, broken_quantization, check_inputs, fp32_tolerance)
-from .sources import ModelSpec, load_model
+from ..sources.source import ModelSpec, load_model
 
 
 def verify_bundle(bundle_dir=None) -> dict:
@@ -62,7 +62,7 @@ def _trim_head(model, bundle_dir: Path, manifest: Manifest) -> None:
     draft.vocab), so that their logits compare id for id; its input embedding stays whole."""
     from spec_runtime.decode.draft_vocab import read_kept_ids
 
-    from .parity import trim_output_head
+    from .calls import trim_output_head
 
     kept = read_kept_ids(bundle_dir, manifest.draft.options["vocab"], manifest.target.vocab_size,
                          manifest.tokenizer.eos_token_ids)
@@ -73,7 +73,7 @@ def _check_quantized(row: dict, role: str, entry: ModelEntry, model, bundle_dir:
                      prompts) -> None:
     """A quantized graph's logits differ from the float model's by design; it is judged by how
     often it picks the same next token and how far its distribution moves (KL)."""
-    from .parity import quantized_parity
+    from .quantized import quantized_parity
 
     measured = quantized_parity(model, bundle_dir / entry.graphs["decoder"].file, prompts)
     limits = ((entry.parity or {}).get(entry.precision) or {}).get("verify_thresholds")
@@ -106,25 +106,23 @@ def _parity(model, bundle_dir: Path, entry: ModelEntry, manifest: Manifest,
             ids) -> dict[str, tuple[float, float | None]]:
     """{graph name: (max |diff|, its float32 tolerance where the measurement gives it)} for one
     model's graphs."""
-    from .parity import check_parity
+    from .check import check_parity, fp32_parity_seq2seq
 
-    graphs = entry.graphs
-    if not manifest.encoder_decoder:
-        return {"decoder": (check_parity(model, bundle_dir / graphs["decoder"].file, ids), None)}
-    from .build_seq2seq import parity_inputs
-    from .parity_seq2seq import check_parity_seq2seq, fp32_parity_seq2seq
+    encoder, prompt, shared = {}, ids, False
+    if manifest.encoder_decoder:
+        from ..bundle.build_seq2seq import parity_inputs
 
-    source, decoder_ids = parity_inputs(model, ids, manifest.max_source_len)
-    # a draft that shares the encoder (draft.shared_encoder: a self draft under a float32
-    # target) runs over the target's encoder graph, already checked as the target's
-    shared = "encoder" not in graphs
-    encoder = (manifest.target if shared else entry).graphs["encoder"]
-    paths = (bundle_dir / encoder.file, bundle_dir / graphs["decoder"].file)
-    if entry.precision == "fp32":  # the build's rule (scale, and the model's own rounding)
-        diffs = fp32_parity_seq2seq(model, *paths, source, decoder_ids)
+        source, prompt = parity_inputs(model, ids, manifest.max_source_len)
+        # a draft that shares the encoder (draft.shared_encoder: a self draft under a float32
+        # target) runs over the target's encoder graph, already checked as the target's
+        shared = "encoder" not in entry.graphs
+        graph = (manifest.target if shared else entry).graphs["encoder"]
+        encoder = dict(encoder_path=bundle_dir / graph.file, source=source)
+    decoder = bundle_dir / entry.graphs["decoder"].file
+    if encoder and entry.precision == "fp32":  # the build's rule (scale, the model's rounding)
+        diffs = fp32_parity_seq2seq(model, decoder, prompt, **encoder)
     else:
-        diffs = {g: (d, None) for g, d in check_parity_seq2seq(model, *paths, source,
-                                                               decoder_ids).items()}
+        diffs = {g: (d, None) for g, d in check_parity(model, decoder, prompt, **encoder).items()}
     return {g: d for g, d in diffs.items() if not (shared and g == "encoder")}
 
 

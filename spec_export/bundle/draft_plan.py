@@ -38,7 +38,7 @@ from pathlib import Path
 from spec_runtime.bundle.manifest import DraftEntry, ModelEntry
 
 from .options import DraftKind, Int4Weights, OptionError, Precision, not_a_gguf, one_of
-from .sources import BuildError, ModelSpec, check_vocabularies, load_model, model_spec
+from ..sources.source import BuildError, ModelSpec, check_vocabularies, load_model, model_spec
 
 NGRAM = {"max_ngram": 3, "min_ngram": 1}
 # A 1-token match proposes poorly on chat prompts, and each proposed token costs a verify row:
@@ -101,7 +101,7 @@ class DraftPlan:
         encoder-decoder's self draft is its own pair of portable graphs at int8 (its int4 is not
         offered): an explicit --draft self gets that, auto drafts without it."""
         from .build_seq2seq import is_encoder_decoder
-        from .onnx_fused import fused_unsupported
+        from ..graphs.onnx_fused import fused_unsupported
 
         if is_encoder_decoder(t_config) and self.kind in ("self", "hybrid"):
             for c in self.candidates:
@@ -129,7 +129,7 @@ class DraftPlan:
         if model is None:
             self._trim_self(t_model, t_tok, eos)
             return None
-        from .sources import load_config_and_tokenizer
+        from ..sources.source import load_config_and_tokenizer
 
         config, tok = load_config_and_tokenizer(model.spec)
         check_vocabularies(t_tok, tok)
@@ -161,7 +161,7 @@ class DraftPlan:
                                  + "): pick a Whisper draft with the target's mel bins (80 "
                                  "for tiny to large-v2, 128 for large-v3)")
         if model.precision is None:
-            from .onnx_fused import fused_unsupported
+            from ..graphs.onnx_fused import fused_unsupported
 
             gguf = bool(model.spec.gguf_file) and self.int4_weights != "quantize"
             model.precision = "int4" if gguf and not fused_unsupported(config) \
@@ -415,7 +415,7 @@ def measure_hybrids(tmp: Path, t_entry: ModelEntry, candidates: list[Candidate],
     from spec_runtime.decode.draft_vocab import KeptVocab
     from spec_runtime.decode.drafts import HybridDraft, ModelDraft, NgramDraft
 
-    from .parity import open_decoder
+    from ..parity.calls import open_decoder
 
     target = open_decoder(tmp / t_entry.graphs["decoder"].file, one_row="auto")
     vocab = target.vocab_size

@@ -72,7 +72,7 @@ def load_hf_model(source: str, gguf_file: str | None = None, dtype: torch.dtype 
 
 
 class ConfigMismatch(ValueError):
-    """The config's sizes are not the saved weights' (sources.loading_errors names the model)."""
+    """The config's sizes are not the saved weights' (source.loading_errors names the model)."""
 
 
 def _refuse_mismatched(mismatched, config: str) -> None:

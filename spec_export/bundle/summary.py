@@ -7,7 +7,7 @@ from pathlib import Path
 
 from spec_runtime.bundle.manifest import MANIFEST, Manifest, ModelEntry, read_manifest
 
-from .quality import WARN_TOP1_AGREEMENT
+from ..parity.quality import WARN_TOP1_AGREEMENT
 
 
 def _mb(n_bytes: int) -> str:

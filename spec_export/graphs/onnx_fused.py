@@ -70,7 +70,7 @@ from spec_runtime.engines import gqa_window
 from spec_runtime.bundle.contract import (DIM_N, DIM_NUM_LOGITS, ROW_ENDS, decoder_io,
                                           decoder_lanes_io, lane_kv_names)
 
-from .journal import will_write
+from ..bundle.journal import will_write
 from .onnx_export import (WeightFile, check_contract, check_max_len, describe, io_names,
                           module_dims, save_graph, weights_external)
 

@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 
 from spec_runtime.bundle.manifest import MANIFEST, name_limit, name_too_long
+from spec_runtime.errors import BuildError
 
 from .journal import _DIRECTORY, _NOFOLLOW, Journal, open_root
 from .leftovers import MARKER, MARKER_FORMAT, fcntl, names, remove_root, report_kept
-from .sources import BuildError
 
 
 _HINTS = {

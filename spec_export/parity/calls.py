@@ -1,11 +1,13 @@
-"""Parity of an exported decoder graph against the Hugging Face PyTorch model.
+"""What every parity run shares, for a decoder-only model and an encoder-decoder alike: the
+runtime's engine over exported graph files, the Hugging Face model's reference rows, and the
+call sequence.
 
-The graph runs through the runtime's own engine (spec_runtime.engines.opener.open_graph: the same
-session options, cache store and IOBinding a deployed bundle uses), driven the way the decode
-loop drives it: chunked prefill, steps, verify calls, rollback by moving the position (rejected
-slots keep their stale K/V and must be masked), logits only for the last `num_logits` rows. The
-cache starts as finite garbage, not zeros, so a masking bug cannot hide behind zero-valued
-slots.
+The graphs run through the runtime's own engine (spec_runtime.engines.opener.open_graph: the
+same session options, cache store and IOBinding a deployed bundle uses), driven the way the
+decode loop drives it: chunked prefill, steps, verify calls, rollback by moving the position
+(rejected slots keep their stale K/V and must be masked), logits only for the last
+`num_logits` rows. The cache starts as finite garbage, not zeros, so a masking bug cannot hide
+behind zero-valued slots.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from spec_runtime.engines.opener import open_graph
 from spec_runtime.errors import BuildError
 from spec_runtime.bundle.manifest import GraphEntry
 
-from .quality import FOLLOW_TOKENS
+# the call sequence (plan_calls): prefill chunks, single steps, the verify calls' length. An
+# encoder-decoder's decoder prompt is its start token and a few of the parity text's ids, which
+# chunks of SEQ2SEQ_PREFILL_CHUNK still prefill in two calls.
+PREFILL_CHUNK = 16
+SEQ2SEQ_PREFILL_CHUNK = 3
+STEPS = 3
+VERIFY_LEN = 5
 
 # why a model's logits are not finite, and the fix: a damaged weight (NaN, or a tensor read with
 # another type's layout) in the PyTorch model, and in the graph also what the export changed
@@ -41,19 +49,6 @@ def require_finite(rows: np.ndarray, what: str, why: str) -> None:
                          f"infinite) on the parity tokens: {why}")
 
 
-def graph_entry(path) -> GraphEntry:
-    """A graph file's description, as a manifest would record it: its I/O read from the file,
-    the cache layout from its shapes (a `present` as large as `past` is the whole cache)."""
-    from .onnx_export import describe
-
-    desc = describe(path)
-    shapes = {io["name"]: io["shape"] for io in desc["inputs"] + desc["outputs"]}
-    in_place = shapes.get("present_key.0") == shapes.get("past_key.0")
-    return GraphEntry(file=Path(path).name, inputs=desc["inputs"], outputs=desc["outputs"],
-                      kernels="fused" if in_place else "portable",
-                      kv_cache="in-place" if in_place else "new-slots", opset=desc["opset"])
-
-
 def graph_dims(graph: GraphEntry) -> tuple[int, int]:
     """(max_len, vocab_size) of a decoder graph's description."""
     shapes = {io["name"]: io["shape"] for io in graph.inputs + graph.outputs}
@@ -61,14 +56,26 @@ def graph_dims(graph: GraphEntry) -> tuple[int, int]:
             shapes["logits"][-1])
 
 
-def open_decoder(path, threads: int | None = None, seed: int = 0, one_row: str = "as-is"):
-    """The runtime's engine over a decoder graph file, its cache filled with garbage; its
-    1-token calls in `one_row` form ("auto": the form the runtime measures at load)."""
+def open_decoder(path, threads: int | None = None, seed: int = 0, one_row: str = "as-is", *,
+                 encoder_path=None):
+    """The runtime's engine over a decoder graph file (with `encoder_path`, over an
+    encoder-decoder's two graph files), its cache filled with garbage; its 1-token calls in
+    `one_row` form ("auto": the form the runtime measures at load)."""
+    from ..graphs.onnx_export import graph_entry
+
     graph = graph_entry(path)
     max_len, vocab = graph_dims(graph)
-    return open_graph(path, graph, vocab_size=vocab, max_len=max_len, prefill_chunk=max_len,
-                      threads=threads, where=f"exported {Path(path).name}", garbage_seed=seed,
-                      one_row=one_row)
+    common = dict(vocab_size=vocab, max_len=max_len, prefill_chunk=max_len, threads=threads,
+                  garbage_seed=seed, one_row=one_row)
+    if encoder_path is None:
+        return open_graph(path, graph, where=f"exported {Path(path).name}", **common)
+    encoder = graph_entry(encoder_path)
+    first = encoder.inputs[0]["shape"]
+    # the encoder's output length: a token source is [1, max_source_len]; a speech window is
+    # [1, n_mels, frames], which the encoder's stride-2 convolution halves
+    S = first[2] // 2 if len(first) == 3 else first[1]
+    return open_graph(path, graph, encoder=(encoder_path, encoder), max_source_len=S,
+                      where="exported", **common)
 
 
 def trim_output_head(hf_model, ids) -> None:
@@ -84,36 +91,22 @@ def trim_output_head(hf_model, ids) -> None:
     hf_model.set_output_embeddings(trimmed)
 
 
-def hf_reference(hf_model) -> Callable[[list[int], int], np.ndarray]:
-    """reference(tokens, num_logits): the last num_logits rows of a fresh HF forward."""
+def hf_reference(hf_model, source_inputs: dict | None = None,
+                 dtype=torch.float32) -> Callable[[list[int], int], np.ndarray]:
+    """reference(tokens, num_logits): the last num_logits rows of a fresh HF forward over
+    `tokens` (an encoder-decoder's decoder tokens over its `source_inputs`), in `dtype`."""
     hf_model.eval()
 
     def reference(tokens: list[int], num_logits: int) -> np.ndarray:
         with torch.no_grad():
-            out = hf_model(torch.tensor([tokens]), use_cache=False)
-        return out.logits[0, -num_logits:].float().numpy()
+            if source_inputs is None:
+                out = hf_model(torch.tensor([tokens]), use_cache=False)
+            else:
+                out = hf_model(**source_inputs, decoder_input_ids=torch.tensor([tokens]),
+                               use_cache=False)
+        return out.logits[0, -num_logits:].to(dtype).numpy()
 
     return reference
-
-
-def check_parity(
-    hf_model,
-    onnx_path,
-    prompt_ids: list[int],
-    *,
-    prefill_chunk: int = 16,
-    steps: int = 3,
-    verify_len: int = 5,
-    seed: int = 0,
-    threads: int | None = None,
-    log: Callable[[str], None] | None = None,
-) -> float:
-    """Max |logits_onnx - logits_hf| over a speculative-decoding-shaped call sequence (see
-    plan_calls), each call checked against a fresh HF forward over the same token sequence."""
-    engine = open_decoder(onnx_path, threads, seed)
-    return drive_calls(engine, hf_reference(hf_model), prompt_ids, hf_model.config.vocab_size,
-                       prefill_chunk=prefill_chunk, steps=steps, verify_len=verify_len,
-                       rng=np.random.default_rng(seed + 1), log=log)
 
 
 @dataclass(frozen=True)
@@ -132,9 +125,9 @@ def plan_calls(
     vocab: int,
     max_len: int,
     *,
-    prefill_chunk: int,
-    steps: int,
-    verify_len: int,
+    prefill_chunk: int = PREFILL_CHUNK,
+    steps: int = STEPS,
+    verify_len: int = VERIFY_LEN,
     rng: np.random.Generator,
     name: str = "the model",
 ) -> list[Call]:
@@ -191,7 +184,7 @@ def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = Non
               name: str = "the graph") -> float:
     """Make `calls` on `engine` in order; the worst |logits - reference| over all of them.
     Logits that are not finite are refused (`name` names the graph)."""
-    from .progress import note
+    from ..bundle.progress import note
 
     worst = 0.0
     for i, c in enumerate(calls, 1):
@@ -206,44 +199,6 @@ def run_calls(engine, calls: list[Call], log: Callable[[str], None] | None = Non
     return worst
 
 
-def drive_calls(engine, reference, prompt_ids: list[int], vocab: int, *, prefill_chunk: int,
-                steps: int, verify_len: int, rng: np.random.Generator,
-                log: Callable[[str], None] | None = None, name: str = "the model") -> float:
-    """plan_calls against `reference`, then run_calls on `engine` (`name`: for messages)."""
-    calls = plan_calls(reference, prompt_ids, vocab, engine.max_len, prefill_chunk=prefill_chunk,
-                       steps=steps, verify_len=verify_len, rng=rng, name=name)
-    return run_calls(engine, calls, log, name)
-
-
-@torch.no_grad()
-def reference_rows(hf_model, prompts: list[list[int]], max_len: int) -> list[np.ndarray]:
-    """Every row of the float model's logits for each prompt (cut to the cache)."""
-    hf_model.eval()
-    return [hf_model(torch.tensor([list(ids)[:max_len]]), use_cache=False).logits[0].float().numpy()
-            for ids in prompts]
-
-
-def greedy_continuations(hf_model, prompts: list[list[int]], max_len: int,
-                         n: int = FOLLOW_TOKENS) -> list[tuple[list[int], list[int]]]:
-    """(prompt, the float model's greedy continuation of up to `n` tokens) for each prompt, cut
-    so that both fit the graph's cache: what quantized_parity counts a graph's greedy decoding
-    following."""
-    from transformers import GenerationConfig
-
-    hf_model.eval()
-    # greedy and nothing else: not the model's own defaults (a repetition penalty, sampling)
-    pairs = []
-    with torch.no_grad():
-        for ids in prompts:
-            ids = list(ids)[: max_len - 1]
-            room = min(n, max_len - len(ids))
-            config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
-                                      max_new_tokens=room)
-            out = hf_model.generate(torch.tensor([ids]), generation_config=config)
-            pairs.append((ids, out[0, len(ids):].tolist()))
-    return pairs
-
-
 def followed_tokens(engine, follow: list[tuple[list[int], list[int]]]) -> list[int]:
     """For each (prompt, float greedy continuation): how many tokens the graph's own greedy
     decoding of the prompt agrees with the continuation before it first differs. Teacher-forced
@@ -256,31 +211,3 @@ def followed_tokens(engine, follow: list[tuple[list[int], list[int]]]) -> list[i
         differs = np.flatnonzero(rows.argmax(-1) != np.asarray(continuation))
         counts.append(int(differs[0]) if len(differs) else len(continuation))
     return counts
-
-
-def quantized_parity(reference, onnx_path, prompts: list[list[int]],
-                     threads: int | None = None, follow=None) -> dict:
-    """Top-1 agreement and mean KL of a quantized decoder graph against the float model, over
-    every position of each prompt (one prefill call returning all rows). `reference` is the
-    float PyTorch model or its reference_rows for these prompts at the graph's max_len.
-    With `follow` (greedy_continuations), also "follows_float": how many tokens of each the
-    graph's greedy decoding keeps to, of "follow_tokens"."""
-    from .quantize import distribution_agreement
-
-    name = Path(onnx_path).stem
-    engine = open_decoder(onnx_path, threads)
-    if not isinstance(reference, list):
-        reference = reference_rows(reference, prompts, engine.max_len)
-    reference = np.concatenate(reference)
-    require_finite(reference, f"{name}: the float PyTorch model's logits", DAMAGED_WEIGHTS)
-    got_rows = []
-    for ids in prompts:
-        ids = list(ids)[: engine.max_len]  # a small --max-len holds a prefix of each
-        got_rows.append(engine.forward(np.asarray(ids, np.int64), 0, len(ids)).copy())
-    got = np.concatenate(got_rows)
-    require_finite(got, f"{name}: the exported graph's logits", GRAPH_NOT_FINITE)
-    agree = distribution_agreement(reference, got)
-    if follow:
-        agree["follows_float"] = followed_tokens(engine, follow)
-        agree["follow_tokens"] = [len(c) for _, c in follow]
-    return agree

@@ -45,7 +45,7 @@ def convert_fp16(src: Path | None, dst: Path, model=None) -> dict:
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    from .onnx_export import save_graph
+    from ..graphs.onnx_export import save_graph
 
     model = model if model is not None else onnx.load(str(src))
     kept = float32_islands(model.graph)
@@ -182,7 +182,7 @@ def quantize_nbits(src: Path | None, dst: Path, bits: int, block_size: int = 32,
         gathered = _gather_from_lm_head(graph)
         if gathered:
             embedding = f"int{gathered}, the lm_head's weights (GatherBlockQuantized)"
-    from .onnx_export import save_graph
+    from ..graphs.onnx_export import save_graph
 
     quantizer.model.topological_sort()  # what its own save_model_to_file does first
     save_graph(quantizer.model.model, dst)

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from spec_runtime.errors import BuildError
+
 from .options import OptionError
-from .sources import BuildError
 
 VOCAB_FILE = "draft-vocab.json"
 # The corpus only ranks ids (which ids a head keeps changes the speed, never the output: the

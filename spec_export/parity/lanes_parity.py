@@ -210,8 +210,9 @@ def judged(record: dict, *, precision: str, name: str, max_batch: int) -> dict:
     """A parity record (lanes_parity, seq2seq_lanes_parity) with its tolerances in place of
     its scales; a lanes graph further from its decoder graph than `precision`'s rounding allows
     is refused (BuildError naming the graph `name`)."""
+    from spec_runtime.errors import BuildError
+
     from .quality import lanes_tolerance
-    from .sources import BuildError
 
     limits = {key: lanes_tolerance(precision, record.pop(scale))
               for key, scale in (("max_abs_diff", "scale"), ("max_abs_diff_cache", "scale_cache"))}

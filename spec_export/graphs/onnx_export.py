@@ -19,9 +19,10 @@ import onnx.numpy_helper
 import torch
 
 from spec_runtime.bundle.contract import DIM_N, DIM_NUM_LOGITS, Dims, decoder_io, kv_names, mismatch
+from spec_runtime.bundle.manifest import GraphEntry
 
-from .journal import will_write
-from .progress import note
+from ..bundle.journal import will_write
+from ..bundle.progress import note
 
 ONNX_SIZE_LIMIT = 2**31  # protobuf's hard limit on one serialized message
 GRAPH_ROOM = 64 * 2**20  # what the graph itself (nodes, names) may take beside the weights
@@ -247,6 +248,21 @@ def describe(path: str | os.PathLike) -> dict:
 
     opset = next(i.version for i in m.opset_import if i.domain in ("", "ai.onnx"))
     return {"inputs": [one(v) for v in m.graph.input], "outputs": [one(v) for v in m.graph.output], "opset": opset}
+
+
+def graph_entry(path: str | os.PathLike, desc: dict | None = None, kernels: str | None = None,
+                devices: tuple[str, ...] = ()) -> GraphEntry:
+    """What a manifest records of the graph file at `path`: its inputs, outputs and opset
+    (`desc`, describe's, read from the file where not given), its kernels (where not given, read
+    from its shapes: a `present` as large as `past` is the whole cache, which fused kernels
+    write in place), the cache layout they write and where it runs (`devices`)."""
+    desc = desc or describe(path)
+    if kernels is None:
+        shapes = {io["name"]: io["shape"] for io in desc["inputs"] + desc["outputs"]}
+        kernels = "fused" if shapes.get("present_key.0") == shapes.get("past_key.0") else "portable"
+    return GraphEntry(file=Path(path).name, inputs=desc["inputs"], outputs=desc["outputs"],
+                      kernels=kernels, kv_cache="in-place" if kernels == "fused" else "new-slots",
+                      opset=desc["opset"], devices=devices)
 
 
 def stamp_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> None:
