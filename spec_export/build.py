@@ -207,7 +207,7 @@ def build_bundle(*where, options: BuildOptions | None = None, progress: bool = T
         o.precision, o.draft_precision, o.int4_weights, o.kernels
     draft_gguf_file, draft_vocab, draft_vocab_corpus = \
         o.draft_gguf_file, o.draft_vocab, o.draft_vocab_corpus
-    t_spec = model_spec(target, o.gguf_file, "--target") if target else default_target()
+    t_spec = model_spec(target, o.gguf_file, "target") if target else default_target()
     if int4_weights.from_gguf and precision == Precision.INT4 and not t_spec.gguf_file:
         raise not_a_gguf(int4_weights, "target=", t_spec.source)
     plan = plan_drafts(draft, draft_model, t_spec, precision=precision,
@@ -303,7 +303,7 @@ def _write_bundle(tmp: Path, stage, t_spec, plan, *, precision: str, int4_weight
             gguf_path=t_spec.gguf_path() if use_gguf else None,
             only_4bit=int4_weights == "gguf-4bit", **export)
         t_entry = t_exported.entry
-        check_blocks(t_entry, "--target", int4_weights)
+        check_blocks(t_entry, "target", int4_weights)
     del t_model  # spent by the export (its weights were freed as they were copied)
     t_entry = replace(t_entry, **t_spec.describe())
     if inputs_note:

@@ -138,7 +138,7 @@ def test_bad_build_values_exit_2(tmp_path):
                        f"--target '{tmp_path / 'missing'}': no such file or directory")
     # a directory that holds no model is named as such, not as a malformed Hugging Face id
     assert_input_error(run(specexport, "build", "--target", tmp_path, "--out", tmp_path / "b",
-                           "--quiet"), "cannot load a model from --target")
+                           "--quiet"), f"--target {str(tmp_path)!r}: cannot load a model from it")
 
 
 def test_an_internal_bug_keeps_its_traceback(llama_pair, monkeypatch):

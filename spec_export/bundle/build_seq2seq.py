@@ -34,17 +34,20 @@ def is_encoder_decoder(config) -> bool:
     return check(config)
 
 
+def check_same_kind(target_config, draft_config) -> None:
+    """A model draft is of the target's architecture: encoder-decoder, or decoder-only."""
+    t, d = is_encoder_decoder(target_config), is_encoder_decoder(draft_config)
+    if t != d:
+        kinds = {True: "encoder-decoder", False: "decoder-only"}
+        raise BuildError(f"the target is {kinds[t]} ({target_config.model_type}) but the draft "
+                         f"is {kinds[d]} ({draft_config.model_type}): pick a draft of the same "
+                         f"architecture, or prompt lookup (draft 'ngram')")
+
+
 def check_pair(t_model, d_model) -> None:
     """A model draft for an encoder-decoder target must be one too, with the same start token."""
-    t_encdec, d_encdec = is_encoder_decoder(t_model.config), is_encoder_decoder(d_model.config)
-    if t_encdec != d_encdec:
-        kinds = {True: "encoder-decoder", False: "decoder-only"}
-        raise BuildError(
-            f"the target is {kinds[t_encdec]} ({t_model.config.model_type}) but the draft is "
-            f"{kinds[d_encdec]} ({d_model.config.model_type}): pick a draft of the same "
-            f"architecture, or --draft ngram"
-        )
-    if t_encdec and decoder_start_token_id(t_model) != decoder_start_token_id(d_model):
+    check_same_kind(t_model.config, d_model.config)
+    if is_encoder_decoder(t_model.config) and decoder_start_token_id(t_model) != decoder_start_token_id(d_model):
         raise BuildError(
             f"target and draft start decoding from different tokens "
             f"({decoder_start_token_id(t_model)} vs {decoder_start_token_id(d_model)}): pick a "

@@ -348,14 +348,17 @@ def step_cost(directory: Path, draft: ModelEntry, target: ModelEntry, steps: int
 
 
 def check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
-    """--int4-weights gguf (or gguf-4bit) promised the file's own blocks: refuse a bundle
-    without any."""
+    """int4_weights gguf (or gguf-4bit) promised the file's own blocks: refuse a bundle
+    without any (an OptionError of int4_weights; `role`: the field that named the model)."""
     if int4_weights in ("gguf", "gguf-4bit") and entry.precision == "int4" \
             and not (entry.quantization or {}).get("gguf_blocks"):
         from ..quantization.gguf_quants import KINDS
 
         kinds = KINDS if int4_weights == "gguf" else ("Q4_0", "Q4_1", "Q4_K")
-        fix = "quantize" if int4_weights == "gguf" else "gguf (every block type) or quantize"
-        raise BuildError(f"{role} {entry.gguf_file!r} has no tensor in {', '.join(kinds)} "
-                         f"blocks matching the model's weights (other block types are "
-                         f"re-quantized): use --int4-weights {fix}")
+        fix = "'quantize'" if int4_weights == "gguf" else "'gguf' (every block type) or 'quantize'"
+        model = entry.gguf_file or str(entry.source).rstrip("/").split("/")[-1]
+        raise OptionError("int4_weights", f"int4_weights={str(int4_weights)!r}: the {role} "
+                                          f"{model!r} has no tensor in "
+                                          f"{', '.join(kinds)} blocks matching the model's "
+                                          f"weights (other block types are re-quantized): use "
+                                          f"int4_weights={fix}", others=("int4_weights",))

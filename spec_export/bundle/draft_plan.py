@@ -123,7 +123,7 @@ class DraftPlan:
         target's export) and refuse a draft whose vocabulary is not the target's; with
         --draft-vocab, choose the ids its head keeps. Returns the draft's config, or None
         without a draft model."""
-        from .build_seq2seq import is_encoder_decoder
+        from .build_seq2seq import check_same_kind, is_encoder_decoder
 
         model = next((c for c in self.candidates if c.name == "model"), None)
         if model is None:
@@ -136,13 +136,7 @@ class DraftPlan:
         if self.draft_vocab is not None:
             self._trim(model, t_model.config, config, t_tok, eos)
 
-        if is_encoder_decoder(config) != is_encoder_decoder(t_model.config):
-            kinds = {True: "encoder-decoder", False: "decoder-only"}
-            raise BuildError(
-                f"the target is {kinds[is_encoder_decoder(t_model.config)]} "
-                f"({t_model.config.model_type}) but the draft is "
-                f"{kinds[is_encoder_decoder(config)]} ({config.model_type}): pick a draft of the "
-                f"same architecture, or --draft ngram")
+        check_same_kind(t_model.config, config)
         if is_encoder_decoder(config):
             from .build_seq2seq import decoder_start_token_id
 
@@ -240,7 +234,7 @@ class DraftPlan:
                         head_ids=None if c.kept is None else c.kept.ids, **export).entry
                 del d_model
             c.entry = replace(c.entry, **c.spec.describe())
-            check_blocks(c.entry, "--draft" if c.name == "model" else "--target", int4_weights)
+            check_blocks(c.entry, "draft" if c.name == "model" else "target", int4_weights)
         options = dict(NGRAM_INT4 if self.target_precision == "int4" else NGRAM)
         if self.kind == "ngram":
             return self._record(DraftEntry("ngram", options=options))
@@ -309,13 +303,13 @@ def plan_drafts(draft: str, draft_model: str | None, t_spec: ModelSpec, *, preci
     if not isinstance(draft, str) or not draft:
         raise OptionError("draft", f"draft={draft!r} is invalid: use "
                                    f"{one_of([*DraftKind, 'a model'])}")
-    given = model_spec(draft_model, draft_gguf_file, "--draft-model") if draft_model else None
+    given = model_spec(draft_model, draft_gguf_file, "draft_model") if draft_model else None
     if DraftKind.of(draft) is None:  # a model source
         if given is not None:
             raise OptionError("draft", f"draft={draft!r} names a model and "
                                        f"draft_model={draft_model!r} another: give one of them",
                               others=("draft_model",))
-        given = model_spec(draft, draft_gguf_file, "--draft")
+        given = model_spec(draft, draft_gguf_file, "draft")
         draft = "model"
     elif given is not None and draft in (DraftKind.NGRAM, DraftKind.SELF):
         raise OptionError("draft_model", f"draft_model={draft_model!r} is used by "

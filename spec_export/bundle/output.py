@@ -37,7 +37,6 @@ import contextlib
 import errno
 import json
 import os
-import shlex
 import socket
 import stat
 import tempfile
@@ -49,6 +48,7 @@ from spec_runtime.errors import BuildError
 
 from .journal import _DIRECTORY, _NOFOLLOW, Journal, open_root
 from .leftovers import MARKER, MARKER_FORMAT, fcntl, names, remove_root, report_kept
+from .options import OptionError
 
 
 _HINTS = {
@@ -74,8 +74,15 @@ def file_system_errors(out: Path):
             raise
         path = Path(e.filename) if e.filename is not None else out
         writing = path == out or out.parent in path.parents or path == out.parent
-        fix = _HINTS[e.errno] + (", or choose another --out" if writing else "")
-        raise BuildError(f"{e.strerror}: {str(path)!r}: {fix}") from None
+        if writing:
+            raise _out(out, f"cannot be written ({e.strerror}: {str(path)!r}): "
+                            f"{_HINTS[e.errno]}, or build into another directory") from None
+        raise BuildError(f"{e.strerror}: {str(path)!r}: {_HINTS[e.errno]}") from None
+
+
+def _out(out: Path, why: str) -> OptionError:
+    """A refusal of the build's `out` directory, in its field's name (the CLI says --out)."""
+    return OptionError("out", f"out={str(out)!r} {why}", others=("out",))
 
 
 def resolve_out(out: Path) -> Path:
@@ -83,7 +90,7 @@ def resolve_out(out: Path) -> Path:
     target is replaced)."""
     why = name_too_long(out)
     if why:
-        raise BuildError(f"--out {str(out)!r} cannot be made: {why}: choose a shorter name")
+        raise _out(out, f"cannot be made: {why}: choose a shorter name")
     return out.resolve() if out.is_symlink() else Path(os.path.abspath(out))
 
 
@@ -95,36 +102,35 @@ def check_out(out: Path, hashes: bool = True) -> None:
     if not out.exists():
         return
     if not out.is_dir():
-        raise BuildError(f"--out {str(out)!r} is a file, not a directory: choose a new or empty "
-                         f"directory")
+        raise _out(out, "is a file, not a directory: choose a new or empty directory")
     here = Path.cwd().resolve()
     if out.resolve() == here or out.resolve() in here.parents:
-        raise BuildError(f"--out {str(out)!r} is the current directory or holds it: a build "
-                         f"replaces that directory, which would leave this shell in a removed "
-                         f"one; give a new directory, such as --out ./bundle")
+        raise _out(out, "is the current directory or holds it: a build replaces that "
+                        "directory, which would leave this shell in a removed one; give a new "
+                        "directory, such as out='./bundle'")
     if os.stat(out).st_dev != os.stat(out.parent).st_dev:
-        raise BuildError(f"--out {str(out)!r} is a mount point: a build replaces the directory "
-                         f"by a rename, which a mount point refuses; give a directory inside "
-                         f"it, such as --out {shlex.quote(str(out / 'bundle'))}")
+        raise _out(out, f"is a mount point: a build replaces the directory by a rename, which "
+                        f"a mount point refuses; give a directory inside it, such as "
+                        f"out={str(out / 'bundle')!r}")
     entries = sorted(os.listdir(out))
     if not entries:
         return
     listed = bundle_files(out)
     if listed is None:
-        raise BuildError(f"--out {str(out)!r} is not empty and not a draftproof bundle (it holds "
-                         f"{names(entries)}): choose a new or empty directory")
+        raise _out(out, f"is not empty and not a draftproof bundle (it holds {names(entries)}): "
+                        f"choose a new or empty directory")
     foreign = [e for e in entries if e not in listed or not _plain_file(out / e)]
     if foreign:
-        raise BuildError(f"--out {str(out)!r} is a draftproof bundle but also holds "
-                         f"{names(foreign)}, which its manifest does not list and a rebuild would "
-                         f"delete: move them away, or choose another --out")
+        raise _out(out, f"is a draftproof bundle but also holds {names(foreign)}, which its "
+                        f"manifest does not list and a rebuild would delete: move them away, or "
+                        f"build into another directory")
     changed = [e for e in entries if not _as_listed(out / e, listed[e], hashes)]
     if changed:
-        raise BuildError(f"--out {str(out)!r} is a draftproof bundle, but {names(changed)} "
-                         f"{'is' if len(changed) == 1 else 'are'} not what its manifest lists "
-                         f"(edited or replaced since it was built), and a rebuild would delete "
-                         f"{'it' if len(changed) == 1 else 'them'}: move "
-                         f"{'it' if len(changed) == 1 else 'them'} away, or choose another --out")
+        them = "it" if len(changed) == 1 else "them"
+        raise _out(out, f"is a draftproof bundle, but {names(changed)} "
+                        f"{'is' if len(changed) == 1 else 'are'} not what its manifest lists "
+                        f"(edited or replaced since it was built), and a rebuild would delete "
+                        f"{them}: move {them} away, or build into another directory")
 
 
 def bundle_files(directory: Path) -> dict | None:
@@ -219,9 +225,9 @@ class BuildDir:
     def _changed(self) -> BuildError:
         what = {None: "missing", "link": "a symbolic link", "dir": "another directory"}.get(
             (_out_identity(self.out) or (None,))[0], "a file")
-        return BuildError(f"--out {str(self.out)!r} changed while the build ran (it is now "
-                          f"{what}): the new bundle was not put there and nothing there was "
-                          f"removed; build again")
+        return _out(self.out, f"changed while the build ran (it is now {what}): the new "
+                              f"bundle was not put there and nothing there was removed; build "
+                              f"again")
 
     def close(self) -> None:
         """Remove the temporary directory (see `_remove_root`) and release the lock."""

