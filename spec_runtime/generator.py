@@ -30,13 +30,14 @@ import numpy as np
 
 from .decode.drafts import draft_engines, fork_engine
 from .errors import FieldError, InputError
-from .decode.gamma import AUTO, Gamma, check_gamma_range, parse_gamma
+from .decode.gamma import AUTO, Gamma, check_gamma_range
 from .decode.loop import AUTO_START, RequestState, generate_tokens
 from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
-from .decode.sampling import SamplingParams, check_sampling
+from .decode.sampling import SamplingParams
 from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, EMPTY_PROMPT, check_text, texts, token_list
+from .settings import SETTINGS, ModelSettings
 from .speech_requests import SpeechRequests
 
 
@@ -47,58 +48,55 @@ class Generator(SpeechRequests):
         draft=None,
         *,
         tokenizer=None,
-        eos_token_ids: Sequence[int] = (),
-        default_gamma: Gamma = 4,
-        max_gamma: int = 8,
-        chat_template: str | None = None,
-        special_tokens: dict | None = None,
-        encoder_decoder: bool = False,
-        decoder_start_token_id: int | None = None,
+        settings: ModelSettings | None = None,
         manifest=None,
         bundle_dir=None,
-        generation_defaults: dict | None = None,
-        audio=None,
         row_check=None,
-        costs: Costs | None = None,
         lanes=None,
         draft_lanes=None,
         clock=time.perf_counter,
+        **values,
     ):
+        """`target`, `draft` (decode.drafts), a `tokenizers.Tokenizer`, and the models'
+        settings: `settings` (settings.ModelSettings), else ModelSettings(**values) (its fields
+        as keywords: max_gamma=8, eos_token_ids=[2], ...), else the manifest's. What a bundle's
+        load adds: its `manifest` and `bundle_dir`, `row_check` (rows.RowCheck: how the
+        target's 1-token calls are made, and what the load measured), and `lanes` and
+        `draft_lanes` ((lanes.LaneEngine, lanes.LaneCheck, the batch-1 engines it was checked
+        on): the target's and the draft model's lanes graphs where the bundle has them and
+        their lanes score as single calls do on this machine; generate_batch decodes together
+        only then)."""
+        if settings is not None and values:
+            raise TypeError(f"give settings or their values, not both ({sorted(values)})")
+        if settings is None:
+            settings = ModelSettings.of(manifest) if manifest is not None and not values \
+                else ModelSettings(**values)
+        self.settings = settings
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.default_gamma = parse_gamma(default_gamma, "default_gamma")
-        self.max_gamma = max_gamma
-        self.chat_template = chat_template
-        self.special_tokens = dict(special_tokens or {})
-        self.encoder_decoder = encoder_decoder
-        self.decoder_start_token_id = decoder_start_token_id
-        # a speech bundle's manifest.AudioEntry (Whisper): requests are `transcribe`'s
-        self.audio = audio
         self.manifest = manifest  # manifest.Manifest of the bundle, when loaded from one
         self.bundle_dir = bundle_dir
-        # the model's own sampling defaults (the manifest's `generation`): what a request that
-        # leaves a sampling argument unset (None) gets, before SamplingParams' own defaults
-        self.generation_defaults = check_sampling(dict(generation_defaults or {}))
         self.clock = clock
-        # auto γ's prices for seeded sampling (loop.GammaPolicy): the bundle's, measured at
-        # build; else what is known without measuring (a lookup costs nothing, a hybrid's model
-        # its draft_cost)
-        self.costs = costs or unmeasured_costs(draft)
-        # rows.RowCheck: how the target's 1-token calls are made, and what the load measured
         self.row_check = row_check
         # ids past the target's vocabulary are padding, never input (a draft with a smaller
         # vocabulary reads such ids as 0: drafts.ModelDraft)
         self.vocab_size = target.vocab_size
         self._grammar = None  # constraint.Grammar, made at the first response_format
-        # (lanes.LaneEngine, lanes.LaneCheck, the batch-1 engines it was checked on): the
-        # target's lanes graph where the bundle has one and its lanes score as single calls do
-        # on this machine; generate_batch decodes together only then
         self.lanes = lanes
-        # the same of the draft's model: its steps are made together too where it holds
         self.draft_lanes = draft_lanes
         self._hold_nothing()
+
+    @property
+    def costs(self) -> Costs:
+        """Auto γ's prices for seeded sampling (loop.GammaPolicy): the bundle's, measured at
+        build; else what is known without measuring (a lookup costs nothing, a hybrid's model
+        its draft_cost)."""
+        return self.settings.costs or unmeasured_costs(self.draft)
+
+    @costs.setter
+    def costs(self, costs: Costs | None) -> None:
+        self.settings = replace(self.settings, costs=costs)
 
     def _hold_nothing(self) -> None:
         """A generator's own state, apart from the bundle's: who holds its engines."""
@@ -505,6 +503,22 @@ def _result(tokens: list[int], text: str | None, stats: DecodeStats,
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
     return GenerationResult(list(tokens), text, stats.summary(), stats.finish_reason, logprobs,
                             language)
+
+
+def _setting(name: str) -> property:
+    """A Generator's attribute `name`: its ModelSettings' field, set by replacing the record."""
+    def get(self):
+        return getattr(self.settings, name)
+
+    def set_(self, value) -> None:
+        self.settings = replace(self.settings, **{name: value})
+
+    return property(get, set_, doc=f"settings.{name} (settings.ModelSettings)")
+
+
+for _name in SETTINGS:
+    if _name != "costs":  # the draft's, where the bundle measured none
+        setattr(Generator, _name, _setting(_name))
 
 
 def unmeasured_costs(draft) -> Costs:

@@ -28,7 +28,6 @@ from .bundle.reader import check_tokenizer, default_bundle_dir, load_tokenizer
 from .chat import compile_chat_template
 from .decode.drafts import draft_engines, open_draft
 from .decode.sampling import GENERATION_CONFIG_KEYS, SamplingParams
-from .decode.stats import Costs
 from .engines import devices, rows
 from .engines.opener import open_engine, open_lanes
 from .errors import BundleError, InputError
@@ -94,26 +93,8 @@ def load_bundle(bundle_dir=None, device: str = "cpu", threads: int | None = None
         rows.probe(draft_engines(draft)[0], role="draft")
         draft_lanes = open_lanes(bundle_dir, manifest, "draft", manifest.draft.model,
                                  draft_engines(draft)[0], threads=threads)
-    return Generator(
-        target,
-        draft,
-        row_check=row_check,
-        tokenizer=tokenizer,
-        eos_token_ids=tok.eos_token_ids,
-        default_gamma=manifest.default_gamma,
-        max_gamma=manifest.max_gamma,
-        chat_template=tok.chat_template,
-        special_tokens=tok.special_tokens,
-        encoder_decoder=manifest.encoder_decoder,
-        decoder_start_token_id=manifest.decoder_start_token_id,
-        manifest=manifest,
-        bundle_dir=bundle_dir,
-        generation_defaults=manifest.generation,
-        audio=manifest.audio,
-        costs=Costs(**manifest.costs) if manifest.costs else None,
-        lanes=lanes,
-        draft_lanes=draft_lanes,
-    )
+    return Generator(target, draft, tokenizer=tokenizer, manifest=manifest, bundle_dir=bundle_dir,
+                     row_check=row_check, lanes=lanes, draft_lanes=draft_lanes)
 
 
 def open_tokenizer(bundle_dir=None):

@@ -122,7 +122,8 @@ def test_a_grammar_that_allows_no_kept_id_stops_the_draft_not_the_output():
     kept = np.array([0, 2, 4])  # after an even token the grammar allows none of them
     target = ToyEngine(vocab=VOCAB, seed=0)
     gen = Generator(target, trimmed_draft(target, kept), max_gamma=8)
-    gen.constrained = lambda params, response_format: replace(params, constraint=OddAfterEven())
+    gen.constrained = lambda params, response_format, tools=None: replace(
+        params, constraint=OddAfterEven())
     params = SamplingParams(temperature=1.0, constraint=OddAfterEven())
     exact = exact_joint_in_context(params)
     counts = sampled(gen, 3, SETTINGS["temperature"], response_format={"type": "json_object"})

@@ -143,7 +143,7 @@ LAYERS = [
     {"engines"},
     {"decode"},  # sampling, the loop, drafts, γ, stats
     {"request", "text", "chat", "chat_limits", "chat_sandbox", "limits", "audio", "speech",
-     "tools"},
+     "tools", "settings"},
     {"generator", "speech_requests", "batch", "longform", "vad"},  # the model and its sequences
     {"loading"},  # the composition root: a bundle into a model
     {"apps"},
