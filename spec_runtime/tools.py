@@ -172,8 +172,7 @@ def call_grammar(toolset: Toolset, special: set[str], content_schema: dict | Non
     None where nothing constrains the reply."""
     if not toolset.forced and content_schema is None:
         return None
-    names = toolset.names if toolset.choice == "auto" or toolset.choice == "required" else \
-        (toolset.choice,)
+    names = toolset.names if toolset.choice in ("auto", "required") else (toolset.choice,)
     calls = [{"type": "object", "properties": {"name": {"const": name},
                                                 "arguments": toolset.schema(name)},
               "required": ["name", "arguments"], "additionalProperties": False}

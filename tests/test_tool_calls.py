@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 from spec_runtime import InputError
 from spec_runtime.chat import chat_prompt
 from spec_runtime.errors import FieldError
-from spec_runtime.tools import HeldText, ToolCall, Toolset, call_grammar, parse_calls
+from spec_runtime.tools import (HeldText, ToolCall, Toolset, call_grammar, grammar,
+                                parse_calls)
 from test_serve import assert_error, client, server
 
 WEATHER = {"type": "object", "properties": {
@@ -225,6 +226,17 @@ def test_required_calls_are_written_by_the_grammar_with_the_tags_as_the_vocabula
         m.rollback(len(text) + 1)
         wrong = spelled('\n{"name": "get_weather"')
         assert m.validate_tokens(wrong) < len(wrong)
+    # tool_choice auto with JSON mode: calls, or a JSON object; nothing else
+    either = llg.LLMatcher(llg.LLTokenizer(plain.to_str(), n_vocab=plain.get_vocab_size(),
+                                           eos_token=[eos]),
+                           call_grammar(Toolset.of(TOOLS), set(), {"type": "object"}),
+                           log_level=0)
+    assert {plain.decode([i]) for i in allowed(either, plain.get_vocab_size())} == {"<", "{"}
+    assert grammar({"type": "json_object"}, Toolset.of(TOOLS), lambda _: False)[1] == "tools"
+    with pytest.raises(FieldError, match="give one of them") as e:
+        grammar({"type": "json_object"}, Toolset.of(TOOLS, "required"), lambda _: False)
+    assert e.value.field == "tool_choice"
+    assert grammar(None, Toolset.of(TOOLS), lambda _: False) is None  # auto: free text
 
 
 # -- through the server and the openai client ------------------------------------------------------
