@@ -78,7 +78,9 @@ def test_clients_that_leave_the_queue_give_up_their_place(default_bundle):
         holder = threading.Thread(target=leave_after, args=(url, chat_body(1500), 20.0))
         holder.start()
         wait_for(lambda: httpx.get(url + "/health").json()["busy"] == 1)
-        waiters = [threading.Thread(target=leave_after, args=(url, chat_body(16), 1.0))
+        # each waits in the queue (the holder decodes for far longer) and leaves: 3 s, so that
+        # a busy machine's server has read each request before its client goes
+        waiters = [threading.Thread(target=leave_after, args=(url, chat_body(16), 3.0))
                    for _ in range(3)]
         for w in waiters:
             w.start()
