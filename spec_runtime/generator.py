@@ -71,7 +71,9 @@ class Generator(SpeechRequests):
         if settings is None:
             settings = ModelSettings.of(manifest) if manifest is not None and not values \
                 else ModelSettings(**values)
-        self.settings = settings
+        # each setting a plain attribute of its name (read on every request: no property)
+        for name in SETTINGS:
+            setattr(self, "_costs" if name == "costs" else name, getattr(settings, name))
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -88,15 +90,21 @@ class Generator(SpeechRequests):
         self._hold_nothing()
 
     @property
+    def settings(self) -> ModelSettings:
+        """The models' settings this generator decodes by, as one record."""
+        return ModelSettings(**{name: getattr(self, "_costs" if name == "costs" else name)
+                                for name in SETTINGS})
+
+    @property
     def costs(self) -> Costs:
         """Auto γ's prices for seeded sampling (loop.GammaPolicy): the bundle's, measured at
         build; else what is known without measuring (a lookup costs nothing, a hybrid's model
         its draft_cost)."""
-        return self.settings.costs or unmeasured_costs(self.draft)
+        return self._costs or unmeasured_costs(self.draft)
 
     @costs.setter
     def costs(self, costs: Costs | None) -> None:
-        self.settings = replace(self.settings, costs=costs)
+        self._costs = costs
 
     def _hold_nothing(self) -> None:
         """A generator's own state, apart from the bundle's: who holds its engines."""
@@ -503,22 +511,6 @@ def _result(tokens: list[int], text: str | None, stats: DecodeStats,
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
     return GenerationResult(list(tokens), text, stats.summary(), stats.finish_reason, logprobs,
                             language)
-
-
-def _setting(name: str) -> property:
-    """A Generator's attribute `name`: its ModelSettings' field, set by replacing the record."""
-    def get(self):
-        return getattr(self.settings, name)
-
-    def set_(self, value) -> None:
-        self.settings = replace(self.settings, **{name: value})
-
-    return property(get, set_, doc=f"settings.{name} (settings.ModelSettings)")
-
-
-for _name in SETTINGS:
-    if _name != "costs":  # the draft's, where the bundle measured none
-        setattr(Generator, _name, _setting(_name))
 
 
 def unmeasured_costs(draft) -> Costs:

@@ -107,6 +107,8 @@ class GenerationOptions:
         for name, value in check_sampling(given).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "stop", stop_strings(self.stop))
+        if self.tools is None and self.tool_choice is None and self.parallel_tool_calls is None:
+            return  # no tools: most requests
         toolset = Toolset.of(self.tools, self.tool_choice, self.parallel_tool_calls)
         object.__setattr__(self, "tools", toolset)
         if toolset is not None:  # the Toolset carries them: made again from it, it is the same

@@ -1,7 +1,8 @@
 """What a bundle says about its models, beside their engines and tokenizer: the settings a
 Generator decodes by, in one record. `ModelSettings.of(manifest)` reads them from a bundle's
 manifest (loading.py); a Generator made by hand (tests, a toy engine) takes them as keywords.
-A Generator reads each as its attribute of the same name (generator.py)."""
+A Generator holds each as its attribute of the same name (generator.py: plain attributes,
+read on every request), and gives them back as one record (`Generator.settings`)."""
 
 from __future__ import annotations
 
