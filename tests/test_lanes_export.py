@@ -224,9 +224,14 @@ def test_the_build_refuses_a_lanes_graph_whose_lanes_read_each_others_caches(
     onnx.save(model, str(broken))
     decoder = GraphEntry(**{k: v for k, v in _manifest(fp32_lanes_bundle)["target"]["graphs"][
         "decoder"].items() if k != "devices"})
-    with pytest.raises(BuildError, match="lanes graph's logits differ from the decoder graph's"):
+    with pytest.raises(BuildError, match="lanes graph's logits differ from the decoder graph's"
+                       ) as e:
         _lanes_graph(fp32_lanes_bundle / "target.onnx", broken, decoder, "fp32", LANES, MAX_LEN,
                      8, 3)
+    # the library names the field; the command line says the same in its flag
+    assert str(e.value).startswith(f"max_batch={LANES}: ") and e.value.field == "max_batch"
+    assert e.value.in_words("--max-batch", words=lambda f: "--max-batch").endswith(
+        "build with --max-batch 1")
 
 
 def _swapped(name: str) -> str:

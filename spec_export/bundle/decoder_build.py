@@ -299,19 +299,23 @@ def _lower(src: Path, dst: Path, precision: str, quant_prompts, quant_ref, *, bl
         parity["tolerance"] = FP16_TOLERANCE
         if agree["top1_agreement"] < FP16_TOLERANCE["min_top1_agreement"] \
                 or agree["mean_kl"] > FP16_TOLERANCE["max_mean_kl"]:
-            raise BuildError(f"{dst.stem}: the float16 graph agrees with the float model on "
-                             f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
-                             f"{agree['mean_kl']:.3g}), outside top-1 >= "
-                             f"{FP16_TOLERANCE['min_top1_agreement']:.0%} and KL <= "
-                             f"{FP16_TOLERANCE['max_mean_kl']}: float16 rounding in this "
-                             f"graph moves the predictions that far, although the export "
-                             f"computes normalisation statistics and softmax in float32 (please "
-                             f"report the model); use --precision fp32")
+            raise OptionError("precision", f"precision='fp16': {dst.stem}: the float16 graph "
+                                           f"agrees with the float model on "
+                                           f"{agree['top1_agreement']:.0%} of next tokens (mean "
+                                           f"KL {agree['mean_kl']:.3g}), outside top-1 >= "
+                                           f"{FP16_TOLERANCE['min_top1_agreement']:.0%} and KL "
+                                           f"<= {FP16_TOLERANCE['max_mean_kl']}: float16 "
+                                           f"rounding in this graph moves the predictions that "
+                                           f"far, although the export computes normalisation "
+                                           f"statistics and softmax in float32 (please report "
+                                           f"the model); use precision='fp32'",
+                              others=("precision",))
     if broken_quantization(agree):
-        raise BuildError(f"{dst.stem}: {precision} graph agrees with the float model on only "
-                         f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
-                         f"{agree['mean_kl']:.2f}): use a higher precision or a smaller "
-                         f"--block-size")
+        raise OptionError("precision", f"precision={str(precision)!r}: {dst.stem}: the "
+                                       f"graph agrees with the float model on only "
+                                       f"{agree['top1_agreement']:.0%} of next tokens (mean KL "
+                                       f"{agree['mean_kl']:.2f}): use a higher precision or a "
+                                       f"smaller block_size", others=("block_size",))
     return quantization, parity
 
 

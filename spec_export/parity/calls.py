@@ -37,7 +37,7 @@ DAMAGED_WEIGHTS = ("its weights are damaged (a NaN or infinite weight, or a tens
                    "another type than its file says): download the model again")
 GRAPH_NOT_FINITE = ("where the PyTorch model's are finite: the graph does not compute the model "
                     "(damaged quantized blocks, or an overflow at this precision); download the "
-                    "model again, or use a higher --precision")
+                    "model again, or build at a higher precision")
 
 
 def require_finite(rows: np.ndarray, what: str, why: str) -> None:

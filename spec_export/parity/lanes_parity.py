@@ -210,8 +210,7 @@ def judged(record: dict, *, precision: str, name: str, max_batch: int) -> dict:
     """A parity record (lanes_parity, seq2seq_lanes_parity) with its tolerances in place of
     its scales; a lanes graph further from its decoder graph than `precision`'s rounding allows
     is refused (BuildError naming the graph `name`)."""
-    from spec_runtime.errors import BuildError
-
+    from ..bundle.options import OptionError
     from .quality import lanes_tolerance
 
     limits = {key: lanes_tolerance(precision, record.pop(scale))
@@ -219,10 +218,10 @@ def judged(record: dict, *, precision: str, name: str, max_batch: int) -> dict:
     for key, limit in limits.items():
         if not record[key] <= limit:
             what = "logits" if key == "max_abs_diff" else "cache slots"
-            raise BuildError(
-                f"{name}: the lanes graph's {what} differ from the decoder graph's by "
-                f"{record[key]:.3g} > {limit:.3g} (--max-batch {max_batch}, {precision}): the "
-                f"export is wrong for this model; please report it, and build with "
-                f"--max-batch 1")
+            raise OptionError(
+                "max_batch", f"max_batch={max_batch}: {name}: the lanes graph's {what} differ "
+                             f"from the decoder graph's by {record[key]:.3g} > {limit:.3g} "
+                             f"({precision}): the export is wrong for this model; please "
+                             f"report it, and build with max_batch=1", others=("max_batch",))
     record.update(tolerance=limits["max_abs_diff"], tolerance_cache=limits["max_abs_diff_cache"])
     return record
