@@ -121,13 +121,13 @@ def test_bad_int4_weights_requests(tmp_path, monkeypatch):
     path = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf")
     # e.g. IQ types
     monkeypatch.setattr("spec_export.quantization.gguf_quants._tensor_rows", lambda _: None)
-    with pytest.raises(BuildError, match="^int4_weights='gguf': the target '.*' has no tensor "
+    with pytest.raises(BuildError, match="^int4_weights='gguf': the target's GGUF has no tensor "
                                          "in Q4_0, .*Q6_K blocks.*int4_weights='quantize'") as e:
         build_bundle(str(path), "ngram", tmp_path / "b2", max_len=64, precision="int4",
                      int4_weights="gguf", progress=False)
     # the command line says the same in its flags
     assert e.value.in_words("--int4-weights", words=lambda f: "--" + f.replace("_", "-")) \
-        .startswith("--int4-weights 'gguf': the target ")
+        .startswith("--int4-weights 'gguf': the target's GGUF has no tensor")
     assert not (tmp_path / "b2").exists()
 
 

@@ -267,8 +267,9 @@ def test_gguf_4bit_without_4bit_blocks_or_a_gguf_is_refused(tmp_path):
     assert "is not a GGUF: use --int4-weights 'quantize'" in r.output and "Traceback" not in r.output
     (tmp_path / "g").mkdir()
     q8 = write_gguf(llama(0, layers=1), byte_tokenizer(), tmp_path / "g" / "t.gguf", qtype="Q8_0")
-    with pytest.raises(BuildError, match=r"no tensor in Q4_0, Q4_1, Q4_K blocks.*--int4-weights "
-                                         r"gguf \(every block type\) or quantize"):
+    with pytest.raises(BuildError, match=r"^int4_weights='gguf-4bit': the target's GGUF has no "
+                                         r"tensor in Q4_0, Q4_1, Q4_K blocks.*int4_weights='gguf' "
+                                         r"\(every block type\) or 'quantize'"):
         build_bundle(str(q8), "ngram", tmp_path / "b2", max_len=64, precision="int4",
                      int4_weights="gguf-4bit", progress=False)
 

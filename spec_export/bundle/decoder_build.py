@@ -360,9 +360,8 @@ def check_blocks(entry: ModelEntry, role: str, int4_weights: str) -> None:
 
         kinds = KINDS if int4_weights == "gguf" else ("Q4_0", "Q4_1", "Q4_K")
         fix = "'quantize'" if int4_weights == "gguf" else "'gguf' (every block type) or 'quantize'"
-        model = entry.gguf_file or str(entry.source).rstrip("/").split("/")[-1]
-        raise OptionError("int4_weights", f"int4_weights={str(int4_weights)!r}: the {role} "
-                                          f"{model!r} has no tensor in "
+        raise OptionError("int4_weights", f"int4_weights={str(int4_weights)!r}: the {role}'s "
+                                          f"GGUF has no tensor in "
                                           f"{', '.join(kinds)} blocks matching the model's "
                                           f"weights (other block types are re-quantized): use "
                                           f"int4_weights={fix}", others=("int4_weights",))
