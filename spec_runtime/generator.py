@@ -35,9 +35,9 @@ from .decode.loop import AUTO_START, RequestState, generate_tokens
 from .request import (GenerationOptions, GenerationResult, Request, TextStream,
                       check_capacity)
 from .decode.sampling import SamplingParams
-from .decode.stats import UNMEASURED_DRAFT_STEP, Costs, DecodeStats, Recorder
+from .decode.stats import Costs, DecodeStats, Recorder
 from .text import BYTES_PROMPT, EMPTY_PROMPT, check_text, texts, token_list
-from .settings import SETTINGS, ModelSettings
+from .settings import SETTINGS, ModelSettings, unmeasured_costs
 from .speech_requests import SpeechRequests
 
 
@@ -511,12 +511,3 @@ def _result(tokens: list[int], text: str | None, stats: DecodeStats,
     logprobs = token_logprobs[: len(tokens)] if token_logprobs is not None else None
     return GenerationResult(list(tokens), text, stats.summary(), stats.finish_reason, logprobs,
                             language)
-
-
-def unmeasured_costs(draft) -> Costs:
-    """Auto γ's prices where none were measured: a draft without engines (prompt lookup) steps
-    for free, a hybrid's model at its draft_cost, any other model at UNMEASURED_DRAFT_STEP;
-    verified rows at the paper's price, nothing."""
-    if draft is None or not draft_engines(draft):
-        return Costs(0.0)
-    return Costs(float(getattr(draft, "draft_cost", UNMEASURED_DRAFT_STEP)))

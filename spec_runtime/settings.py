@@ -11,7 +11,8 @@ from typing import Sequence
 
 from .decode.gamma import Gamma, parse_gamma
 from .decode.sampling import check_sampling
-from .decode.stats import Costs
+from .decode.drafts import draft_engines
+from .decode.stats import UNMEASURED_DRAFT_STEP, Costs
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class ModelSettings:
     generation_defaults: dict = field(default_factory=dict)
     audio: object = None  # a speech bundle's manifest.AudioEntry (Whisper)
     # auto γ's prices for seeded sampling, measured at build; None: what is known without
-    # measuring (generator.unmeasured_costs)
+    # measuring (unmeasured_costs)
     costs: Costs | None = None
 
     def __post_init__(self):
@@ -51,3 +52,12 @@ class ModelSettings:
 
 
 SETTINGS = tuple(f.name for f in fields(ModelSettings))
+
+
+def unmeasured_costs(draft) -> Costs:
+    """Auto γ's prices where none were measured: a draft without engines (prompt lookup) steps
+    for free, a hybrid's model at its draft_cost, any other model at UNMEASURED_DRAFT_STEP;
+    verified rows at the paper's price, nothing."""
+    if draft is None or not draft_engines(draft):
+        return Costs(0.0)
+    return Costs(float(getattr(draft, "draft_cost", UNMEASURED_DRAFT_STEP)))

@@ -31,6 +31,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from .decode.constraint import grammar_of, schema_of
 from .errors import FieldError, InputError
 
 MAX_TOOLS = 128  # functions per request, as OpenAI's API allows
@@ -195,8 +196,6 @@ def grammar(response_format, toolset: Toolset | None, is_token) -> tuple[str, st
     """(llguidance's grammar, the request field it is made of) for a reply that
     `response_format` and `toolset` constrain; None where nothing does. `is_token(text)`:
     whether the vocabulary holds `text` as one token (a tag the grammar asks for as such)."""
-    from .decode.constraint import grammar_of, schema_of
-
     schema = schema_of(response_format)
     if toolset is None or not toolset.forced and schema is None:
         text = grammar_of(response_format)
