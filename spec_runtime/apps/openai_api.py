@@ -17,13 +17,13 @@ from ..decode.sampling import SAMPLING_NAMES
 from ..errors import CacheCapacityError, FieldError, InputError
 from ..request import MAX_TOP_LOGPROBS
 from ..tools import HeldText, Toolset, parse_calls
-from .openai_protocol import (ABSENT, CONTENT, MAX_COMPLETION_LOGPROBS, ChatChoice,
-                              ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                              ChatCompletionRequest, ChatLogprobs, ChatMessage, CommonRequest,
-                              Completion, CompletionChoice, CompletionChunk,
-                              CompletionLogprobs, CompletionRequest, Delta, ErrorInfo,
-                              ErrorResponse, FunctionCall, Invalid, TokenLogprob, ToolCall,
-                              ToolCallDelta, TopLogprob, Usage, locate)
+from .openai_protocol import (ABSENT, CONTENT, MAX_COMPLETION_LOGPROBS, ChatChoice, ChatChunkChoice,
+                              ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                              ChatLogprobs, ChatMessage, CommonRequest, Completion,
+                              CompletionChoice, CompletionChunk, CompletionLogprobs,
+                              CompletionRequest, Delta, ErrorInfo, ErrorResponse, FunctionCall,
+                              Invalid, NamedTool, TokenLogprob, ToolCall, ToolCallDelta, TopLogprob,
+                              Usage, locate)
 
 # what a finished request reports; "cancelled" never reaches a client that is still listening
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -194,12 +194,11 @@ def parse_chat(body: Any, model_names) -> Job:
                        param="top_logprobs", code="invalid_value")
     job = Job(prompt=messages, chat=True, prompt_field="messages",
               logprobs=(top or 0) if req.logprobs else None, **parse_common(req, model_names))
+    given = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+    choice = req.tool_choice  # "none", "auto", "required", a NamedTool, or None
     try:
-        tools = Toolset.of(None if req.tools is None else [t.model_dump(exclude_none=True)
-                                                          for t in req.tools],
-                           req.tool_choice if req.tool_choice is None or
-                           isinstance(req.tool_choice, str) else req.tool_choice.model_dump(),
-                           req.parallel_tool_calls)
+        choice = choice.model_dump() if isinstance(choice, NamedTool) else choice
+        tools = Toolset.of(given, choice, req.parallel_tool_calls)
     except FieldError as e:
         raise input_error(e) from None
     if tools is not None:
@@ -292,15 +291,15 @@ class StreamEvents:
     of text (with its tokens' logprobs), then the chunk that ends the choice with the stats,
     OpenAI's usage chunk when asked for, and [DONE]; or an error event and [DONE]."""
 
-    def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text,
-                 tools=None):
+    def __init__(self, rid: str, chat: bool, model_name: str, job: Job, token_text):
         self.rid, self.chat, self.model_name, self.job = rid, chat, model_name, job
         self.token_text = token_text
         self.Chunk = ChatCompletionChunk if chat else CompletionChunk
         self.created = int(time.time())
         self.offset = 0  # of the next token in the completion's text (the legacy text_offset)
-        # a reply that may be tool calls (`tools`, a tools.Toolset): its text is held where a
-        # call may begin, with its tokens' logprobs, and the calls are sent at its end
+        # a reply that may be tool calls (the request's tools.Toolset): its text is held where
+        # a call may begin, with its tokens' logprobs, and the calls are sent at its end
+        tools = job.request.options.tools if job.request is not None else None
         self.held = HeldText(tools) if chat and tools is not None else None
         self.held_entries: list = []
 

@@ -310,8 +310,7 @@ class Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if job.stream:
             try:
-                events = StreamEvents(rid, chat, self.model_name, job, self.token_text,
-                                      job.request.options.tools)
+                events = StreamEvents(rid, chat, self.model_name, job, self.token_text)
                 return streamed_response(self.stream(task, events, endpoint, started),
                                          lambda: self.abandoned(task, endpoint))
             except BaseException:
